@@ -1,0 +1,243 @@
+"""The `pretrain` command: a thin layer that parses arguments and calls library code.
+
+Every subcommand is a function of this module's imports that can be called from Python too;
+heavy packages (torch, ray, deepspeed) are imported inside the handlers so `--help` is instant.
+User errors (bad config, missing file, corrupt data) print one paragraph and exit non-zero,
+without a traceback: 2 for configuration errors, 1 for everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+
+from pipelines.config import ConfigError
+
+EXIT_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types whose message is meant for the user (no traceback is shown)."""
+    types: list[type[BaseException]] = [FileNotFoundError]
+    for module, name in (
+        ("data_prep.errors", "DataPrepError"),
+        ("pipelines.data", "CorpusError"),
+        ("pipelines.checkpoint", "CheckpointError"),
+        ("pipelines.finetune", "FinetuneError"),
+        ("models.hf", "ConversionError"),
+    ):
+        mod = sys.modules.get(module)
+        cls = getattr(mod, name, None) if mod else None
+        if isinstance(cls, type):
+            types.append(cls)
+    return tuple(types)
+
+
+# --------------------------------------------------------------------------------------------
+# Subcommand handlers
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipelines.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(out_dir=args.out, pretrain_steps=args.steps, num_processes=args.nproc, small=args.small)
+    run_demo(opts)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from data_prep.config import PrepConfig
+    from data_prep.job import run_prepare
+    from pipelines.config import load_config
+
+    cfg = load_config(args.config, args.overrides, cls=PrepConfig)
+    run_prepare(cfg)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from data_prep.inspect import inspect_corpus
+
+    print(inspect_corpus(args.path, n=args.n))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipelines.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # validate before any process starts
+    if args.nproc > 1:
+        from pipelines.distributed import launch
+
+        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher)
+    from pipelines.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from pipelines.finetune import FinetuneConfig, run_finetune
+    from pipelines.config import load_config
+
+    cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+    if args.nproc > 1:
+        from pipelines.distributed import launch
+
+        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher, module="pipelines.finetune")
+    run_finetune(cfg)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipelines.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"Exported {args.checkpoint} -> {out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from monitoring.report import render_report
+
+    page = render_report(args.run_dirs, args.out)
+    print(f"Report written to {page}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------
+
+
+def _add(
+    sub: argparse._SubParsersAction, name: str, handler: Callable[[argparse.Namespace], int], summary: str, example: str
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        epilog="Example:\n" + textwrap.indent(example.strip(), "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("config", help=f"YAML {what} config (may `extends:` another file).")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. optim.lr=3e-4.")
+
+
+def _add_launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1, help="Local processes (2+ launches a distributed job).")
+    parser.add_argument(
+        "--launcher", choices=("accelerate", "torchrun", "deepspeed"), default="accelerate", help="Multi-process launcher."
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain",
+        description="Raw text or images to released transformer checkpoints.",
+        epilog="Run `pretrain COMMAND --help` for a command's options and an example.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _add(
+        sub,
+        "demo",
+        cmd_demo,
+        "End to end on Python's own documentation: Ray prep -> 2-process ZeRO-2 BERT pretraining -> export -> fine-tune.",
+        "pretrain demo --out demo_out",
+    )
+    p.add_argument("--out", default="demo_out", help="Directory for the corpus, runs and exported models.")
+    p.add_argument("--steps", type=int, default=300, help="Pretraining optimizer steps.")
+    p.add_argument("--nproc", type=int, default=2, help="DeepSpeed processes for pretraining.")
+    p.add_argument("--small", action="store_true", help="A smaller, faster corpus and model (used by the tests).")
+
+    p = _add(
+        sub,
+        "prepare",
+        cmd_prepare,
+        "Prepare a corpus as a Ray job: read, clean, dedup, tokenize, pair/pack, write WebDataset shards + manifest.",
+        "pretrain prepare configs/data/demo_bert.yaml input.paths=[docs/*.txt] output_dir=corpus",
+    )
+    _add_config_args(p, "data-preparation")
+
+    p = _add(
+        sub,
+        "inspect",
+        cmd_inspect,
+        "Print counts and a few decoded samples of a corpus directory or a single shard.",
+        "pretrain inspect demo_out/corpus",
+    )
+    p.add_argument("path", help="Corpus directory (with manifest.json) or a .tar shard.")
+    p.add_argument("-n", type=int, default=3, help="Samples to decode and show.")
+
+    p = _add(
+        sub,
+        "train",
+        cmd_train,
+        "Pretrain a model (BERT MLM+NSP, GPT causal LM, ViT) with DeepSpeed ZeRO through accelerate.",
+        "pretrain train configs/train/bert_tiny_demo.yaml data.corpus=demo_out/corpus --nproc 2",
+    )
+    _add_config_args(p, "run")
+    _add_launch_args(p)
+
+    p = _add(
+        sub,
+        "finetune",
+        cmd_finetune,
+        "Fine-tune a released or run checkpoint with a classification or QA-span head.",
+        "pretrain finetune configs/finetune/classification.yaml checkpoint=demo_out/release data.train=train.tsv",
+    )
+    _add_config_args(p, "fine-tuning")
+    _add_launch_args(p)
+
+    p = _add(
+        sub,
+        "export",
+        cmd_export,
+        "Consolidate a (ZeRO-partitioned) checkpoint into a transformers-loadable release directory.",
+        "pretrain export runs/bert/checkpoints/step-00000300 release/bert-tiny",
+    )
+    p.add_argument("checkpoint", help="A checkpoint directory (checkpoints/step-NNNNNNNN) or a run directory (latest).")
+    p.add_argument("out", help="Release directory to create (written atomically).")
+
+    p = _add(
+        sub,
+        "report",
+        cmd_report,
+        "Render PNG plots and an HTML page for one or more run directories (also while a run is going).",
+        "pretrain report runs/a runs/b --out report",
+    )
+    p.add_argument("run_dirs", nargs="+", help="Run directories (with metrics.jsonl).")
+    p.add_argument("--out", default="report", help="Output directory for report.html and the PNGs.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if isinstance(exc, _user_error_types()):
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
