@@ -126,6 +126,8 @@ def test_every_field_is_documented():
 def _config_class_for(path: Path):
     """Which dataclass a file under configs/ describes, by its folder."""
     kind = path.relative_to(REPO / "configs").parts[0]
+    if kind == "demo":  # one folder with a file per stage, named by stage
+        kind = {"prepare": "data", "finetune": "finetune"}.get(path.stem.split("_")[0], "train")
     if kind == "data":
         from data_prep.config import PrepConfig
 
@@ -138,7 +140,7 @@ def _config_class_for(path: Path):
         from pipelines.sweep import SweepConfig
 
         return SweepConfig
-    if kind in ("train", "demo"):
+    if kind == "train":
         return RunConfig
     return None
 

@@ -1,0 +1,159 @@
+"""Typed configuration of a data-preparation job (`PrepConfig`), loaded like every other config.
+
+`load_prep_config(path, overrides)` is `pipelines.config.load_config(..., cls=PrepConfig)`: YAML
+with `extends:`, dotted `key=value` overrides and strict checking, so a typo fails with the
+closest valid key instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipelines.config import ConfigError, load_config, option, to_dict
+
+__all__ = [
+    "SourceConfig",
+    "CleanConfig",
+    "TokenizerConfig",
+    "ImageConfig",
+    "PrepConfig",
+    "load_prep_config",
+    "manifest_config",
+]
+
+TEXT_SOURCES = ("text", "jsonl", "parquet", "hf_disk", "hf_load")
+IMAGE_SOURCES = ("image_folder", "image_csv")
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One input: a type and a list of paths or globs (relative to the working directory)."""
+
+    type: Literal["text", "jsonl", "parquet", "hf_disk", "hf_load", "image_folder", "image_csv"] = option(
+        "text", help="text | jsonl | parquet | hf_disk (save_to_disk dir) | hf_load (load_dataset) | image_folder | image_csv."
+    )
+    paths: list[str] = option([], help="Files, directories or globs; a directory means every file below it (text/jsonl/parquet).")
+    text_mode: Literal["paragraphs", "file"] = option(
+        "paragraphs", help="text: `paragraphs` = documents separated by blank lines; `file` = one document per file."
+    )
+    text_field: str = option("text", help="jsonl/parquet/hf_*: the column holding the document text.")
+    builder: Literal["json", "parquet", "text", ""] = option("", help="hf_load: the `datasets.load_dataset` builder.")
+    split: str = option("", help="hf_disk/hf_load: split to read from a DatasetDict (default: train).")
+    label_field: str = option("label", help="image_csv: column with the class label.")
+    path_field: str = option("path", help="image_csv: column with the image path (relative to the CSV).")
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ConfigError(f"A `sources` entry of type {self.type!r} has no `paths`. Give at least one file, directory or glob.")
+        if self.type == "hf_load" and not self.builder:
+            raise ConfigError("A source of type `hf_load` needs `builder: json | parquet | text` (the datasets.load_dataset builder).")
+
+
+@dataclass(kw_only=True)
+class CleanConfig:
+    """Normalisation and filtering rules; every rule's effect is counted in the report."""
+
+    nfc: bool = option(True, help="Unicode NFC normalisation.")
+    strip_control: bool = option(True, help="Remove control/format characters (keeps newline and tab).")
+    normalize_whitespace: bool = option(True, help="Collapse runs of spaces/tabs, trim lines, at most one blank line.")
+    min_chars: int = option(20, help="Drop documents shorter than this (after normalisation).")
+    max_chars: int = option(2_000_000, help="Drop documents longer than this (0 = no limit).")
+    dedup: bool = option(True, help="Exact dedup over the whole corpus by content hash (Ray shuffle).")
+    near_dedup: bool = option(False, help="MinHash LSH near-duplicate removal (needs datasketch).")
+    near_dedup_threshold: float = option(0.8, help="Estimated Jaccard similarity above which documents are near-duplicates.")
+    minhash_perms: int = option(64, help="MinHash permutations (more = more exact, slower).")
+    shingle_words: int = option(5, help="Word n-gram size of the MinHash shingles.")
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Train a tokenizer on a sample of the cleaned corpus, or reuse one (`path`)."""
+
+    path: str = option("", help="Existing tokenizer directory (tokenizer.json) to reuse; empty = train one.")
+    type: Literal["wordpiece", "bpe"] = option("wordpiece", help="wordpiece (BERT) or bpe (byte-level, GPT).")
+    vocab_size: int = option(30522, help="Vocabulary size including special tokens.")
+    lowercase: bool = option(True, help="wordpiece: lowercase and strip accents (uncased BERT).")
+    min_frequency: int = option(2, help="Minimum pair frequency for a merge.")
+    sample_bytes: int = option(50_000_000, help="Bytes of input files read to train the tokenizer and size the shards.")
+
+
+@dataclass(kw_only=True)
+class ImageConfig:
+    """Image decoding and re-encoding."""
+
+    resize_shorter: int = option(0, help="Resize so the shorter side has this many pixels (0 = keep size).")
+    format: Literal["png", "jpeg"] = option("png", help="Re-encoding format.")
+    jpeg_quality: int = option(90, help="JPEG quality (1-95).")
+    mode: Literal["RGB", "L"] = option("RGB", help="Colour mode images are converted to.")
+
+
+@dataclass(kw_only=True)
+class PrepConfig:
+    """A data-preparation job: sources -> clean -> tokenize -> samples -> shards + manifest."""
+
+    kind: Literal["bert_pairs", "packed_lm", "images"] = option("bert_pairs", help="What samples to build.")
+    output: str = option("", help="Corpus directory to write (manifest.json, tokenizer/, *.tar).")
+    sources: list[SourceConfig] = option([], help="Inputs; see SourceConfig.")
+    seq_len: int = option(128, help="bert_pairs: max sequence length incl. [CLS]/[SEP]; packed_lm: window length.")
+    seed: int = option(0, help="Seed of every random choice (NSP pairs, short sequences).")
+    short_seq_prob: float = option(0.1, help="bert_pairs: probability of a shorter target length (BERT: 0.1).")
+    nsp_random_prob: float = option(0.5, help="bert_pairs: probability that segment B is random (NotNext).")
+    dupe_factor: int = option(1, help="bert_pairs: passes over each document with different random pairings.")
+    validation_fraction: float = option(0.02, help="Share of documents (by hash) in the validation split.")
+    shard_target_mb: float = option(256.0, help="Target size of a shard in MB (approximate).")
+    max_bad_fraction: float = option(0.01, help="Fail when more than this share of input records is bad.")
+    num_workers: int = option(0, help="Ray workers for the parallel stages (0 = all CPUs). Does not change the output.")
+    progress: bool = option(True, help="Show Ray Data progress bars.")
+    clean: CleanConfig = option(help="Cleaning rules.", default_factory=CleanConfig)
+    tokenizer: TokenizerConfig = option(help="Tokenizer.", default_factory=TokenizerConfig)
+    images: ImageConfig = option(help="Image processing.", default_factory=ImageConfig)
+
+    def __post_init__(self) -> None:
+        if not self.output:
+            raise ConfigError("PrepConfig needs `output`: the corpus directory to write, e.g. output=data/corpus.")
+        if not self.sources:
+            raise ConfigError("PrepConfig needs at least one entry in `sources`, e.g. [{type: text, paths: [docs/*.txt]}].")
+        image_kind = self.kind == "images"
+        for src in self.sources:
+            if (src.type in IMAGE_SOURCES) != image_kind:
+                raise ConfigError(
+                    f"Source type {src.type!r} does not fit kind {self.kind!r}: images need image_folder/image_csv "
+                    f"sources, text kinds need text/jsonl/parquet/hf_disk/hf_load."
+                )
+        if self.kind == "bert_pairs" and self.seq_len < 8:
+            raise ConfigError(f"seq_len={self.seq_len} is too short for BERT pairs; use at least 8 (BERT: 128 or 512).")
+        if self.kind == "packed_lm" and self.seq_len < 1:
+            raise ConfigError(f"seq_len must be positive, got {self.seq_len}.")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}.")
+        if not 0.0 <= self.nsp_random_prob <= 1.0 or not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ConfigError("nsp_random_prob and short_seq_prob must be probabilities in [0, 1].")
+        if self.shard_target_mb <= 0:
+            raise ConfigError(f"shard_target_mb must be positive, got {self.shard_target_mb}.")
+        if self.dupe_factor < 1:
+            raise ConfigError(f"dupe_factor must be >= 1, got {self.dupe_factor}.")
+
+
+def load_prep_config(path: str | None, overrides: typing.Iterable[str] = ()) -> PrepConfig:
+    """Load a `PrepConfig` from YAML plus `key=value` overrides (raises `ConfigError`)."""
+    return load_config(path, overrides, cls=PrepConfig)
+
+
+# Fields that change how the job runs but not what it writes: left out of the manifest and of
+# shard fingerprints so that 1 or 8 workers give byte-identical corpora.
+_EXECUTION_ONLY = ("output", "num_workers", "progress")
+
+
+def manifest_config(cfg: PrepConfig) -> dict[str, Any]:
+    """The resolved config as recorded in manifest.json (execution-only fields removed)."""
+    data = to_dict(cfg)
+    for key in _EXECUTION_ONLY:
+        data.pop(key, None)
+    return data
+
+
+def replace(cfg: PrepConfig, **changes: Any) -> PrepConfig:
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,268 @@
+"""Input discovery (driver) and record readers (Ray workers) for every supported source type.
+
+The driver only lists files (globs, directories, HF dataset caches, image class folders) and
+fails fast on a missing path; reading happens in Ray tasks, one file at a time, streaming so a
+worker never holds more than one document (or one Arrow batch) per file in memory. Bad records
+(invalid UTF-8, a broken JSON line, a missing field, an empty file) are yielded as a rule name
+instead of text so the job can count them per file and rule rather than crash.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from data_prep.config import PrepConfig, SourceConfig
+from data_prep.errors import PrepError
+
+__all__ = ["resolve_inputs", "iter_text_records", "IMAGE_EXTENSIONS"]
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+Record = tuple[str | None, str | None]  # (text, None) for a document or (None, rule) for a bad record
+
+
+# ------------------------------------------------------------------------------------------
+# Driver side: expand paths into file entries
+# ------------------------------------------------------------------------------------------
+
+
+def _expand(pattern: str) -> list[str]:
+    """Files named by a path, a directory (recursively) or a glob; [] when nothing matches."""
+    if glob.has_magic(pattern):
+        matches = sorted(glob.glob(pattern, recursive=True))
+    else:
+        matches = [pattern] if os.path.exists(pattern) else []
+    files: list[str] = []
+    for m in matches:
+        if os.path.isdir(m):
+            for root, dirs, names in os.walk(m):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                files.extend(os.path.join(root, n) for n in sorted(names) if not n.startswith("."))
+        elif os.path.isfile(m):
+            files.append(m)
+    return files
+
+
+def _files_of(src: SourceConfig) -> list[str]:
+    out: list[str] = []
+    for pattern in src.paths:
+        found = _expand(pattern)
+        if not found:
+            raise PrepError(
+                f"Input path {pattern!r} (source type {src.type!r}) matches no file; working directory is "
+                f"{os.getcwd()}. Fix the path or glob in `sources[].paths`."
+            )
+        out.extend(found)
+    return out
+
+
+def _hf_disk_files(path: str, split: str) -> list[str]:
+    root = Path(path)
+    if (root / "dataset_dict.json").is_file():
+        root = root / (split or "train")
+    state = root / "state.json"
+    if not state.is_file():
+        raise PrepError(
+            f"{path} is not a dataset saved with `datasets.save_to_disk` (no state.json or dataset_dict.json). "
+            f"Point `paths` at the directory passed to save_to_disk, or use type hf_load for raw files."
+        )
+    data_files = json.loads(state.read_text()).get("_data_files", [])
+    return [str(root / f["filename"]) for f in data_files]
+
+
+def _hf_load_files(src: SourceConfig, files: list[str], cache_dir: str) -> list[str]:
+    import datasets  # heavy; only for this source type
+
+    kwargs: dict[str, Any] = {}
+    if src.builder == "text":
+        kwargs["sample_by"] = "paragraph" if src.text_mode == "paragraphs" else "document"
+    try:
+        ds = datasets.load_dataset(src.builder, data_files=files, split=src.split or "train", cache_dir=cache_dir, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the files named
+        raise PrepError(
+            f"datasets.load_dataset({src.builder!r}, data_files={files[:3]}{'...' if len(files) > 3 else ''}) failed: "
+            f"{exc}. Check that the files are valid {src.builder} files, or use the native source type."
+        ) from None
+    return [f["filename"] for f in ds.cache_files]
+
+
+def _label_sort_key(name: str) -> tuple[int, Any]:
+    return (0, int(name)) if name.lstrip("-").isdigit() else (1, name)
+
+
+def resolve_inputs(cfg: PrepConfig, work_dir: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """List the input files of every source.
+
+    Returns `(entries, class_map)`; an entry is `{"path", "source", "size", "label"}` (label is -1
+    for text). `class_map` maps label names to integers in sorted order (images only).
+    """
+    entries: list[dict[str, Any]] = []
+    labelled: list[tuple[str, int, str]] = []  # images: (path, source index, label name)
+    for i, src in enumerate(cfg.sources):
+        if src.type in ("text", "jsonl", "parquet"):
+            files = _files_of(src)
+        elif src.type == "hf_disk":
+            files = [f for p in _files_of_dirs(src) for f in _hf_disk_files(p, src.split)]
+        elif src.type == "hf_load":
+            files = _hf_load_files(src, _files_of(src), os.path.join(work_dir, "hf_cache"))
+        elif src.type == "image_folder":
+            for root in _files_of_dirs(src):
+                for cls_dir in sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")):
+                    for f in sorted(cls_dir.rglob("*")):
+                        if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS:
+                            labelled.append((str(f), i, cls_dir.name))
+            continue
+        else:  # image_csv
+            for csv_path in _files_of(src):
+                labelled.extend((p, i, lab) for p, lab in _read_label_csv(csv_path, src))
+            continue
+        entries.extend({"path": f, "source": i, "size": os.path.getsize(f), "label": -1} for f in files)
+
+    class_map: dict[str, int] = {}
+    if cfg.kind == "images":
+        if not labelled:
+            raise PrepError(
+                f"No images found under {[p for s in cfg.sources for p in s.paths]}. An image_folder needs one "
+                f"sub-folder per class holding {sorted(IMAGE_EXTENSIONS)} files; an image_csv needs rows of path,label."
+            )
+        names = sorted({lab for _, _, lab in labelled}, key=_label_sort_key)
+        class_map = {name: k for k, name in enumerate(names)}
+        for path, i, lab in labelled:
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            entries.append({"path": path, "source": i, "size": size, "label": class_map[lab]})
+    if not entries:
+        raise PrepError(f"The sources {[p for s in cfg.sources for p in s.paths]} contain no input files. Fix `sources[].paths`.")
+    return entries, class_map
+
+
+def _files_of_dirs(src: SourceConfig) -> list[str]:
+    out = []
+    for pattern in src.paths:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        dirs = [m for m in matches if os.path.isdir(m)]
+        if not dirs:
+            raise PrepError(f"Input directory {pattern!r} (source type {src.type!r}) does not exist. Fix `sources[].paths`.")
+        out.extend(dirs)
+    return out
+
+
+def _read_label_csv(csv_path: str, src: SourceConfig) -> list[tuple[str, str]]:
+    base = os.path.dirname(csv_path)
+    with open(csv_path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        missing = {src.path_field, src.label_field} - set(reader.fieldnames or [])
+        if missing:
+            raise PrepError(
+                f"{csv_path} has no column(s) {sorted(missing)} (columns: {reader.fieldnames}). Set "
+                f"`path_field`/`label_field` of the image_csv source to the right column names."
+            )
+        return [(os.path.join(base, row[src.path_field]), str(row[src.label_field]).strip()) for row in reader]
+
+
+# ------------------------------------------------------------------------------------------
+# Worker side: stream records out of one file
+# ------------------------------------------------------------------------------------------
+
+
+def _decode(raw: bytes) -> Record:
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, "invalid_utf8"
+
+
+def _text_paragraphs(path: str) -> Iterator[Record]:
+    lines: list[bytes] = []
+    any_doc = False
+    with open(path, "rb") as fh:
+        for line in fh:
+            if line.strip():
+                lines.append(line)
+                continue
+            if lines:
+                any_doc = True
+                yield _decode(b"".join(lines))
+                lines = []
+    if lines:
+        any_doc = True
+        yield _decode(b"".join(lines))
+    if not any_doc:
+        yield None, "empty_file"
+
+
+def _text_file(path: str) -> Iterator[Record]:
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    yield (None, "empty_file") if not raw.strip() else _decode(raw)
+
+
+def _jsonl(path: str, field: str) -> Iterator[Record]:
+    any_line = False
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            any_line = True
+            line, rule = _decode(raw)
+            if line is None:
+                yield None, rule
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                yield None, "bad_json"
+                continue
+            text = obj.get(field) if isinstance(obj, dict) else None
+            yield (text, None) if isinstance(text, str) else (None, "missing_field")
+    if not any_line:
+        yield None, "empty_file"
+
+
+def _column_batches(path: str, kind: str, field: str) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        if kind == "parquet":
+            pf = pq.ParquetFile(path)
+            if field not in pf.schema_arrow.names:
+                yield from [(None, "missing_field")] * max(pf.metadata.num_rows, 1)
+                return
+            batches = (b.column(0) for b in pf.iter_batches(columns=[field], batch_size=1024))
+        else:  # an Arrow file of a `datasets` cache (save_to_disk / load_dataset)
+            import datasets
+
+            ds = datasets.Dataset.from_file(path)
+            if field not in ds.column_names:
+                yield from [(None, "missing_field")] * max(len(ds), 1)
+                return
+            batches = (t.column(field) for t in ds.with_format("arrow").iter(batch_size=1024))
+        empty = True
+        for column in batches:
+            for value in column.to_pylist():
+                empty = False
+                yield (value, None) if isinstance(value, str) else (None, "missing_field")
+        if empty:
+            yield None, "empty_file"
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+        yield None, "unreadable_file"
+
+
+def iter_text_records(path: str, src: SourceConfig) -> Iterator[Record]:
+    """Documents (or bad-record rule names) of one input file of a text source."""
+    try:
+        if src.type == "text":
+            yield from (_text_paragraphs(path) if src.text_mode == "paragraphs" else _text_file(path))
+        elif src.type == "jsonl":
+            yield from _jsonl(path, src.text_field)
+        elif src.type == "parquet":
+            yield from _column_batches(path, "parquet", src.text_field)
+        else:
+            yield from _column_batches(path, "arrow", src.text_field)
+    except OSError:
+        yield None, "unreadable_file"

@@ -1,0 +1,171 @@
+"""BERT (Devlin et al. 2019): bidirectional encoder pretrained with masked LM + next-sentence prediction.
+
+Input representation (§3.2): h_0 = LN(E_token[x] + E_pos[t] + E_segment[s]); an N-block post-LN
+encoder (pre-LN and T-Fixup are variants for study); pooler p = tanh(W h_N[CLS] + b); MLM head on
+every position (see ``heads.MLMHead``) with the decoder tied to E_token; NSP head = Linear(p, 2).
+Loss (§3.1, Appendix A.2) = mean CE over masked positions (labels -100 elsewhere) + CE(NSP).
+State-dict layout maps 1:1 onto ``transformers.BertForPreTraining`` (see ``models.hf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import init as inits
+from .heads import MLMHead
+from .layers import Block, SinusoidalPositionEmbedding, TransformerConfig, attention_mask_for_sdpa, make_norm
+from .layers import set_activation_checkpointing as _set_ckpt
+from .registry import register_model
+
+__all__ = ["BertConfig", "BertEncoder", "BertForPreTraining", "masked_mean_cross_entropy"]
+
+
+@dataclass(kw_only=True)
+class BertConfig(TransformerConfig):
+    """BERT sizes and variants; defaults are BERT-base (uncased vocabulary)."""
+
+    vocab_size: int = 30522
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2  # segments A/B
+    pad_token_id: int = 0
+    position_embedding: Literal["learned", "sinusoidal"] = "learned"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.position_embedding not in ("learned", "sinusoidal"):
+            raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
+
+
+class BertEmbeddings(nn.Module):
+    """h_0 = Dropout(LN(E_token[x] + E_pos[t] + E_segment[s]))."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        if cfg.position_embedding == "learned":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        else:
+            self.position_embeddings = SinusoidalPositionEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None] + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+class BertEncoder(nn.Module):
+    """Embeddings + N blocks (+ final LN for pre-LN) + tanh pooler: the backbone heads attach to (``BertModel``)."""
+
+    family = "bert"
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        # Xiong et al. 2020: a pre-LN stack needs a final LN; post-LN output is already normalized.
+        self.final_norm = make_norm(config) if config.norm_placement == "pre" else nn.Identity()
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
+        if init:
+            self.init_weights()
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> dict[str, torch.Tensor]:
+        mask, _ = attention_mask_for_sdpa(attention_mask, input_ids.shape[1], causal=False)
+        h = self.embeddings(input_ids, token_type_ids)
+        for block in self.blocks:
+            h = block(h, mask)
+        h = self.final_norm(h)
+        out = {"last_hidden_state": h}
+        if self.pooler is not None:
+            out["pooler_output"] = torch.tanh(self.pooler(h[:, 0]))
+        return out
+
+    def set_activation_checkpointing(self, enabled: bool = True, layers=None) -> None:
+        _set_ckpt(self.blocks, enabled, layers)
+
+    def init_weights(self) -> None:
+        init_bert_(self, self.config)
+
+
+def init_bert_(module: nn.Module, cfg: BertConfig) -> None:
+    if cfg.init == "t-fixup":
+        inits.t_fixup_(module, cfg.num_layers, cfg.hidden_size)
+    else:
+        inits.init_normal_(module, cfg.initializer_range)
+
+
+def masked_mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over positions whose label is not -100; 0 (not NaN) when a batch has none."""
+    flat = labels.reshape(-1)
+    total = F.cross_entropy(logits.reshape(flat.numel(), -1).float(), flat, ignore_index=-100, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with MLM + NSP heads; ``forward`` follows docs/interfaces.md (mirrors ``transformers.BertForPreTraining``)."""
+
+    config_class = BertConfig
+    family = "bert"
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertEncoder(config, init=False)  # initialized with the heads below
+        self.mlm = MLMHead(config, config.vocab_size)
+        self.nsp = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        init_bert_(self, self.config)
+        nn.init.zeros_(self.mlm.decoder.bias)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.mlm.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def get_encoder(self) -> BertEncoder:
+        return self.bert
+
+    def set_activation_checkpointing(self, enabled: bool = True, layers=None) -> None:
+        self.bert.set_activation_checkpointing(enabled, layers)
+
+    def forward(
+        self, input_ids, attention_mask=None, token_type_ids=None, labels=None, next_sentence_label=None
+    ) -> dict[str, torch.Tensor]:
+        out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        prediction_logits = self.mlm(out["last_hidden_state"])
+        seq_relationship_logits = self.nsp(out["pooler_output"])
+        result = {"prediction_logits": prediction_logits, "seq_relationship_logits": seq_relationship_logits}
+        losses = []
+        if labels is not None:
+            result["mlm_loss"] = masked_mean_cross_entropy(prediction_logits, labels)
+            losses.append(result["mlm_loss"])
+        if next_sentence_label is not None:
+            result["nsp_loss"] = F.cross_entropy(seq_relationship_logits.float(), next_sentence_label.view(-1))
+            losses.append(result["nsp_loss"])
+        if losses:
+            result["loss"] = sum(losses)
+        return result
+
+
+# Turc et al. 2019 ("Well-Read Students Learn Better") sizes; base/large from Devlin et al.
+_SIZES = {"tiny": (2, 128), "mini": (4, 256), "small": (4, 512), "base": (12, 768), "large": (24, 1024)}
+for _name, (_layers, _width) in _SIZES.items():
+    register_model(
+        f"bert-{_name}",
+        BertForPreTraining,
+        num_layers=_layers,
+        hidden_size=_width,
+        num_heads=_width // 64,
+        intermediate_size=4 * _width,
+    )

@@ -1,0 +1,472 @@
+"""Exact conversion to and from Hugging Face ``transformers`` models.
+
+``to_hf(model)`` returns the equivalent ``transformers`` model (same outputs to fp32 rounding);
+``from_hf(dir_or_model)`` returns ``(our_model, LoadReport)``. Supported pairs:
+
+==============================  =============================================================
+ours                            transformers
+==============================  =============================================================
+``BertForPreTraining``          ``BertForPreTraining`` (also reads ``BertModel``, ``BertForMaskedLM``, ...)
+``BertEncoder``                 ``BertModel``
+``SequenceClassifier`` (BERT)   ``BertForSequenceClassification`` (``id2label`` in the config)
+``QuestionAnswering`` (BERT)    ``BertForQuestionAnswering``
+``GPT``                         ``GPT2LMHeadModel`` (also reads ``GPT2Model``)
+``ViT``                         ``ViTForImageClassification`` (also reads ``ViTModel``)
+==============================  =============================================================
+
+Each pair is a table of (our key, HF keys, kind): ``copy``; ``qkv`` (our fused ``[3d, d]`` = the
+row-concatenation of HF's query/key/value); ``t`` (GPT-2's ``Conv1D`` stores ``W^T``). Tables use
+the on-disk (transformers 4.x) names; transformers >= 5 renames ViT modules in memory, which
+``_vit_rename`` handles both ways. Checkpoints are read with ``safetensors`` or
+``torch.load(weights_only=True)`` and never run remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from .bert import BertConfig, BertEncoder, BertForPreTraining
+from .gpt import GPT, GPTConfig
+from .heads import QuestionAnswering, SequenceClassifier
+from .vit import ViT, ViTConfig
+
+__all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict"]
+
+Spec = list[tuple[str, tuple[str, ...], str]]
+
+_HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+_FROM_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# Buffers some checkpoints carry that hold no learned state.
+_IGNORABLE = re.compile(r"(position_ids|\.attn\.bias|\.attn\.masked_bias)$")
+
+
+@dataclass
+class LoadReport:
+    """What ``from_hf`` did: ``missing`` = our parameters freshly initialized; ``unexpected`` = checkpoint keys unused."""
+
+    source: str
+    architecture: str
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"Loaded {self.architecture} from {self.source}."]
+        if self.missing:
+            lines.append(f"Initialized (not in checkpoint): {', '.join(self.missing)}")
+        if self.unexpected:
+            lines.append(f"Unused checkpoint keys: {', '.join(self.unexpected)}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Key tables
+# --------------------------------------------------------------------------------------------
+
+
+def _linear(ours: str, hf: str) -> Spec:
+    return [(f"{ours}.weight", (f"{hf}.weight",), "copy"), (f"{ours}.bias", (f"{hf}.bias",), "copy")]
+
+
+def _bert_encoder_spec(cfg: BertConfig, o: str, h: str, pooler: bool) -> Spec:
+    spec: Spec = [
+        (f"{o}embeddings.word_embeddings.weight", (f"{h}embeddings.word_embeddings.weight",), "copy"),
+        (f"{o}embeddings.position_embeddings.weight", (f"{h}embeddings.position_embeddings.weight",), "copy"),
+        (f"{o}embeddings.token_type_embeddings.weight", (f"{h}embeddings.token_type_embeddings.weight",), "copy"),
+        *_linear(f"{o}embeddings.norm", f"{h}embeddings.LayerNorm"),
+    ]
+    for i in range(cfg.num_layers):
+        ob, hb = f"{o}blocks.{i}", f"{h}encoder.layer.{i}"
+        for p in ("weight", "bias"):
+            spec.append((f"{ob}.attn.qkv.{p}", tuple(f"{hb}.attention.self.{n}.{p}" for n in ("query", "key", "value")), "qkv"))
+        spec += _linear(f"{ob}.attn.proj", f"{hb}.attention.output.dense")
+        spec += _linear(f"{ob}.norm1", f"{hb}.attention.output.LayerNorm")
+        spec += _linear(f"{ob}.mlp.fc1", f"{hb}.intermediate.dense")
+        spec += _linear(f"{ob}.mlp.fc2", f"{hb}.output.dense")
+        spec += _linear(f"{ob}.norm2", f"{hb}.output.LayerNorm")
+    if pooler:
+        spec += _linear(f"{o}pooler", f"{h}pooler.dense")
+    return spec
+
+
+def _bert_pretraining_spec(cfg: BertConfig) -> Spec:
+    return [
+        *_bert_encoder_spec(cfg, "bert.", "bert.", pooler=True),
+        *_linear("mlm.dense", "cls.predictions.transform.dense"),
+        *_linear("mlm.norm", "cls.predictions.transform.LayerNorm"),
+        ("mlm.decoder.bias", ("cls.predictions.bias",), "copy"),  # decoder.weight is tied to the embedding
+        *_linear("nsp", "cls.seq_relationship"),
+    ]
+
+
+def _gpt_spec(cfg: GPTConfig) -> Spec:
+    spec: Spec = [
+        ("wte.weight", ("transformer.wte.weight",), "copy"),
+        ("wpe.weight", ("transformer.wpe.weight",), "copy"),
+    ]
+    for i in range(cfg.num_layers):
+        ob, hb = f"blocks.{i}", f"transformer.h.{i}"
+        spec += _linear(f"{ob}.norm1", f"{hb}.ln_1")
+        spec += [(f"{ob}.attn.qkv.weight", (f"{hb}.attn.c_attn.weight",), "t"), (f"{ob}.attn.qkv.bias", (f"{hb}.attn.c_attn.bias",), "copy")]
+        spec += [(f"{ob}.attn.proj.weight", (f"{hb}.attn.c_proj.weight",), "t"), (f"{ob}.attn.proj.bias", (f"{hb}.attn.c_proj.bias",), "copy")]
+        spec += _linear(f"{ob}.norm2", f"{hb}.ln_2")
+        spec += [(f"{ob}.mlp.fc1.weight", (f"{hb}.mlp.c_fc.weight",), "t"), (f"{ob}.mlp.fc1.bias", (f"{hb}.mlp.c_fc.bias",), "copy")]
+        spec += [(f"{ob}.mlp.fc2.weight", (f"{hb}.mlp.c_proj.weight",), "t"), (f"{ob}.mlp.fc2.bias", (f"{hb}.mlp.c_proj.bias",), "copy")]
+    spec += _linear("ln_f", "transformer.ln_f")
+    if not cfg.tie_word_embeddings:
+        spec.append(("lm_head.weight", ("lm_head.weight",), "copy"))
+    return spec
+
+
+def _vit_spec(cfg: ViTConfig) -> Spec:
+    spec: Spec = [
+        ("cls_token", ("vit.embeddings.cls_token",), "copy"),
+        ("pos_embed", ("vit.embeddings.position_embeddings",), "copy"),
+        *_linear("patch_embed", "vit.embeddings.patch_embeddings.projection"),
+    ]
+    for i in range(cfg.num_layers):
+        ob, hb = f"blocks.{i}", f"vit.encoder.layer.{i}"
+        spec += _linear(f"{ob}.norm1", f"{hb}.layernorm_before")
+        params = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for p in params:
+            spec.append((f"{ob}.attn.qkv.{p}", tuple(f"{hb}.attention.attention.{n}.{p}" for n in ("query", "key", "value")), "qkv"))
+        spec += _linear(f"{ob}.attn.proj", f"{hb}.attention.output.dense")
+        spec += _linear(f"{ob}.norm2", f"{hb}.layernorm_after")
+        spec += _linear(f"{ob}.mlp.fc1", f"{hb}.intermediate.dense")
+        spec += _linear(f"{ob}.mlp.fc2", f"{hb}.output.dense")
+    return [*spec, *_linear("norm", "vit.layernorm"), *_linear("head", "classifier")]
+
+
+def _spec_for(model: nn.Module) -> Spec:
+    if isinstance(model, BertForPreTraining):
+        return _bert_pretraining_spec(model.config)
+    if isinstance(model, BertEncoder):
+        return _bert_encoder_spec(model.config, "", "", pooler=model.pooler is not None)
+    if isinstance(model, (SequenceClassifier, QuestionAnswering)) and isinstance(model.backbone, BertEncoder):
+        head = "classifier" if isinstance(model, SequenceClassifier) else "qa_outputs"
+        return [
+            *_bert_encoder_spec(model.config, "backbone.", "bert.", pooler=model.backbone.pooler is not None),
+            *_linear(head, head),
+        ]
+    if isinstance(model, GPT):
+        return _gpt_spec(model.config)
+    if isinstance(model, ViT):
+        return _vit_spec(model.config)
+    raise TypeError(f"No Hugging Face equivalent known for {type(model).__name__}.")
+
+
+# ViT module names in transformers >= 5 (in memory) vs the 4.x / on-disk names our table uses.
+_VIT_NEW = {
+    "attention.attention.query": "attention.q_proj",
+    "attention.attention.key": "attention.k_proj",
+    "attention.attention.value": "attention.v_proj",
+    "attention.output.dense": "attention.o_proj",
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+}
+_VIT_OLD = {v: k for k, v in _VIT_NEW.items()}
+
+
+def _vit_rename(key: str, to_new: bool) -> str:
+    pat = r"^(vit\.)?encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$" if to_new else r"^(vit\.)?layers\.(\d+)\.(.+)\.(weight|bias)$"
+    m = re.match(pat, key)
+    if not m:
+        return key
+    prefix, idx, mid, p = m.groups()
+    mid = (_VIT_NEW if to_new else _VIT_OLD).get(mid, mid)
+    return f"{prefix or ''}{'layers' if to_new else 'encoder.layer'}.{idx}.{mid}.{p}"
+
+
+# --------------------------------------------------------------------------------------------
+# Ours -> transformers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_convertible(model: nn.Module) -> None:
+    cfg = model.config
+    expected = "pre" if isinstance(model, (GPT, ViT)) else "post"
+    if cfg.init == "t-fixup" or cfg.norm_placement != expected:
+        raise ValueError(
+            f"{type(model).__name__} with init={cfg.init!r}, norm_placement={cfg.norm_placement!r} has no transformers "
+            f"equivalent (the transformers class is {expected}-LN with LayerNorm); only the standard variant converts."
+        )
+
+
+def hf_config(model: nn.Module) -> transformers.PretrainedConfig:
+    """The ``transformers`` config describing ``model``'s architecture."""
+    cfg = model.config
+    if isinstance(cfg, BertConfig):
+        kwargs: dict[str, Any] = {}
+        if isinstance(model, SequenceClassifier):
+            labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+            kwargs = dict(id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p)
+            if model.problem_type:
+                kwargs["problem_type"] = model.problem_type
+        return transformers.BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+            hidden_act=_HF_ACT[cfg.activation], hidden_dropout_prob=cfg.hidden_dropout,
+            attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_position_embeddings,
+            type_vocab_size=cfg.type_vocab_size, initializer_range=cfg.initializer_range,
+            layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id, **kwargs,
+        )  # fmt: skip
+    if isinstance(cfg, GPTConfig):
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
+            activation_function=_HF_ACT[cfg.activation], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+            attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
+            initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
+            bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+        )  # fmt: skip
+    if isinstance(cfg, ViTConfig):
+        labels = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
+        return transformers.ViTConfig(
+            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.intermediate_size, hidden_act=_HF_ACT[cfg.activation],
+            hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
+            initializer_range=cfg.initializer_range, layer_norm_eps=cfg.layer_norm_eps, image_size=cfg.image_size,
+            patch_size=cfg.patch_size, num_channels=cfg.num_channels, qkv_bias=cfg.qkv_bias,
+            id2label=labels, label2id={v: k for k, v in labels.items()},
+        )  # fmt: skip
+    raise TypeError(f"No Hugging Face config known for {type(cfg).__name__}.")
+
+
+def _hf_class(model: nn.Module) -> type:
+    if isinstance(model, BertForPreTraining):
+        return transformers.BertForPreTraining
+    if isinstance(model, BertEncoder):
+        return transformers.BertModel
+    if isinstance(model, SequenceClassifier):
+        return transformers.BertForSequenceClassification
+    if isinstance(model, QuestionAnswering):
+        return transformers.BertForQuestionAnswering
+    if isinstance(model, GPT):
+        return transformers.GPT2LMHeadModel
+    return transformers.ViTForImageClassification
+
+
+@torch.no_grad()
+def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
+    """The equivalent ``transformers`` model (eval mode, fp32, CPU) holding a copy of ``model``'s weights.
+
+    Sinusoidal position tables are written into the HF learned-position table (identical outputs).
+    Save a release with ``to_hf(model).save_pretrained(dir)`` (safetensors).
+    """
+    spec = _spec_for(model)
+    _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, QuestionAnswering)) else model)
+    if isinstance(model, BertEncoder) and model.pooler is None:
+        hf = transformers.BertModel(hf_config(model), add_pooling_layer=False)
+    else:
+        hf = _hf_class(model)(hf_config(model))
+    ours = {**dict(model.named_buffers()), **model.state_dict()}
+    sd: dict[str, torch.Tensor] = {}
+    for our_key, hf_keys, kind in spec:
+        t = ours[our_key].detach().float().cpu()
+        if kind == "qkv":
+            for k, part in zip(hf_keys, t.chunk(3, dim=0)):
+                sd[k] = part.clone()
+        else:
+            sd[hf_keys[0]] = (t.t() if kind == "t" else t).clone()
+    target = set(hf.state_dict())
+    if not set(sd) <= target:
+        sd = {_vit_rename(k, to_new=True): v for k, v in sd.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "lm_head.weight"}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"to_hf key mismatch: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}.")
+    if hasattr(hf, "tie_weights"):
+        hf.tie_weights()
+    return hf.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# transformers -> ours
+# --------------------------------------------------------------------------------------------
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of a checkpoint dir: ``model.safetensors`` (or its sharded index), else ``pytorch_model.bin`` (weights_only)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    if (path / "model.safetensors.index.json").is_file():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        sd: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            sd.update(load_file(path / shard))
+        return sd
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin.")
+
+
+def _normalize_keys(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """Map any checkpoint's key style onto our tables' (prefixed, 4.x names, LayerNorm weight/bias)."""
+    out = {}
+    for k, v in sd.items():
+        k = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", k)  # TF-converted BERT releases
+        k = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)
+        if model_type == "bert" and not k.startswith(("bert.", "cls.", "classifier.", "qa_outputs.")):
+            k = f"bert.{k}"  # BertModel checkpoints have no prefix
+        elif model_type == "gpt2" and not k.startswith(("transformer.", "lm_head.", "score.")):
+            k = f"transformer.{k}"
+        elif model_type == "vit":
+            k = _vit_rename(k, to_new=False)
+            if not k.startswith(("vit.", "classifier.")):
+                k = f"vit.{k}"
+        out[k] = v
+    return out
+
+
+def _our_config(hf_cfg: transformers.PretrainedConfig) -> BertConfig | GPTConfig | ViTConfig:
+    act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "activation_function", None)
+    if act not in _FROM_HF_ACT:
+        raise ValueError(f"Activation {act!r} is not supported (need one of {sorted(_FROM_HF_ACT)}).")
+    common = dict(activation=_FROM_HF_ACT[act], initializer_range=hf_cfg.initializer_range)
+    if hf_cfg.model_type == "bert":
+        if getattr(hf_cfg, "position_embedding_type", "absolute") != "absolute" or getattr(hf_cfg, "is_decoder", False):
+            raise ValueError("Only absolute-position, encoder (is_decoder=False) BERT checkpoints are supported.")
+        return BertConfig(
+            vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers,
+            num_heads=hf_cfg.num_attention_heads, intermediate_size=hf_cfg.intermediate_size,
+            hidden_dropout=hf_cfg.hidden_dropout_prob, attention_dropout=hf_cfg.attention_probs_dropout_prob,
+            max_position_embeddings=hf_cfg.max_position_embeddings, type_vocab_size=hf_cfg.type_vocab_size,
+            layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id or 0, **common,
+        )  # fmt: skip
+    if hf_cfg.model_type == "gpt2":
+        if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_cfg, "scale_attn_weights", True):
+            raise ValueError("GPT-2 checkpoints with non-standard attention scaling are not supported.")
+        return GPTConfig(
+            vocab_size=hf_cfg.vocab_size, max_position_embeddings=hf_cfg.n_positions, hidden_size=hf_cfg.n_embd,
+            num_layers=hf_cfg.n_layer, num_heads=hf_cfg.n_head, intermediate_size=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
+            hidden_dropout=hf_cfg.resid_pdrop, attention_dropout=hf_cfg.attn_pdrop, layer_norm_eps=hf_cfg.layer_norm_epsilon,
+            tie_word_embeddings=getattr(hf_cfg, "tie_word_embeddings", True), **common,
+        )  # fmt: skip
+    if hf_cfg.model_type == "vit":
+        return ViTConfig(
+            hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers, num_heads=hf_cfg.num_attention_heads,
+            intermediate_size=hf_cfg.intermediate_size, hidden_dropout=hf_cfg.hidden_dropout_prob,
+            attention_dropout=hf_cfg.attention_probs_dropout_prob, layer_norm_eps=hf_cfg.layer_norm_eps,
+            image_size=hf_cfg.image_size, patch_size=hf_cfg.patch_size, num_channels=hf_cfg.num_channels,
+            qkv_bias=hf_cfg.qkv_bias, num_labels=hf_cfg.num_labels, id2label=_id2label(hf_cfg), **common,
+        )  # fmt: skip
+    raise ValueError(f"Unsupported model_type {hf_cfg.model_type!r}; supported: bert, gpt2, vit.")
+
+
+def _id2label(hf_cfg) -> dict[int, str] | None:
+    labels = {int(k): str(v) for k, v in (getattr(hf_cfg, "id2label", None) or {}).items()}
+    default = {i: f"LABEL_{i}" for i in range(len(labels))}
+    return labels if labels and labels != default else None
+
+
+_HEADS = {
+    "BertForSequenceClassification": "classification",
+    "BertForQuestionAnswering": "qa",
+    "BertModel": "encoder",
+}
+
+
+def from_hf(
+    src: str | Path | transformers.PreTrainedModel,
+    *,
+    head: str | None = None,
+    num_labels: int | None = None,
+    id2label: dict[int, str] | None = None,
+) -> tuple[nn.Module, LoadReport]:
+    """Our model + ``LoadReport`` from a checkpoint dir (``config.json`` + weights) or a ``transformers`` model.
+
+    ``head`` picks what to build from a BERT checkpoint: ``"pretraining"``, ``"encoder"``,
+    ``"classification"`` (give ``num_labels``/``id2label`` when the checkpoint has no classifier) or
+    ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
+    ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
+    anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
+    weights) keep their fresh init and are listed in ``report.missing`` (and warned about).
+    """
+    if isinstance(src, transformers.PreTrainedModel):
+        hf_cfg, sd, source = src.config, src.state_dict(), type(src).__name__ + " instance"
+        arch = type(src).__name__
+    else:
+        path = Path(src)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; expected a transformers checkpoint directory.")
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        sd, source = load_hf_state_dict(path), str(path)
+        arch = (hf_cfg.architectures or [""])[0]
+    cfg = _our_config(hf_cfg)
+    sd = _normalize_keys(sd, hf_cfg.model_type)
+
+    if isinstance(cfg, BertConfig):
+        head = head or _HEADS.get(arch, "pretraining")
+        if head == "pretraining":
+            model = BertForPreTraining(cfg)
+        elif head == "encoder":
+            model = BertEncoder(cfg, add_pooling_layer="bert.pooler.dense.weight" in sd)
+        elif head == "classification":
+            labels = id2label or (_id2label(hf_cfg) if arch == "BertForSequenceClassification" else None)
+            n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
+            dropout = getattr(hf_cfg, "classifier_dropout", None)
+            model = SequenceClassifier(BertEncoder(cfg), n, dropout=dropout, id2label=labels,
+                                       problem_type=getattr(hf_cfg, "problem_type", None))  # fmt: skip
+        elif head == "qa":
+            model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
+        else:
+            raise ValueError(f"head must be pretraining, encoder, classification or qa, got {head!r}.")
+        if head == "encoder":
+            sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+    elif isinstance(cfg, GPTConfig):
+        model = GPT(cfg)
+    else:
+        if num_labels is not None and num_labels != cfg.num_labels:
+            cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels, "id2label": id2label})
+        model = ViT(cfg)
+
+    loaded, consumed = _load(model, _spec_for(model), sd)
+    report = LoadReport(source=source, architecture=arch or hf_cfg.model_type)
+    tied = {"mlm.decoder.weight", "lm_head.weight"} if getattr(cfg, "tie_word_embeddings", True) else set()
+    report.missing = sorted(set(model.state_dict()) - loaded - tied)
+    rest = sorted(set(sd) - consumed)
+    report.ignored = [k for k in rest if _IGNORABLE.search(k) or k in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "lm_head.weight")]
+    report.unexpected = [k for k in rest if k not in report.ignored]
+    if report.missing:
+        warnings.warn(f"from_hf: {len(report.missing)} parameters not in the checkpoint were freshly initialized: "
+                      f"{', '.join(report.missing)}", stacklevel=2)  # fmt: skip
+    return model, report
+
+
+@torch.no_grad()
+def _load(model: nn.Module, spec: Spec, sd: dict[str, torch.Tensor]) -> tuple[set[str], set[str]]:
+    """Copy every table entry present in ``sd`` into ``model``; returns (our keys loaded, HF keys used)."""
+    ours = model.state_dict()
+    loaded, consumed, new = set(), set(), {}
+    for our_key, hf_keys, kind in spec:
+        if our_key not in ours or not all(k in sd for k in hf_keys):
+            continue
+        if kind == "qkv":
+            t = torch.cat([sd[k] for k in hf_keys], dim=0)
+        else:
+            t = sd[hf_keys[0]].t() if kind == "t" else sd[hf_keys[0]]
+        if t.shape != ours[our_key].shape:
+            if our_key.split(".")[0] in ("head", "classifier", "qa_outputs"):
+                continue  # a new task head of another size: keep its init, report it missing
+            raise ValueError(f"Shape mismatch for {our_key}: checkpoint {tuple(t.shape)} vs model {tuple(ours[our_key].shape)}.")
+        new[our_key] = t
+        loaded.add(our_key)
+        consumed.update(hf_keys)
+    model.load_state_dict(new, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if "cls.predictions.decoder.weight" in sd:
+        consumed.add("cls.predictions.decoder.weight")
+    return loaded, consumed

@@ -1,0 +1,191 @@
+"""The one transformer core shared by BERT, GPT and ViT.
+
+A block is attention + MLP, each wrapped in a residual connection with LayerNorm either after the
+sum (post-LN, Vaswani et al. 2017 / BERT: ``x = LN(x + F(x))``) or before the sublayer (pre-LN,
+GPT-2 / ViT / Xiong et al. 2020 "On Layer Normalization in the Transformer Architecture":
+``x = x + F(LN(x))``). T-Fixup (Huang et al. 2020) removes the LayerNorms altogether, so a model
+built with ``init="t-fixup"`` gets ``nn.Identity`` in their place.
+
+Attention is Attention(Q, K, V) = softmax(Q K^T / sqrt(d_head) + mask) V (Vaswani et al., eq. 1),
+computed by ``torch.nn.functional.scaled_dot_product_attention`` so PyTorch picks the flash /
+memory-efficient kernel. Q, K and V come from one fused ``[3d, d]`` projection (rows in that order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "TransformerConfig",
+    "SelfAttention",
+    "MLP",
+    "Block",
+    "SinusoidalPositionEmbedding",
+    "sinusoidal_table",
+    "make_norm",
+    "attention_mask_for_sdpa",
+    "set_activation_checkpointing",
+]
+
+_CHOICES = {
+    "activation": ("gelu", "gelu_tanh"),
+    "norm_placement": ("post", "pre"),
+    "init": ("standard", "t-fixup"),
+}
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Fields every family shares; each family's config subclasses this and adds its own."""
+
+    hidden_size: int = 768  # d_model; the trainer reads it for the Noam schedule
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072  # MLP width d_ff
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # gelu = erf form (BERT, ViT); gelu_tanh = GPT-2
+    hidden_dropout: float = 0.1  # on embeddings and each sublayer output
+    attention_dropout: float = 0.1  # on the attention probabilities
+    layer_norm_eps: float = 1e-12
+    norm_placement: Literal["post", "pre"] = "post"
+    init: Literal["standard", "t-fixup"] = "standard"  # t-fixup also removes every LayerNorm
+    initializer_range: float = 0.02  # std of the standard normal init
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{type(self).__name__}.{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})."
+            )
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}.")
+
+    @property
+    def use_layer_norm(self) -> bool:
+        return self.init != "t-fixup"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    """LayerNorm, or Identity when T-Fixup removed normalization."""
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.use_layer_norm else nn.Identity()
+
+
+def attention_mask_for_sdpa(
+    attention_mask: torch.Tensor | None, seq_len: int, causal: bool
+) -> tuple[torch.Tensor | None, bool]:
+    """Turn a ``[B, T]`` 1/0 padding mask into SDPA's boolean ``[B, 1, Tq, Tk]`` (True = attend).
+
+    Returns ``(mask, is_causal)``: without padding the causal case uses SDPA's ``is_causal`` flag so
+    the flash kernel stays eligible; with padding the causal triangle is folded into the mask.
+    """
+    if attention_mask is None:
+        return None, causal
+    keep = attention_mask.to(torch.bool)[:, None, None, :]
+    if causal:
+        tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attention_mask.device).tril()
+        keep = keep & tri
+    return keep, False
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection (Vaswani et al. 2017, eq. 1 and 4)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, dropout: float, bias: bool = True):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward FFN(x) = W2 GELU(W1 x + b1) + b2 (Hendrycks & Gimpel 2016 GELU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, intermediate_size)
+        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    """One residual transformer layer; post-LN or pre-LN per ``cfg.norm_placement``.
+
+    post-LN: h = LN1(x + Drop(Attn(x)));  y = LN2(h + Drop(MLP(h)))
+    pre-LN:  h = x + Drop(Attn(LN1(x)));  y = h + Drop(MLP(LN2(h)))
+    ``checkpointing`` recomputes this block in backward (activation checkpointing) when training.
+    """
+
+    def __init__(self, cfg: TransformerConfig, qkv_bias: bool = True):
+        super().__init__()
+        self.attn = SelfAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout, bias=qkv_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation)
+        self.norm1 = make_norm(cfg)
+        self.norm2 = make_norm(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.checkpointing = False
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, attn_mask, is_causal, use_reentrant=False)
+        return self._forward(x, attn_mask, is_causal)
+
+    def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.attn(self.norm1(x), attn_mask, is_causal))
+            return x + self.dropout(self.mlp(self.norm2(x)))
+        x = self.norm1(x + self.dropout(self.attn(x, attn_mask, is_causal)))
+        return self.norm2(x + self.dropout(self.mlp(x)))
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (Vaswani et al. §3.5)."""
+    pos = torch.arange(num_positions, dtype=torch.float64)[:, None]
+    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq)[:, : dim // 2]
+    return table.float()
+
+
+class SinusoidalPositionEmbedding(nn.Module):
+    """Fixed sinusoidal positions, looked up like ``nn.Embedding``; the table is a non-persistent buffer."""
+
+    def __init__(self, num_positions: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", sinusoidal_table(num_positions, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions, self.weight)
+
+
+def set_activation_checkpointing(blocks: nn.ModuleList, enabled: bool = True, layers=None) -> None:
+    """Switch recomputation on/off for every block, or only for block indices in ``layers``."""
+    chosen = set(range(len(blocks))) if layers is None else set(layers)
+    for i, block in enumerate(blocks):
+        block.checkpointing = bool(enabled) and i in chosen

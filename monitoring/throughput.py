@@ -1,0 +1,285 @@
+"""Throughput, MFU, memory and straggler measurement for the training loop.
+
+The trainer brackets each optimizer step with ``start_step()`` / ``data_ready()`` / ``end_step()``.
+Rates are averaged over a short window of recent steps because single-step wall times are noisy
+and, on GPUs, only meaningful once the host has waited for the device (the trainer's ``loss.item()``
+is that sync point). torch is imported inside the functions that need it so that importing this
+module stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "ThroughputMeter",
+    "PEAK_FLOPS",
+    "peak_flops_for",
+    "cpu_peak_flops",
+    "resolve_peak_flops",
+    "model_flops_utilization",
+    "step_time_skew",
+    "host_rss_mb",
+]
+
+log = logging.getLogger(__name__)
+
+# Peak dense (no structured sparsity) FLOP/s per device, by compute dtype. "fp32" is the plain
+# CUDA-core rate (what PyTorch uses by default: float32 matmul precision "highest"); "tf32" applies
+# when TF32 tensor cores are allowed. Sources are listed in docs/monitoring.md. Patterns are matched
+# in order against torch.cuda.get_device_name(), so more specific names come first.
+_T = 1e12
+PEAK_FLOPS: list[tuple[str, str, dict[str, float]]] = [
+    # (regex, label, {dtype: FLOP/s})
+    (r"GH200", "GH200", {"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T}),
+    (r"H200 NVL", "H200 NVL", {"fp32": 60 * _T, "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T}),
+    (r"H200", "H200 SXM", {"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T}),
+    (r"H100 NVL", "H100 NVL", {"fp32": 60 * _T, "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T}),
+    (r"H100.*PCIe", "H100 PCIe", {"fp32": 51 * _T, "tf32": 378 * _T, "bf16": 756 * _T, "fp16": 756 * _T}),
+    (r"H100", "H100 SXM", {"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T}),
+    (r"\bA100\b", "A100", {"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T}),
+    (r"\bA10\b", "A10", {"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T}),
+    (r"\bL40S\b", "L40S", {"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362 * _T, "fp16": 362 * _T}),
+    (r"\bL4\b", "L4", {"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T}),
+    (r"V100.*PCIE", "V100 PCIe", {"fp32": 14 * _T, "tf32": 14 * _T, "bf16": 14 * _T, "fp16": 112 * _T}),
+    (r"V100", "V100 SXM2", {"fp32": 15.7 * _T, "tf32": 15.7 * _T, "bf16": 15.7 * _T, "fp16": 125 * _T}),
+    (r"\bT4\b", "T4", {"fp32": 8.1 * _T, "tf32": 8.1 * _T, "bf16": 8.1 * _T, "fp16": 65 * _T}),
+    (r"RTX 4090", "RTX 4090", {"fp32": 82.6 * _T, "tf32": 82.6 * _T, "bf16": 165.2 * _T, "fp16": 165.2 * _T}),
+    (r"RTX 3090", "RTX 3090", {"fp32": 35.6 * _T, "tf32": 35.6 * _T, "bf16": 71 * _T, "fp16": 71 * _T}),
+    (r"MI300X", "MI300X", {"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T}),
+    (r"MI250X", "MI250X", {"fp32": 95.7 * _T, "tf32": 95.7 * _T, "bf16": 383 * _T, "fp16": 383 * _T}),
+]
+
+_DTYPE_ALIASES = {
+    "float32": "fp32", "fp32": "fp32", "float": "fp32", "32": "fp32",
+    "tf32": "tf32",
+    "bfloat16": "bf16", "bf16": "bf16",
+    "float16": "fp16", "fp16": "fp16", "half": "fp16", "16": "fp16",
+}
+
+_cpu_peak_cache: dict[tuple[str, int], float] = {}
+
+
+def _dtype_key(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"Unknown compute dtype {dtype!r}; use fp32, tf32, bf16 or fp16.")
+    return _DTYPE_ALIASES[name]
+
+
+def _table_lookup(device_name: str, dtype: str) -> float | None:
+    for pattern, _label, peaks in PEAK_FLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return peaks[dtype]
+    return None
+
+
+def peak_flops_for(device: Any, dtype: Any = "fp32") -> float:
+    """Peak dense FLOP/s of one device for ``dtype``; 0.0 when unknown (MFU is then not reported).
+
+    ``device`` is a torch.device, ``"cpu"``/``"cuda[:i]"``, or a GPU name such as
+    ``"NVIDIA H100 80GB HBM3"``. CPUs have no table entry: their peak is measured once with a
+    matmul probe (``cpu_peak_flops``), so CPU MFU reads as "share of attainable matmul speed".
+    An fp32 request on a GPU uses the TF32 rate when torch allows TF32 matmuls.
+    """
+    key = _dtype_key(dtype)
+    text = str(device)
+    if text == "cpu" or text.startswith("cpu:"):
+        return cpu_peak_flops("fp32" if key == "tf32" else key)
+    if text == "mps" or text.startswith("mps:"):
+        return 0.0
+    if text == "cuda" or text.startswith("cuda:"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0.0
+        index = torch.device(text).index
+        text = torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+        if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
+            key = "tf32"
+    peak = _table_lookup(text, key)
+    if peak is None:
+        log.warning("No peak FLOP/s known for device %r; set logging.peak_flops to report MFU.", text)
+        return 0.0
+    return peak
+
+
+def cpu_peak_flops(dtype: Any = "fp32", seconds: float = 0.2) -> float:
+    """Best matmul FLOP/s this process reaches on the CPU, measured once per dtype/thread count."""
+    import torch
+
+    key = (_dtype_key(dtype), torch.get_num_threads())
+    if key in _cpu_peak_cache:
+        return _cpu_peak_cache[key]
+    tdtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key[0]]
+    n = 512
+    a = torch.randn(n, n).to(tdtype)
+    b = torch.randn(n, n).to(tdtype)
+    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * n**3 / max(dt, 1e-9))
+        if time.perf_counter() > deadline:
+            break
+    _cpu_peak_cache[key] = best
+    return best
+
+
+def resolve_peak_flops(configured: float, device: Any, precision: str = "fp32") -> float:
+    """``logging.peak_flops`` when set (> 0), else the device table / CPU probe for the precision."""
+    return float(configured) if configured and configured > 0 else peak_flops_for(device, precision)
+
+
+def model_flops_utilization(flops_per_sample: float, samples: float, step_time: float, peak_flops: float) -> float:
+    """Achieved model FLOP/s of one device divided by its peak (the PaLM definition of MFU)."""
+    if step_time <= 0 or peak_flops <= 0:
+        return float("nan")
+    return flops_per_sample * samples / step_time / peak_flops
+
+
+def host_rss_mb() -> float:
+    """Resident set size of this process in MiB (psutil when present, else /proc)."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:
+            return float("nan")
+
+
+def _device_memory_mb() -> dict[str, float]:
+    import sys
+
+    torch = sys.modules.get("torch")  # never import torch just to learn there is no GPU
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {
+        "mem_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+        "mem_reserved_mb": torch.cuda.memory_reserved() / 2**20,
+        "mem_peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+    }
+
+
+class ThroughputMeter:
+    """Times optimizer steps and turns them into rates, MFU and memory figures.
+
+    ``samples``/``tokens`` given to ``end_step`` are this process's counts; rates are reported
+    globally (× ``world_size``) and MFU per device, which assumes ranks are evenly loaded (the
+    skew check is there to tell when they are not). The first ``warmup_steps`` steps are reported
+    on their own but kept out of the window, so loader start-up does not read as starvation.
+    """
+
+    def __init__(
+        self,
+        flops_per_sample: float,
+        peak_flops: float,
+        world_size: int = 1,
+        *,
+        window: int = 20,
+        warmup_steps: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.flops_per_sample = float(flops_per_sample)
+        self.peak_flops = float(peak_flops)
+        self.world_size = int(world_size)
+        self._clock = clock
+        self.warmup_steps = int(warmup_steps)
+        self.steps_seen = 0
+        self._window: deque[tuple[float, float, int, int]] = deque(maxlen=max(1, window))
+        self._t_start: float | None = None
+        self._t_data: float | None = None
+        self.total_samples = 0
+        self.total_tokens = 0
+        self.last_step_time = float("nan")
+
+    def start_step(self) -> None:
+        """Call before fetching the step's first batch."""
+        self._t_start = self._clock()
+        self._t_data = None
+
+    def data_ready(self) -> None:
+        """Call once the batches are in hand; the time since ``start_step`` counts as data wait.
+
+        With gradient accumulation call it after each micro-batch fetch is fine too: the wait
+        is then measured up to the last call (an upper bound on the loader's share).
+        """
+        self._t_data = self._clock()
+
+    def end_step(self, samples: int, tokens: int) -> dict[str, float]:
+        """Close the step and return window-averaged rates, MFU and memory."""
+        now = self._clock()
+        if self._t_start is None:
+            raise RuntimeError("ThroughputMeter.end_step() called without start_step().")
+        step_time = now - self._t_start
+        wait = (self._t_data - self._t_start) if self._t_data is not None else 0.0
+        self._t_start = None
+        self.last_step_time = step_time
+        self.total_samples += int(samples)
+        self.total_tokens += int(tokens)
+        self._window.append((step_time, wait, int(samples), int(tokens)))
+
+        t = sum(w[0] for w in self._window)
+        n = len(self._window)
+        out: dict[str, float] = {
+            "step_time": t / n,
+            "data_wait_share": (sum(w[1] for w in self._window) / t) if t > 0 else 0.0,
+            "samples_per_s": (sum(w[2] for w in self._window) / t * self.world_size) if t > 0 else 0.0,
+            "tokens_per_s": (sum(w[3] for w in self._window) / t * self.world_size) if t > 0 else 0.0,
+        }
+        out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
+        if self.peak_flops > 0 and self.flops_per_sample > 0:
+            achieved = self.flops_per_sample * out["samples_per_s"]  # global model FLOP/s
+            out["mfu"] = achieved / (self.peak_flops * self.world_size)
+            out["tflops_per_device"] = achieved / self.world_size / 1e12
+        out.update(_device_memory_mb())
+        out["host_rss_mb"] = host_rss_mb()
+        self.steps_seen += 1
+        if self.steps_seen <= self.warmup_steps:
+            self._window.clear()  # first steps (loader start-up, allocator, compile) would skew averages
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total_samples": self.total_samples, "total_tokens": self.total_tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total_samples = int(state.get("total_samples", 0))
+        self.total_tokens = int(state.get("total_tokens", 0))
+
+
+def step_time_skew(local_step_time: float, gather_fn: Callable[[Any], Any], device: Any = None) -> dict[str, Any]:
+    """Gather every rank's step time and name the slowest rank (call on all ranks together).
+
+    ``gather_fn`` maps a 1-element tensor to the concatenation of all ranks' tensors in rank order
+    (``accelerator.gather`` does exactly that; pass ``device=accelerator.device`` for NCCL).
+    """
+    import torch
+
+    local = torch.tensor([float(local_step_time)], dtype=torch.float64, device=device)
+    times = [float(x) for x in gather_fn(local).detach().reshape(-1).cpu().tolist()]
+    if not times or any(math.isnan(x) for x in times):
+        raise ValueError(f"step_time_skew: gathered step times are unusable: {times}")
+    slowest = max(range(len(times)), key=times.__getitem__)
+    mean = sum(times) / len(times)
+    return {
+        "step_time_max": times[slowest],
+        "step_time_min": min(times),
+        "step_time_mean": mean,
+        "step_time_skew": times[slowest] / mean if mean > 0 else float("nan"),
+        "slowest_rank": slowest,
+        "step_times": times,
+    }

@@ -1,0 +1,127 @@
+"""Real text that ships with every Python: the demo's pretraining corpus and labelled task.
+
+Two sources, both read from the running interpreter, so the demo needs no network:
+- `pydoc_data.topics`: the language reference topics that `help()` shows (~0.5 MB).
+- docstrings of the standard library's own source files, read with `ast` (never imported, so no
+  module runs any code), ~1.5 MB.
+
+The fine-tuning task asks which standard-library package a docstring comes from. Its validation
+docstrings are held out of the pretraining corpus so the comparison with the majority class is fair.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import hashlib
+import io
+import sysconfig
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.config import atomic_write_text
+
+#: Packages whose docstrings form the classification task (the largest ones with distinct topics).
+TASK_PACKAGES = ("tkinter", "asyncio", "email", "logging", "xml")
+_SKIP_TOP_LEVEL = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "turtledemo", "ensurepip"}
+MIN_DOCSTRING_CHARS = 80
+
+
+@dataclass(frozen=True)
+class Docstring:
+    package: str  # top-level stdlib package or module
+    source: str  # file path relative to the stdlib root, for provenance
+    text: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    @property
+    def is_validation(self) -> bool:
+        """Deterministic 20 % held-out split by content hash."""
+        return int(self.digest[:8], 16) % 5 == 0
+
+
+def stdlib_docstrings(stdlib_dir: str | Path | None = None) -> Iterator[Docstring]:
+    """Module, class and function docstrings of the standard library, in a stable order."""
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in _SKIP_TOP_LEVEL or "tests" in rel.parts or "test" in rel.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        package = rel.parts[0].removesuffix(".py")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= MIN_DOCSTRING_CHARS:
+                    yield Docstring(package, str(rel), doc.strip())
+
+
+def pydoc_topics() -> dict[str, str]:
+    """The language-reference topics shipped in `pydoc_data` (what `help('for')` prints)."""
+    from pydoc_data.topics import topics
+
+    return dict(sorted(topics.items()))
+
+
+def write_pretraining_corpus(out_dir: str | Path, *, max_chars: int | None = None) -> dict[str, int]:
+    """One text file per pydoc topic and per stdlib module (docstrings separated by blank lines).
+
+    Docstrings held out for the classification task's validation split are left out.
+    ``max_chars`` caps the total size (for fast tests); the cap takes whole files in sorted order.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {}
+    for name, text in pydoc_topics().items():
+        files[f"topic-{name}"] = [text.strip()]
+    for doc in stdlib_docstrings():
+        if doc.package in TASK_PACKAGES and doc.is_validation:
+            continue
+        stem = doc.source.removesuffix(".py").replace("/", ".")
+        files.setdefault(f"module-{stem}", []).append(doc.text)
+    written, total = 0, 0
+    for name in sorted(files):
+        text = "\n\n".join(files[name]) + "\n"
+        if max_chars is not None and total + len(text) > max_chars and written:
+            break
+        atomic_write_text(out / f"{name}.txt", text)
+        written += 1
+        total += len(text)
+    return {"files": written, "chars": total}
+
+
+def write_classification_task(out_dir: str | Path, *, max_per_class: int | None = None) -> dict[str, object]:
+    """`train.tsv` / `validation.tsv` (columns `text`, `label`): which package is this docstring from?"""
+    out = Path(out_dir)
+    rows: dict[str, list[tuple[str, str]]] = {"train": [], "validation": []}
+    seen: Counter[tuple[str, str]] = Counter()
+    for doc in stdlib_docstrings():
+        if doc.package not in TASK_PACKAGES:
+            continue
+        split = "validation" if doc.is_validation else "train"
+        if max_per_class is not None and seen[(split, doc.package)] >= max_per_class:
+            continue
+        seen[(split, doc.package)] += 1
+        # One line per example: the label must come from the content, not from layout.
+        rows[split].append((" ".join(doc.text.split()), doc.package))
+    for split, items in rows.items():
+        buf = io.StringIO()
+        writer = csv.writer(buf, delimiter="\t", lineterminator="\n")
+        writer.writerows([("text", "label"), *items])
+        atomic_write_text(out / f"{split}.tsv", buf.getvalue())
+    val_labels = Counter(label for _, label in rows["validation"])
+    majority = max(val_labels.values()) / max(1, sum(val_labels.values()))
+    return {
+        "train": len(rows["train"]),
+        "validation": len(rows["validation"]),
+        "labels": sorted(TASK_PACKAGES),
+        "majority_baseline": majority,
+    }

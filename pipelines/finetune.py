@@ -1,0 +1,103 @@
+"""Fine-tuning: a released checkpoint + a task head, trained with the pretraining `Trainer`.
+
+`pretrain finetune CONFIG` (or `python -m pipelines.finetune CONFIG k=v…` under a launcher) loads
+a release directory — ours or any Hugging Face BERT-architecture directory — through
+`models.hf.from_hf`, attaches a sequence-classification head, trains it with the same engine as
+pretraining (accelerate/DeepSpeed, mixed precision, accumulation), evaluates every epoch, keeps
+the best epoch by the dev metric (early stopping optional) and writes `metrics.json` plus a
+release directory that `AutoModelForSequenceClassification` loads.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipelines.config import (
+    ConfigError,
+    DistributedConfig,
+    LoggingConfig,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    option,
+)
+from pipelines.finetune_data import FinetuneError  # noqa: F401  (re-exported for the CLI)
+
+
+@dataclass(kw_only=True)
+class FinetuneDataConfig:
+    """Labelled examples read from local files."""
+
+    train: str = option("", help="Training examples: .tsv, .csv or .jsonl with a header / JSON keys.")
+    validation: str = option("", help="Dev examples in the same format; selects the best epoch.")
+    text_column: str = option("text", help="Column holding the (first) text.")
+    text_pair_column: str = option("", help="Column holding the second text of a pair task (empty = single text).")
+    label_column: str = option("label", help="Column holding the label name (or a number for regression).")
+    regression: bool = option(False, help="Numeric labels, one output (num_labels = 1), MSE loss.")
+    max_seq_len: int = option(128, help="Tokens per example after truncation (longest side first for pairs).")
+    micro_batch_size: int = option(32, help="Examples per process per forward pass.")
+    max_bad_share: float = option(0.01, help="Fail when more than this share of a file's rows is bad.")
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    """A fine-tuning run; saved as run_dir/config.yaml like a pretraining run."""
+
+    checkpoint: str = option("", help="Release directory (config.json + weights + tokenizer) or a run checkpoint.")
+    init: Literal["pretrained", "random"] = option(
+        "pretrained", help="random = the same architecture from scratch (a baseline for the pretrained weights)."
+    )
+    epochs: int = option(3, help="Passes over the training set; sets train.max_steps.")
+    early_stopping_patience: int = option(0, help="Stop after this many epochs without a better dev metric (0 = off).")
+    selection_metric: str = option("accuracy", help="Dev metric that picks the best epoch (accuracy, macro_f1, mcc, pearson…).")
+    data: FinetuneDataConfig = option(help="Data.", default_factory=FinetuneDataConfig)
+    optim: OptimConfig = option(help="Optimizer.", default_factory=lambda: OptimConfig(lr=1e-4, weight_decay=0.01))
+    schedule: ScheduleConfig = option(
+        help="LR schedule.", default_factory=lambda: ScheduleConfig(warmup="linear", warmup_steps=10, decay="linear")
+    )
+    train: TrainConfig = option(
+        help="Training loop (max_steps comes from epochs).",
+        default_factory=lambda: TrainConfig(task="classification", run_dir="runs/finetune", resume="never"),
+    )
+    distributed: DistributedConfig = option(
+        help="Distribution.", default_factory=lambda: DistributedConfig(engine="ddp", zero_stage=0)
+    )
+    logging: LoggingConfig = option(help="Logging.", default_factory=lambda: LoggingConfig(tensorboard=True))
+
+    def __post_init__(self) -> None:
+        if self.train.task != "classification":
+            raise ConfigError(f"train.task must be 'classification' for fine-tuning here, got {self.train.task!r}.")
+        if self.epochs < 1:
+            raise ConfigError(f"epochs must be >= 1, got {self.epochs}.")
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Fine-tune and export; returns the dev metrics of the best epoch and the output paths."""
+    from pipelines.finetune_run import finetune_classification
+
+    return finetune_classification(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.finetune CONFIG [key=value…]` — the entry each launched process runs."""
+    import argparse
+
+    from pipelines.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m pipelines.finetune", description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+        run_finetune(cfg)
+    except (ConfigError, FinetuneError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

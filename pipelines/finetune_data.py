@@ -1,0 +1,186 @@
+"""Labelled examples for fine-tuning: read TSV/CSV/JSONL, validate, tokenize, batch.
+
+Bad examples (missing field, empty text, unknown label, a line that is not JSON) are counted with
+their file and line and skipped; reading fails with a clear message when their share exceeds
+``max_bad_share`` (default 1 %), because then the file or the column names are probably wrong.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class FinetuneError(RuntimeError):
+    """A problem with fine-tuning inputs the user must fix (message names the file and the fix)."""
+
+
+@dataclass
+class Example:
+    text: str
+    text_pair: str | None
+    label: int | float
+    where: str  # "file:line", for messages
+
+
+@dataclass
+class ReadReport:
+    path: str
+    total: int = 0
+    bad: Counter = field(default_factory=Counter)
+    first_bad: dict[str, str] = field(default_factory=dict)
+
+    def add_bad(self, rule: str, where: str) -> None:
+        self.bad[rule] += 1
+        self.first_bad.setdefault(rule, where)
+
+    @property
+    def bad_share(self) -> float:
+        return sum(self.bad.values()) / max(1, self.total)
+
+    def summary(self) -> str:
+        if not self.bad:
+            return f"{self.path}: {self.total} examples, none skipped"
+        parts = ", ".join(f"{n} {rule} (first at {self.first_bad[rule]})" for rule, n in self.bad.items())
+        return f"{self.path}: {self.total} examples, skipped {sum(self.bad.values())}: {parts}"
+
+
+def _rows(path: Path, report: ReadReport):
+    """Yield (line number, mapping) for each record; JSON lines that do not parse are reported."""
+    suffix = path.suffix.lower()
+    with path.open(encoding="utf-8", newline="") as fh:
+        if suffix == ".jsonl" or suffix == ".json":
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                report.total += 1
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    report.add_bad("not valid JSON", f"{path}:{lineno}")
+                    continue
+                if not isinstance(row, dict):
+                    report.add_bad("not a JSON object", f"{path}:{lineno}")
+                    continue
+                yield lineno, row
+        elif suffix in (".tsv", ".csv"):
+            reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
+            for row in reader:
+                report.total += 1
+                yield reader.line_num, row
+        else:
+            raise FinetuneError(
+                f"{path}: unsupported file type {suffix!r}. Use .tsv, .csv or .jsonl "
+                f"(one example per row with the text and label columns named in the config)."
+            )
+
+
+def read_examples(
+    path: str | Path,
+    *,
+    text_column: str,
+    label_column: str,
+    text_pair_column: str = "",
+    label_names: list[str] | None = None,
+    regression: bool = False,
+    max_bad_share: float = 0.01,
+) -> tuple[list[Example], list[str], ReadReport]:
+    """Read labelled examples; ``label_names`` fixes the label set (else it is taken from this file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FinetuneError(f"Fine-tuning data file {path} does not exist. Check data.train / data.validation.")
+    report = ReadReport(str(path))
+    raw: list[tuple[str, str | None, Any, str]] = []
+    columns = [text_column, label_column] + ([text_pair_column] if text_pair_column else [])
+    for lineno, row in _rows(path, report):
+        where = f"{path}:{lineno}"
+        if any(row.get(col) is None for col in columns):
+            report.add_bad("missing field", where)
+            continue
+        text = str(row[text_column]).strip()
+        pair = str(row[text_pair_column]).strip() if text_pair_column else None
+        if not text or (text_pair_column and not pair):
+            report.add_bad("empty text", where)
+            continue
+        raw.append((text, pair, row[label_column], where))
+
+    if report.total and report.bad_share == 1.0 and report.bad.get("missing field"):
+        raise FinetuneError(
+            f"{path}: no row has all of the columns {columns}. Set data.text_column / data.label_column "
+            f"(and data.text_pair_column for pairs) to the file's column names."
+        )
+    if regression:
+        label_names = label_names or ["score"]
+    elif label_names is None:
+        label_names = sorted({str(label) for *_, label, _ in raw})
+    index = {name: i for i, name in enumerate(label_names)}
+
+    examples: list[Example] = []
+    for text, pair, label, where in raw:
+        if regression:
+            try:
+                value: int | float = float(label)
+            except (TypeError, ValueError):
+                report.add_bad("label is not a number", where)
+                continue
+        elif str(label) in index:
+            value = index[str(label)]
+        else:
+            report.add_bad("label not in the label set", where)
+            continue
+        examples.append(Example(text, pair, value, where))
+
+    if report.bad_share > max_bad_share:
+        raise FinetuneError(
+            f"{report.summary()}. That is {report.bad_share:.1%} of the file, over the limit of "
+            f"{max_bad_share:.1%} (data.max_bad_share): fix the file or the column names in the config."
+        )
+    if not examples:
+        raise FinetuneError(f"{path}: no usable example. Check the file and the column names in the config.")
+    return examples, label_names, report
+
+
+def encode_examples(examples: list[Example], tokenizer: Any, max_seq_len: int) -> list[dict[str, Any]]:
+    """Tokenize to `[CLS] a [SEP] (b [SEP])` with segment ids, truncating the longer side first."""
+    texts = [ex.text for ex in examples]
+    pairs = [ex.text_pair for ex in examples] if examples and examples[0].text_pair is not None else None
+    enc = tokenizer(
+        texts,
+        pairs,
+        truncation="longest_first",
+        max_length=max_seq_len,
+        return_token_type_ids=True,
+        return_attention_mask=False,
+    )
+    return [
+        {"input_ids": ids, "token_type_ids": types, "label": ex.label}
+        for ids, types, ex in zip(enc["input_ids"], enc["token_type_ids"], examples, strict=True)
+    ]
+
+
+def collate_classification(features: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Pad to the longest sequence in the batch (dynamic padding keeps short batches cheap)."""
+    import torch
+
+    width = max(len(f["input_ids"]) for f in features)
+    n = len(features)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    token_type_ids = torch.zeros((n, width), dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    for i, f in enumerate(features):
+        k = len(f["input_ids"])
+        input_ids[i, :k] = torch.tensor(f["input_ids"])
+        token_type_ids[i, :k] = torch.tensor(f["token_type_ids"])
+        attention_mask[i, :k] = 1
+    labels = [f["label"] for f in features]
+    label_tensor = torch.tensor(labels, dtype=torch.float if isinstance(labels[0], float) else torch.long)
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": token_type_ids,
+        "attention_mask": attention_mask,
+        "labels": label_tensor,
+    }

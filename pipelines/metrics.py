@@ -1,0 +1,83 @@
+"""Downstream-task metrics, implemented from their definitions (no sklearn at run time).
+
+Classification: accuracy, macro-F1 (unweighted mean of per-class F1), Matthews correlation
+(multi-class form, Gorodkin 2004: MCC = (c·s − Σ_k p_k t_k) / sqrt((s² − Σ p_k²)(s² − Σ t_k²)))
+and, for regression, Pearson r and Spearman ρ (Pearson of the ranks, ties averaged).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def accuracy(pred: Sequence[int], gold: Sequence[int]) -> float:
+    pred, gold = np.asarray(pred), np.asarray(gold)
+    return float((pred == gold).mean()) if len(gold) else 0.0
+
+
+def confusion_matrix(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> np.ndarray:
+    """cm[t, p] counts examples of true class t predicted as p."""
+    cm = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(cm, (np.asarray(gold, dtype=np.int64), np.asarray(pred, dtype=np.int64)), 1)
+    return cm
+
+
+def macro_f1(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
+    """Mean over classes of F1 = 2·TP / (2·TP + FP + FN); a class absent from both counts as 0."""
+    cm = confusion_matrix(pred, gold, num_labels)
+    tp = np.diag(cm).astype(float)
+    denom = 2 * tp + (cm.sum(0) - tp) + (cm.sum(1) - tp)
+    f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
+    return float(f1.mean())
+
+
+def matthews_corrcoef(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
+    """Multi-class MCC from the confusion matrix; 0 when either marginal is constant."""
+    cm = confusion_matrix(pred, gold, num_labels).astype(float)
+    c, s = np.trace(cm), cm.sum()
+    p, t = cm.sum(0), cm.sum(1)
+    num = c * s - (p * t).sum()
+    den = math.sqrt((s * s - (p * p).sum()) * (s * s - (t * t).sum()))
+    return float(num / den) if den > 0 else 0.0
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    xc, yc = x - x.mean(), y - y.mean()
+    den = math.sqrt((xc * xc).sum() * (yc * yc).sum())
+    return float((xc * yc).sum() / den) if den > 0 else 0.0
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=float)
+    ranks[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):  # average the ranks of ties
+        tied = x == value
+        if tied.sum() > 1:
+            ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    return pearson(_ranks(np.asarray(x, dtype=float)), _ranks(np.asarray(y, dtype=float)))
+
+
+def classification_metrics(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> dict[str, float]:
+    return {
+        "accuracy": accuracy(pred, gold),
+        "macro_f1": macro_f1(pred, gold, num_labels),
+        "mcc": matthews_corrcoef(pred, gold, num_labels),
+    }
+
+
+def regression_metrics(pred: Sequence[float], gold: Sequence[float]) -> dict[str, float]:
+    pred_a, gold_a = np.asarray(pred, dtype=float), np.asarray(gold, dtype=float)
+    return {
+        "mse": float(((pred_a - gold_a) ** 2).mean()) if len(gold_a) else 0.0,
+        "pearson": pearson(pred_a, gold_a),
+        "spearman": spearman(pred_a, gold_a),
+    }

@@ -1,0 +1,316 @@
+"""Optimizers by name (Adam, AdamW, RAdam, LAMB) with no weight decay on biases and norm weights.
+
+``build_optimizer(model, cfg, offload=...)`` is the one entry point. It builds two parameter
+groups (decay / no decay, see ``no_weight_decay``) and calls the factory registered under
+``cfg.name``. The same object works as a DeepSpeed *client optimizer* under every ZeRO stage; the
+DeepSpeed config must then carry ``deepspeed_optimizer_fields(cfg, offload=...)`` and must not
+have an ``optimizer`` section.
+
+- ``adam``  Kingma & Ba 2015 (arXiv:1412.6980); weight decay is the classic L2 term added to g.
+- ``adamw`` Loshchilov & Hutter 2019 (arXiv:1711.05101); decoupled decay w <- w - lr*lambda*w.
+- ``radam`` Liu et al. 2020 (arXiv:1908.03265, Algorithm 2), ``torch.optim.RAdam``; L2 decay, or
+  decoupled with ``optim.decoupled_weight_decay``. ``radam_rectification`` gives rho_t and r_t.
+- ``lamb``  You et al. 2020 (arXiv:1904.00962, Algorithm 2): DeepSpeed's ``FusedLamb`` on CUDA,
+  our ``Lamb`` otherwise.
+
+ZeRO-Offload (``offload=True``) maps adam/adamw to ``deepspeed.ops.adam.DeepSpeedCPUAdam``
+(``adamw_mode`` = decoupled). RAdam and LAMB have no DeepSpeed CPU kernel: they run as PyTorch
+optimizers on the offloaded CPU partitions, which DeepSpeed refuses unless
+``zero_force_ds_cpu_optimizer`` is false (``deepspeed_optimizer_fields`` sets it).
+
+Caveat, LAMB under ZeRO >= 1: DeepSpeed flattens every parameter group into one flat fp32
+partition per rank before the optimizer sees it, so the layer-wise trust ratio becomes one ratio
+per (group, rank partition). Adam/AdamW/RAdam are element-wise and unaffected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from pipelines.config import ConfigError, OptimConfig
+
+__all__ = [
+    "OPTIMIZERS",
+    "register_optimizer",
+    "list_optimizers",
+    "no_weight_decay",
+    "param_groups",
+    "build_optimizer",
+    "deepspeed_optimizer_fields",
+    "radam_rectification",
+    "lamb_trust_ratio",
+    "Lamb",
+]
+
+OptimizerFactory = Callable[[list[dict], OptimConfig, bool], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, OptimizerFactory] = {}
+
+# Norm layers are recognised by these name fragments (lower-cased), e.g. BERT's ``LayerNorm``,
+# GPT-2's ``ln_1``/``ln_f``, ``norm1``, ``final_norm``.
+_NORM_FRAGMENTS = ("norm", "ln_", "ln.")
+
+
+def register_optimizer(name: str):
+    """Register ``factory(param_groups, cfg, offload) -> Optimizer`` under ``name``."""
+
+    def deco(fn: OptimizerFactory) -> OptimizerFactory:
+        if name in OPTIMIZERS:
+            raise ValueError(f"optimizer {name!r} is already registered")
+        OPTIMIZERS[name] = fn
+        return fn
+
+    return deco
+
+
+def list_optimizers() -> list[str]:
+    return sorted(OPTIMIZERS)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter groups
+# --------------------------------------------------------------------------------------------
+
+
+def no_weight_decay(name: str, param: torch.Tensor, extra: Iterable[str] = ()) -> bool:
+    """True when ``param`` must not be decayed.
+
+    Rule: ``ndim < 2`` (biases, norm gains, scalars) or the name ends with ``bias`` or a name
+    component contains a norm fragment (``norm``, ``ln_``) or the name is in ``extra`` (a model's
+    ``no_weight_decay()`` set, the timm convention, e.g. ViT's ``cls_token``/``pos_embed``).
+    Embedding matrices (2-D) are decayed, as in BERT.
+    """
+    lowered = name.lower()
+    if param.ndim < 2 or lowered.endswith("bias") or name in set(extra):
+        return True
+    parts = lowered.split(".")[:-1]  # module path without the tensor's own name
+    return any(frag in part + "." for part in parts for frag in _NORM_FRAGMENTS)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """``[{"params": decayed, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]``, empty groups dropped.
+
+    Frozen parameters (``requires_grad=False``) are left out. Each group also carries
+    ``"group_name"`` ("decay" / "no_decay"), which torch and DeepSpeed keep untouched.
+    """
+    extra = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if no_weight_decay(name, p, extra) else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "group_name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "group_name": "no_decay"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# --------------------------------------------------------------------------------------------
+# RAdam rectification and the LAMB trust ratio (pure functions, shared with diagnostics)
+# --------------------------------------------------------------------------------------------
+
+
+def radam_rectification(step: int, beta2: float) -> tuple[float, float | None]:
+    """RAdam's (rho_t, r_t) after ``step`` updates (Liu et al. 2020, arXiv:1908.03265, eqs. 5-6 and Alg. 2).
+
+    rho_inf = 2 / (1 - beta2) - 1,  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t),
+    r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t)) when rho_t > 5
+    (torch.optim.RAdam's threshold; the paper uses 4), else None: the update is then un-adapted
+    SGD with momentum. ``step`` is t >= 1 (the update being taken).
+    """
+    if step < 1:
+        raise ValueError(f"radam_rectification needs step >= 1, got {step}")
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    beta2_t = beta2**step
+    rho_t = rho_inf - 2.0 * step * beta2_t / (1.0 - beta2_t)
+    if rho_t <= 5.0:
+        return rho_t, None
+    r_t = math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+    return rho_t, r_t
+
+
+def lamb_trust_ratio(w_norm: float, u_norm: float, *, min_ratio: float = 0.01, max_ratio: float = 10.0) -> float:
+    """phi(||w||) / ||u|| with phi the identity, clamped to [min_ratio, max_ratio]; 1 if either norm is 0.
+
+    You et al. 2020 (arXiv:1904.00962), Algorithm 2; the clamp bounds are FusedLamb's
+    ``min_coeff``/``max_coeff`` defaults, so both LAMB paths agree.
+    """
+    if w_norm <= 0.0 or u_norm <= 0.0:
+        return 1.0
+    return min(max(w_norm / u_norm, min_ratio), max_ratio)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB, You et al. 2020 (arXiv:1904.00962), Algorithm 2, per parameter tensor:
+
+        m_t = b1 m + (1 - b1) g,        v_t = b2 v + (1 - b2) g^2
+        m^ = m_t / (1 - b1^t),          v^ = v_t / (1 - b2^t)        (if bias_correction)
+        u  = m^ / (sqrt(v^) + eps) + lambda w
+        w <- w - lr * trust * u,        trust = clamp(||w|| / ||u||, min, max), 1 if a norm is 0
+
+    The last trust ratio of each tensor is kept in ``state[p]["trust_ratio"]`` for diagnostics.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        bias_correction: bool = True,
+        min_trust_ratio: float = 0.01,
+        max_trust_ratio: float = 10.0,
+    ) -> None:
+        if lr <= 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid Lamb hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            min_trust_ratio=min_trust_ratio,
+            max_trust_ratio=max_trust_ratio,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                grad = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                if group["bias_correction"]:
+                    m_hat, v_hat = m / (1.0 - beta1**t), v / (1.0 - beta2**t)
+                else:
+                    m_hat, v_hat = m, v
+                w = p.float()
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"] != 0.0:
+                    update.add_(w, alpha=group["weight_decay"])
+                ratio = lamb_trust_ratio(
+                    float(torch.linalg.vector_norm(w)),
+                    float(torch.linalg.vector_norm(update)),
+                    min_ratio=group["min_trust_ratio"],
+                    max_ratio=group["max_trust_ratio"],
+                )
+                state["trust_ratio"] = torch.tensor(ratio)
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * ratio)
+        return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Registered factories
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_adam(groups: list[dict], cfg: OptimConfig, *, adamw_mode: bool) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=adamw_mode)
+
+
+@register_optimizer("adam")
+def _adam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    """Adam with L2 weight decay (Kingma & Ba 2015): g <- g + lambda w before the moments."""
+    if offload:
+        return _cpu_adam(groups, cfg, adamw_mode=False)
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+@register_optimizer("adamw")
+def _adamw(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019): w <- w - lr (m^/(sqrt(v^)+eps) + lambda w)."""
+    if offload:
+        return _cpu_adam(groups, cfg, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+@register_optimizer("radam")
+def _radam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    """RAdam (Liu et al. 2020, Alg. 2) via torch.optim.RAdam; ``decoupled_weight_decay`` selects AdamW-style decay."""
+    return torch.optim.RAdam(
+        groups,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        decoupled_weight_decay=cfg.decoupled_weight_decay,
+    )
+
+
+@register_optimizer("lamb")
+def _lamb(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+    """LAMB (You et al. 2020, Alg. 2): DeepSpeed FusedLamb when CUDA tensors are optimized, else ``Lamb``."""
+    on_cuda = not offload and any(p.is_cuda for g in groups for p in g["params"])
+    if on_cuda:
+        try:
+            from deepspeed.ops.lamb import FusedLamb
+
+            return FusedLamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, max_coeff=10.0, min_coeff=0.01)
+        except Exception as exc:  # the CUDA op could not be built/loaded: the PyTorch path is exact, only slower
+            warnings.warn(f"FusedLamb unavailable ({exc}); using the PyTorch Lamb.", stacklevel=3)
+    return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, offload: bool = False) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` over ``param_groups(model, cfg.weight_decay)``.
+
+    Build it after the model is on its device (FusedLamb is chosen for CUDA parameters).
+    ``offload=True`` is DeepSpeed ZeRO-Offload of the optimizer (``distributed.offload_optimizer``).
+    """
+    factory = OPTIMIZERS.get(cfg.name)
+    if factory is None:
+        close = difflib.get_close_matches(cfg.name, list(OPTIMIZERS), n=1, cutoff=0.5)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise ConfigError(f"Unknown optim.name `{cfg.name}`.{hint} Choose one of: {', '.join(list_optimizers())}.")
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ConfigError("The model has no trainable parameters to optimize.")
+    return factory(groups, cfg, offload)
+
+
+def deepspeed_optimizer_fields(cfg: OptimConfig, *, offload: bool = False) -> dict:
+    """Top-level DeepSpeed config entries needed to run ``build_optimizer``'s result as a client optimizer.
+
+    - ``zero_allow_untested_optimizer: true``: ZeRO asserts on optimizers outside its tested list
+      (torch Adam/AdamW, FusedAdam, DeepSpeedCPUAdam, ...), which RAdam, Lamb and FusedLamb are.
+    - ``zero_force_ds_cpu_optimizer: false`` with offload for radam/lamb: otherwise ZeRO-Offload
+      refuses any optimizer but DeepSpeedCPUAdam.
+    - ``gradient_clipping``: under DeepSpeed the engine clips (``optim.grad_clip``, 0 = off).
+    The config must not contain an ``optimizer`` section (DeepSpeed would build its own).
+    """
+    fields: dict = {"zero_allow_untested_optimizer": True, "gradient_clipping": float(cfg.grad_clip)}
+    if offload and cfg.name not in ("adam", "adamw"):
+        fields["zero_force_ds_cpu_optimizer"] = False
+    return fields

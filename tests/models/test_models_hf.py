@@ -1,0 +1,260 @@
+"""Exact interop with transformers: ours -> to_hf, transformers checkpoint -> from_hf, round trips."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import TINY_TEXT, TINY_VIT, text_batch
+
+import models
+from models import hf as H
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-5
+
+
+def maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+def hf_bert_config(**kw):
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=16)  # fmt: skip
+    return transformers.BertConfig(**{**base, **kw})
+
+
+def randomize_(model):
+    """transformers' init leaves LayerNorm at (1, 0) and biases at 0; perturb so the test sees every tensor."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+# ---------------------------------------------------------------- BERT
+
+
+def test_bert_pretraining_to_hf_same_outputs_and_loss():
+    ours = randomize_(models.create("bert-tiny", **TINY_TEXT)).eval()
+    hf = H.to_hf(ours)
+    assert isinstance(hf, transformers.BertForPreTraining)
+    ids, mask, types = text_batch()
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = ids[:, 2]
+    nsp = torch.tensor([0, 1])
+    a = ours(ids, mask, types, labels=labels, next_sentence_label=nsp)
+    b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels, next_sentence_label=nsp)
+    assert maxdiff(a["prediction_logits"], b.prediction_logits) < TOL
+    assert maxdiff(a["seq_relationship_logits"], b.seq_relationship_logits) < TOL
+    assert abs(a["loss"].item() - b.loss.item()) < TOL
+
+
+def test_bert_from_hf_checkpoint_dir_same_outputs(tmp_path):
+    hf = randomize_(transformers.BertForPreTraining(hf_bert_config())).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours, report = H.from_hf(tmp_path)
+    assert isinstance(ours, models.BertForPreTraining) and ours.family == "bert"
+    assert report.missing == [] and report.unexpected == []
+    ids, mask, types = text_batch()
+    a, b = ours.eval()(ids, mask, types), hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert maxdiff(a["prediction_logits"], b.prediction_logits) < TOL
+    assert maxdiff(a["seq_relationship_logits"], b.seq_relationship_logits) < TOL
+
+
+def test_bert_round_trip_is_lossless(tmp_path):
+    ours = randomize_(models.create("bert-tiny", **TINY_TEXT))
+    H.to_hf(ours).save_pretrained(tmp_path, safe_serialization=True)
+    back, report = H.from_hf(tmp_path)
+    assert report.missing == [] and report.unexpected == []
+    sd_a, sd_b = ours.state_dict(), back.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    assert back.config == ours.config
+
+
+def test_bert_model_release_initializes_and_reports_missing_heads(tmp_path):
+    hf = transformers.BertModel(hf_bert_config(), add_pooling_layer=False)
+    hf.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="freshly initialized"):
+        ours, report = H.from_hf(tmp_path, head="pretraining")
+    assert isinstance(ours, models.BertForPreTraining)
+    assert set(report.missing) == {
+        "bert.pooler.weight", "bert.pooler.bias", "mlm.dense.weight", "mlm.dense.bias", "mlm.norm.weight",
+        "mlm.norm.bias", "mlm.decoder.bias", "nsp.weight", "nsp.bias",
+    }  # fmt: skip
+    # the encoder itself was loaded exactly
+    ids, mask, types = text_batch()
+    a = ours.eval().bert(ids, mask, types)["last_hidden_state"]
+    assert maxdiff(a, hf.eval()(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state) < TOL
+
+
+def test_bert_model_release_defaults_to_encoder(tmp_path):
+    H.to_hf(models.BertEncoder(models.get_config("bert-tiny", **TINY_TEXT))).save_pretrained(tmp_path)
+    enc, report = H.from_hf(tmp_path)
+    assert isinstance(enc, models.BertEncoder) and enc.pooler is not None
+    assert report.missing == [] and report.unexpected == []
+
+
+def test_unexpected_keys_are_listed_and_bin_is_read_weights_only(tmp_path):
+    hf = transformers.BertForPreTraining(hf_bert_config())
+    hf.config.save_pretrained(tmp_path)
+    sd = {k: v for k, v in hf.state_dict().items() if "decoder" not in k}
+    sd["bert.extra.weight"] = torch.zeros(3)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    ours, report = H.from_hf(tmp_path)
+    assert report.unexpected == ["bert.extra.weight"]
+    assert report.missing == []
+    assert torch.equal(ours.bert.embeddings.word_embeddings.weight, hf.bert.embeddings.word_embeddings.weight)
+
+
+def test_legacy_gamma_beta_layernorm_names(tmp_path):
+    hf = randomize_(transformers.BertModel(hf_bert_config())).eval()
+    hf.config.save_pretrained(tmp_path)
+    sd = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v.contiguous()
+          for k, v in hf.state_dict().items()}  # fmt: skip
+    save_file(sd, tmp_path / "model.safetensors")
+    enc, report = H.from_hf(tmp_path, head="encoder")
+    assert isinstance(enc, models.BertEncoder) and report.missing == [] and report.unexpected == []
+    ids, mask, types = text_batch()
+    b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    a = enc.eval()(ids, mask, types)
+    assert maxdiff(a["last_hidden_state"], b.last_hidden_state) < TOL
+    assert maxdiff(a["pooler_output"], b.pooler_output) < TOL
+
+
+def test_sinusoidal_bert_converts_with_the_table_as_positions():
+    ours = randomize_(models.create("bert-tiny", **TINY_TEXT, position_embedding="sinusoidal")).eval()
+    hf = H.to_hf(ours)
+    ids, mask, types = text_batch()
+    b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert maxdiff(ours(ids, mask, types)["prediction_logits"], b.prediction_logits) < TOL
+
+
+@pytest.mark.parametrize("overrides", [{"norm_placement": "pre"}, {"init": "t-fixup"}])
+def test_variants_without_hf_equivalent_refuse(overrides):
+    with pytest.raises(ValueError, match="no transformers equivalent"):
+        H.to_hf(models.create("bert-tiny", **TINY_TEXT, **overrides))
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_sequence_classifier_round_trip(tmp_path, num_labels):
+    bert = randomize_(models.create("bert-tiny", **TINY_TEXT))
+    id2label = {0: "neg", 1: "neu", 2: "pos"} if num_labels == 3 else None
+    clf = models.SequenceClassifier.from_pretrained_encoder(bert, num_labels, id2label=id2label).eval()
+    hf = H.to_hf(clf)
+    assert isinstance(hf, transformers.BertForSequenceClassification)
+    if id2label:
+        assert hf.config.id2label == id2label
+    ids, mask, types = text_batch()
+    labels = torch.tensor([2, 0]) if num_labels == 3 else torch.tensor([0.5, -1.0])
+    a = clf(ids, mask, types, labels=labels)
+    b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    assert maxdiff(a["logits"], b.logits) < TOL and abs(a["loss"].item() - b.loss.item()) < TOL
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    back, report = H.from_hf(tmp_path)
+    assert isinstance(back, models.SequenceClassifier) and back.num_labels == num_labels
+    assert back.id2label == id2label and report.missing == [] and report.unexpected == []
+    assert maxdiff(back.eval()(ids, mask, types)["logits"], a["logits"]) == 0
+
+
+def test_pretrained_bert_dir_loads_into_new_classifier(tmp_path):
+    transformers.BertForPreTraining(hf_bert_config()).save_pretrained(tmp_path)
+    clf, report = H.from_hf(tmp_path, head="classification", num_labels=4)
+    assert isinstance(clf, models.SequenceClassifier) and clf.num_labels == 4
+    assert set(report.missing) == {"classifier.weight", "classifier.bias"}
+    assert any(k.startswith("cls.") for k in report.unexpected)  # the MLM/NSP heads are not used
+
+
+def test_question_answering_round_trip(tmp_path):
+    qa = models.QuestionAnswering.from_pretrained_encoder(randomize_(models.create("bert-tiny", **TINY_TEXT))).eval()
+    assert qa.backbone.pooler is None
+    hf = H.to_hf(qa)
+    assert isinstance(hf, transformers.BertForQuestionAnswering)
+    ids, mask, types = text_batch()
+    s, e = torch.tensor([1, 2]), torch.tensor([3, 20])  # 20 is out of range: clamped and ignored
+    a = qa(ids, mask, types, start_positions=s, end_positions=e)
+    b = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, start_positions=s, end_positions=e)
+    assert maxdiff(a["start_logits"], b.start_logits) < TOL and maxdiff(a["end_logits"], b.end_logits) < TOL
+    assert abs(a["loss"].item() - b.loss.item()) < TOL
+    hf.save_pretrained(tmp_path)
+    back, report = H.from_hf(tmp_path)
+    assert isinstance(back, models.QuestionAnswering) and report.missing == [] and report.unexpected == []
+    assert maxdiff(back.eval()(ids, mask, types)["start_logits"], a["start_logits"]) == 0
+
+
+# ---------------------------------------------------------------- GPT-2
+
+
+def test_gpt_to_hf_same_logits_causal_with_padding_and_shifted_loss():
+    ours = randomize_(models.create("gpt-tiny", **TINY_TEXT)).eval()
+    hf = H.to_hf(ours)
+    assert isinstance(hf, transformers.GPT2LMHeadModel)
+    ids, mask, _ = text_batch()
+    a, b = ours(ids, mask)["logits"], hf(input_ids=ids, attention_mask=mask).logits
+    assert maxdiff(a[0], b[0]) < TOL and maxdiff(a[1, :5], b[1, :5]) < TOL  # padded positions are don't-care
+    ids = ids[:1]
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # the collator's shift
+    assert abs(ours(ids, labels=labels)["loss"].item() - hf(input_ids=ids, labels=ids).loss.item()) < TOL
+    # causal: changing a later token leaves earlier logits unchanged
+    ids2 = ids.clone()
+    ids2[0, -1] = (ids2[0, -1] + 1) % 64
+    assert torch.allclose(ours(ids)["logits"][:, :-1], ours(ids2)["logits"][:, :-1], atol=1e-6)
+
+
+def test_gpt_from_hf_dir_and_round_trip(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    hf = randomize_(transformers.GPT2LMHeadModel(cfg)).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours, report = H.from_hf(tmp_path)
+    assert isinstance(ours, models.GPT) and report.missing == [] and report.unexpected == []
+    ids, _, _ = text_batch(pad_from=None)
+    assert maxdiff(ours.eval()(ids)["logits"], hf(input_ids=ids).logits) < TOL
+    H.to_hf(ours).save_pretrained(tmp_path / "again")
+    a, b = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- ViT
+
+
+def vit_pixels(size):
+    return torch.randn(2, 3, *size)
+
+
+def test_vit_to_hf_same_logits_also_at_another_image_size():
+    ours = randomize_(models.create("vit-tiny", **TINY_VIT)).eval()
+    hf = H.to_hf(ours)
+    assert isinstance(hf, transformers.ViTForImageClassification)
+    x = vit_pixels((8, 8))
+    assert maxdiff(ours(x)["logits"], hf(pixel_values=x).logits) < TOL
+    x = vit_pixels((16, 12))  # a 4x3 patch grid: bicubic-resized positions
+    assert maxdiff(ours(x)["logits"], hf(pixel_values=x, interpolate_pos_encoding=True).logits) < TOL
+    labels = torch.tensor([0, 2])
+    assert abs(ours(x, labels)["loss"].item() - hf(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss.item()) < TOL
+
+
+def test_vit_from_hf_dir_instance_and_round_trip(tmp_path):
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 image_size=8, patch_size=4, num_labels=3, id2label={0: "cat", 1: "dog", 2: "fox"},
+                                 label2id={"cat": 0, "dog": 1, "fox": 2})  # fmt: skip
+    hf = randomize_(transformers.ViTForImageClassification(cfg)).eval()
+    hf.save_pretrained(tmp_path)
+    x = vit_pixels((8, 8))
+    for src in (tmp_path, hf):  # on-disk names and transformers' in-memory names
+        ours, report = H.from_hf(src)
+        assert isinstance(ours, models.ViT) and report.missing == [] and report.unexpected == []
+        assert ours.config.id2label == {0: "cat", 1: "dog", 2: "fox"}
+        assert maxdiff(ours.eval()(x)["logits"], hf(pixel_values=x).logits) < TOL
+    H.to_hf(ours).save_pretrained(tmp_path / "again")
+    a, b = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["id2label"]["1"] == "dog"
+
+
+def test_vit_new_label_count_reinitializes_only_the_head(tmp_path):
+    H.to_hf(models.create("vit-tiny", **TINY_VIT)).save_pretrained(tmp_path)
+    ours, report = H.from_hf(tmp_path, num_labels=5)
+    assert ours.config.num_labels == 5
+    assert report.missing == ["head.bias", "head.weight"]
+    assert report.unexpected == ["classifier.bias", "classifier.weight"]

@@ -1,0 +1,58 @@
+"""Monitoring must cost < 2 % of a small training step at default settings (log every 10 steps)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from monitoring import HealthMonitor, RunLogger, ThroughputMeter
+from pipelines.config import LoggingConfig, TrainConfig
+
+
+def test_logging_overhead_below_two_percent(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                             record_property) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    cfg = LoggingConfig()  # defaults: TensorBoard on, progress on (compact lines: no TTY here)
+    log_every = TrainConfig().log_every
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 256)
+    logger = RunLogger(tmp_path, cfg, is_main=True, total_steps=1000, config_dict={"a": 1})
+    health = HealthMonitor(cfg, logger)
+    meter = ThroughputMeter(flops_per_sample=6 * 2 * 256 * 1024, peak_flops=1e11)
+    train_time = monitor_time = 0.0
+    steps = 60
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        meter.start_step()
+        meter.data_ready()
+        t1 = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss_value = loss.item()
+        t2 = time.perf_counter()
+        status = health.check(step, loss_value, grad_norm)
+        t3 = time.perf_counter()
+        if status == "ok":
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        stats = meter.end_step(samples=64, tokens=64 * 128)
+        health.observe_data_wait(step, stats["data_wait_share"])
+        if step % log_every == 0:
+            logger.log(step, {"loss": loss_value, "lr": 1e-3, "grad_norm": grad_norm, **stats})
+        t5 = time.perf_counter()
+        train_time += (t2 - t1) + (t4 - t3)
+        monitor_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
+    logger.close()
+    capsys.readouterr()
+    share = monitor_time / train_time
+    record_property("monitoring_overhead_share", share)
+    print(f"\nmonitoring overhead: {monitor_time / steps * 1e6:.0f} us/step = {share:.2%} of a "
+          f"{train_time / steps * 1e3:.1f} ms step (log_every={log_every})")
+    assert share < 0.02

@@ -1,0 +1,65 @@
+"""Reading labelled examples: formats, label sets, bad rows counted with file and line."""
+
+import json
+
+import pytest
+
+from pipelines.finetune_data import FinetuneError, collate_classification, read_examples
+
+
+def write_tsv(path, rows):
+    path.write_text("\n".join("\t".join(r) for r in rows) + "\n")
+    return path
+
+
+def test_tsv_label_set_is_sorted_and_shared(tmp_path):
+    train = write_tsv(tmp_path / "train.tsv", [("text", "label"), ("a b", "pos"), ("c d", "neg"), ("e", "pos")])
+    examples, labels, report = read_examples(train, text_column="text", label_column="label")
+    assert labels == ["neg", "pos"] and [e.label for e in examples] == [1, 0, 1]
+    val = write_tsv(tmp_path / "val.tsv", [("text", "label"), ("x", "neg")])
+    val_examples, _, _ = read_examples(val, text_column="text", label_column="label", label_names=labels)
+    assert val_examples[0].label == 0
+
+
+def test_bad_rows_are_counted_then_fail_over_threshold(tmp_path):
+    rows = [("text", "label")] + [(f"doc {i}", "a") for i in range(200)] + [("", "a"), ("odd", "zzz")]
+    path = write_tsv(tmp_path / "train.tsv", rows)
+    examples, _, report = read_examples(
+        path, text_column="text", label_column="label", label_names=["a"], max_bad_share=0.02
+    )
+    assert len(examples) == 200
+    assert report.bad == {"empty text": 1, "label not in the label set": 1}
+    assert f"{path}:203" in report.first_bad["label not in the label set"]
+    with pytest.raises(FinetuneError, match=r"over the limit of 0\.5%"):
+        read_examples(path, text_column="text", label_column="label", label_names=["a"], max_bad_share=0.005)
+
+
+def test_jsonl_pairs_and_broken_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    lines = [json.dumps({"q": f"q{i}", "p": f"p{i}", "y": i % 2}) for i in range(300)] + ['{"q": "trunc']
+    path.write_text("\n".join(lines) + "\n")
+    examples, labels, report = read_examples(path, text_column="q", text_pair_column="p", label_column="y")
+    assert labels == ["0", "1"] and examples[1].text_pair == "p1"
+    assert report.bad == {"not valid JSON": 1} and report.first_bad["not valid JSON"] == f"{path}:301"
+
+
+def test_wrong_column_names_and_missing_file(tmp_path):
+    path = write_tsv(tmp_path / "train.tsv", [("sentence", "y"), ("a", "1")])
+    with pytest.raises(FinetuneError, match="data.text_column"):
+        read_examples(path, text_column="text", label_column="label")
+    with pytest.raises(FinetuneError, match="does not exist"):
+        read_examples(tmp_path / "nope.tsv", text_column="text", label_column="label")
+
+
+def test_regression_labels_and_collate(tmp_path):
+    path = write_tsv(tmp_path / "train.tsv", [("text", "score"), ("a", "0.5"), ("b", "2")])
+    examples, labels, _ = read_examples(path, text_column="text", label_column="score", regression=True)
+    assert labels == ["score"] and [e.label for e in examples] == [0.5, 2.0]
+    batch = collate_classification(
+        [{"input_ids": [2, 5, 3], "token_type_ids": [0, 0, 0], "label": 0.5},
+         {"input_ids": [2, 3], "token_type_ids": [0, 0], "label": 2.0}],
+        pad_id=0,
+    )
+    assert batch["input_ids"].tolist() == [[2, 5, 3], [2, 3, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].dtype.is_floating_point
