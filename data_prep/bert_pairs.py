@@ -62,13 +62,13 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Rand
 
 def _random_span(docs: list[list[np.ndarray]], doc_index: int, target: int, rng: random.Random) -> list[int] | None:
     other = doc_index
-    for _ in range(10):  # as in the original: a few tries to draw a different document
+    for _ in range(10):  # as in the original: a few tries to draw a different (non-empty) document
         other = rng.randrange(len(docs))
-        if other != doc_index:
+        if other != doc_index and any(len(s) for s in docs[other]):
             break
-    if other == doc_index:
+    else:
         return None
-    sentences = docs[other]
+    sentences = [s for s in docs[other] if len(s)]
     span: list[int] = []
     for sent in sentences[rng.randrange(len(sentences)) :]:
         span.extend(sent.tolist())

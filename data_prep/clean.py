@@ -96,7 +96,7 @@ def clean_text(text: str, cfg: CleanConfig, stats: Stats) -> str | None:
     if cfg.normalize_whitespace:
         lines = [_SPACES.sub(" ", line).strip() for line in text.split("\n")]
         normal = _BLANKS.sub("\n\n", "\n".join(lines)).strip()
-        if normal != text:
+        if normal != text.strip():
             stats.add("modified.whitespace")
         text = normal
     if len(text) < cfg.min_chars or not text.strip():

@@ -83,6 +83,34 @@ def sample_docs(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[p
     yield pa.table({"hash": [""], "text": [""], "stats": [json.dumps(stats.to_dict())]}, schema=schema)
 
 
+def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[list[bytes], list[bytes]]:
+    """Token bytes per document, and (BERT) the int32 token count of each of its sentences."""
+    if kind != "bert_pairs":
+        ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+        return [np.asarray(i, dtype=dtype).tobytes() for i in ids], [b""] * len(ids)
+    sentences = [split_sentences(t) for t in texts]
+    flat = [s for doc in sentences for s in doc]
+    ids = [e.ids for e in tok.encode_batch_fast(flat, add_special_tokens=False)] if flat else []
+    tokens, sents, k = [], [], 0
+    for doc in sentences:
+        doc_ids = ids[k : k + len(doc)]
+        k += len(doc)
+        tokens.append(np.fromiter((t for s in doc_ids for t in s), dtype=dtype).tobytes())
+        sents.append(np.array([len(s) for s in doc_ids], dtype="<i4").tobytes())
+    return tokens, sents
+
+
+def estimate_shard_bytes(docs: dict[str, str], ctx: dict[str, Any], tok) -> float:
+    """Tar bytes the real sample builder makes from `docs` (a small sample): sizes the shards."""
+    dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
+    hashes = sorted(docs)
+    tokens, sents = tokenize_docs([docs[h] for h in hashes], tok, dtype, ctx["kind"])
+    rows = [{"hash": h, "tokens": t, "sents": s} for h, t, s in zip(hashes, tokens, sents)]
+    counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
+    samples = _bert_samples(rows, ctx, "estimate", counts) if ctx["kind"] == "bert_pairs" else _packed_samples(rows, ctx, counts)
+    return float(sum(512 + -(-len(v) // 512) * 512 for _, members in samples for v in members.values()))
+
+
 def prepare_text(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[pa.Table]:
     """Read, clean, hash, route and tokenize documents (sentence by sentence for BERT pairs)."""
     tok = _tokenizer(ctx)
@@ -93,20 +121,7 @@ def prepare_text(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[
 
     def flush() -> pa.Table:
         hashes = [h for h, _ in pending]
-        if ctx["kind"] == "bert_pairs":
-            sentences = [split_sentences(t) for _, t in pending]
-            flat = [s for doc in sentences for s in doc]
-            ids = [e.ids for e in tok.encode_batch_fast(flat, add_special_tokens=False)] if flat else []
-            tokens, sents, k = [], [], 0
-            for doc in sentences:
-                doc_ids = ids[k : k + len(doc)]
-                k += len(doc)
-                tokens.append(np.fromiter((t for s in doc_ids for t in s), dtype=dtype).tobytes())
-                sents.append(np.array([len(s) for s in doc_ids], dtype="<i4").tobytes())
-        else:
-            ids = [e.ids for e in tok.encode_batch_fast([t for _, t in pending], add_special_tokens=False)]
-            tokens = [np.asarray(i, dtype=dtype).tobytes() for i in ids]
-            sents = [b""] * len(ids)
+        tokens, sents = tokenize_docs([t for _, t in pending], tok, dtype, ctx["kind"])
         pending.clear()
         return pa.table(
             {"shard": [route(h, ctx) for h in hashes], "hash": hashes, "tokens": tokens, "sents": sents, "stats": [""] * len(hashes)},
@@ -115,7 +130,8 @@ def prepare_text(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[
 
     for h, text in _iter_clean_docs(batch, ctx, stats):
         if h in near_dups:
-            continue  # counted when the near-dup set was built
+            stats.add("removed.near_duplicate")
+            continue
         pending.append((h, text))
         if len(pending) >= _CHUNK:
             yield flush()
@@ -260,6 +276,8 @@ def build_shard(group: dict[str, np.ndarray], ctx: dict[str, Any]) -> dict[str, 
         else:
             samples = _image_samples(rows, counts)
         info = write_shard(Path(out_dir) / f"{name}.tar", samples)
+        if info["samples"] == 0:  # every document was too short to make a sample: no empty shard
+            (Path(out_dir) / f"{name}.tar").unlink()
         if ctx.get("slow_shards_s"):  # test hook: widen the window in which a kill lands mid-job
             import time
 

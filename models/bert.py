@@ -59,7 +59,11 @@ class BertEmbeddings(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None] + self.token_type_embeddings(token_type_ids)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions)[None]
+            + self.token_type_embeddings(token_type_ids)
+        )
         return self.dropout(self.norm(x))
 
 

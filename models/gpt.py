@@ -81,7 +81,9 @@ class GPT(nn.Module):
     def forward(self, input_ids, attention_mask=None, labels=None) -> dict[str, torch.Tensor]:
         T = input_ids.shape[1]
         if T > self.config.max_position_embeddings:
-            raise ValueError(f"Sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}.")
+            raise ValueError(
+                f"Sequence length {T} exceeds max_position_embeddings={self.config.max_position_embeddings}."
+            )
         mask, is_causal = attention_mask_for_sdpa(attention_mask, T, causal=True)
         positions = torch.arange(T, device=input_ids.device)
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
@@ -119,5 +121,10 @@ class GPT(nn.Module):
 register_model("gpt-tiny", GPT, num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512)
 for _name, (_layers, _width) in {"small": (12, 768), "medium": (24, 1024), "large": (36, 1280)}.items():
     register_model(
-        f"gpt2-{_name}", GPT, num_layers=_layers, hidden_size=_width, num_heads=_width // 64, intermediate_size=4 * _width
+        f"gpt2-{_name}",
+        GPT,
+        num_layers=_layers,
+        hidden_size=_width,
+        num_heads=_width // 64,
+        intermediate_size=4 * _width,
     )

@@ -66,8 +66,7 @@ class SequenceClassifier(_Head):
         *,
         dropout: float | None = None,
         id2label: dict[int, str] | None = None,
-        problem_type: Literal["regression", "single_label_classification", "multi_label_classification"]
-        | None = None,
+        problem_type: Literal["regression", "single_label_classification", "multi_label_classification"] | None = None,
     ):
         super().__init__(backbone)
         if num_labels < 1:

@@ -14,10 +14,8 @@ ours                            transformers
 ``ViT``                         ``ViTForImageClassification`` (also reads ``ViTModel``)
 ==============================  =============================================================
 
-Each pair is a table of (our key, HF keys, kind): ``copy``; ``qkv`` (our fused ``[3d, d]`` = the
-row-concatenation of HF's query/key/value); ``t`` (GPT-2's ``Conv1D`` stores ``W^T``). Tables use
-the on-disk (transformers 4.x) names; transformers >= 5 renames ViT modules in memory, which
-``_vit_rename`` handles both ways. Checkpoints are read with ``safetensors`` or
+Each pair is a key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
+transformers 4.x and 5.x ViT names both understood). Checkpoints are read with ``safetensors`` or
 ``torch.load(weights_only=True)`` and never run remote code.
 """
 
@@ -37,11 +35,10 @@ from torch import nn
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
+from .hf_keys import Spec, spec_for, vit_rename
 from .vit import ViT, ViTConfig
 
 __all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict"]
-
-Spec = list[tuple[str, tuple[str, ...], str]]
 
 _HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 _FROM_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -69,124 +66,6 @@ class LoadReport:
 
 
 # --------------------------------------------------------------------------------------------
-# Key tables
-# --------------------------------------------------------------------------------------------
-
-
-def _linear(ours: str, hf: str) -> Spec:
-    return [(f"{ours}.weight", (f"{hf}.weight",), "copy"), (f"{ours}.bias", (f"{hf}.bias",), "copy")]
-
-
-def _bert_encoder_spec(cfg: BertConfig, o: str, h: str, pooler: bool) -> Spec:
-    spec: Spec = [
-        (f"{o}embeddings.word_embeddings.weight", (f"{h}embeddings.word_embeddings.weight",), "copy"),
-        (f"{o}embeddings.position_embeddings.weight", (f"{h}embeddings.position_embeddings.weight",), "copy"),
-        (f"{o}embeddings.token_type_embeddings.weight", (f"{h}embeddings.token_type_embeddings.weight",), "copy"),
-        *_linear(f"{o}embeddings.norm", f"{h}embeddings.LayerNorm"),
-    ]
-    for i in range(cfg.num_layers):
-        ob, hb = f"{o}blocks.{i}", f"{h}encoder.layer.{i}"
-        for p in ("weight", "bias"):
-            spec.append((f"{ob}.attn.qkv.{p}", tuple(f"{hb}.attention.self.{n}.{p}" for n in ("query", "key", "value")), "qkv"))
-        spec += _linear(f"{ob}.attn.proj", f"{hb}.attention.output.dense")
-        spec += _linear(f"{ob}.norm1", f"{hb}.attention.output.LayerNorm")
-        spec += _linear(f"{ob}.mlp.fc1", f"{hb}.intermediate.dense")
-        spec += _linear(f"{ob}.mlp.fc2", f"{hb}.output.dense")
-        spec += _linear(f"{ob}.norm2", f"{hb}.output.LayerNorm")
-    if pooler:
-        spec += _linear(f"{o}pooler", f"{h}pooler.dense")
-    return spec
-
-
-def _bert_pretraining_spec(cfg: BertConfig) -> Spec:
-    return [
-        *_bert_encoder_spec(cfg, "bert.", "bert.", pooler=True),
-        *_linear("mlm.dense", "cls.predictions.transform.dense"),
-        *_linear("mlm.norm", "cls.predictions.transform.LayerNorm"),
-        ("mlm.decoder.bias", ("cls.predictions.bias",), "copy"),  # decoder.weight is tied to the embedding
-        *_linear("nsp", "cls.seq_relationship"),
-    ]
-
-
-def _gpt_spec(cfg: GPTConfig) -> Spec:
-    spec: Spec = [
-        ("wte.weight", ("transformer.wte.weight",), "copy"),
-        ("wpe.weight", ("transformer.wpe.weight",), "copy"),
-    ]
-    for i in range(cfg.num_layers):
-        ob, hb = f"blocks.{i}", f"transformer.h.{i}"
-        spec += _linear(f"{ob}.norm1", f"{hb}.ln_1")
-        spec += [(f"{ob}.attn.qkv.weight", (f"{hb}.attn.c_attn.weight",), "t"), (f"{ob}.attn.qkv.bias", (f"{hb}.attn.c_attn.bias",), "copy")]
-        spec += [(f"{ob}.attn.proj.weight", (f"{hb}.attn.c_proj.weight",), "t"), (f"{ob}.attn.proj.bias", (f"{hb}.attn.c_proj.bias",), "copy")]
-        spec += _linear(f"{ob}.norm2", f"{hb}.ln_2")
-        spec += [(f"{ob}.mlp.fc1.weight", (f"{hb}.mlp.c_fc.weight",), "t"), (f"{ob}.mlp.fc1.bias", (f"{hb}.mlp.c_fc.bias",), "copy")]
-        spec += [(f"{ob}.mlp.fc2.weight", (f"{hb}.mlp.c_proj.weight",), "t"), (f"{ob}.mlp.fc2.bias", (f"{hb}.mlp.c_proj.bias",), "copy")]
-    spec += _linear("ln_f", "transformer.ln_f")
-    if not cfg.tie_word_embeddings:
-        spec.append(("lm_head.weight", ("lm_head.weight",), "copy"))
-    return spec
-
-
-def _vit_spec(cfg: ViTConfig) -> Spec:
-    spec: Spec = [
-        ("cls_token", ("vit.embeddings.cls_token",), "copy"),
-        ("pos_embed", ("vit.embeddings.position_embeddings",), "copy"),
-        *_linear("patch_embed", "vit.embeddings.patch_embeddings.projection"),
-    ]
-    for i in range(cfg.num_layers):
-        ob, hb = f"blocks.{i}", f"vit.encoder.layer.{i}"
-        spec += _linear(f"{ob}.norm1", f"{hb}.layernorm_before")
-        params = ("weight", "bias") if cfg.qkv_bias else ("weight",)
-        for p in params:
-            spec.append((f"{ob}.attn.qkv.{p}", tuple(f"{hb}.attention.attention.{n}.{p}" for n in ("query", "key", "value")), "qkv"))
-        spec += _linear(f"{ob}.attn.proj", f"{hb}.attention.output.dense")
-        spec += _linear(f"{ob}.norm2", f"{hb}.layernorm_after")
-        spec += _linear(f"{ob}.mlp.fc1", f"{hb}.intermediate.dense")
-        spec += _linear(f"{ob}.mlp.fc2", f"{hb}.output.dense")
-    return [*spec, *_linear("norm", "vit.layernorm"), *_linear("head", "classifier")]
-
-
-def _spec_for(model: nn.Module) -> Spec:
-    if isinstance(model, BertForPreTraining):
-        return _bert_pretraining_spec(model.config)
-    if isinstance(model, BertEncoder):
-        return _bert_encoder_spec(model.config, "", "", pooler=model.pooler is not None)
-    if isinstance(model, (SequenceClassifier, QuestionAnswering)) and isinstance(model.backbone, BertEncoder):
-        head = "classifier" if isinstance(model, SequenceClassifier) else "qa_outputs"
-        return [
-            *_bert_encoder_spec(model.config, "backbone.", "bert.", pooler=model.backbone.pooler is not None),
-            *_linear(head, head),
-        ]
-    if isinstance(model, GPT):
-        return _gpt_spec(model.config)
-    if isinstance(model, ViT):
-        return _vit_spec(model.config)
-    raise TypeError(f"No Hugging Face equivalent known for {type(model).__name__}.")
-
-
-# ViT module names in transformers >= 5 (in memory) vs the 4.x / on-disk names our table uses.
-_VIT_NEW = {
-    "attention.attention.query": "attention.q_proj",
-    "attention.attention.key": "attention.k_proj",
-    "attention.attention.value": "attention.v_proj",
-    "attention.output.dense": "attention.o_proj",
-    "intermediate.dense": "mlp.fc1",
-    "output.dense": "mlp.fc2",
-}
-_VIT_OLD = {v: k for k, v in _VIT_NEW.items()}
-
-
-def _vit_rename(key: str, to_new: bool) -> str:
-    pat = r"^(vit\.)?encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$" if to_new else r"^(vit\.)?layers\.(\d+)\.(.+)\.(weight|bias)$"
-    m = re.match(pat, key)
-    if not m:
-        return key
-    prefix, idx, mid, p = m.groups()
-    mid = (_VIT_NEW if to_new else _VIT_OLD).get(mid, mid)
-    return f"{prefix or ''}{'layers' if to_new else 'encoder.layer'}.{idx}.{mid}.{p}"
-
-
-# --------------------------------------------------------------------------------------------
 # Ours -> transformers
 # --------------------------------------------------------------------------------------------
 
@@ -208,7 +87,9 @@ def hf_config(model: nn.Module) -> transformers.PretrainedConfig:
         kwargs: dict[str, Any] = {}
         if isinstance(model, SequenceClassifier):
             labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-            kwargs = dict(id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p)
+            kwargs = dict(
+                id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p
+            )
             if model.problem_type:
                 kwargs["problem_type"] = model.problem_type
         return transformers.BertConfig(
@@ -262,7 +143,7 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     Sinusoidal position tables are written into the HF learned-position table (identical outputs).
     Save a release with ``to_hf(model).save_pretrained(dir)`` (safetensors).
     """
-    spec = _spec_for(model)
+    spec = spec_for(model)
     _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, QuestionAnswering)) else model)
     if isinstance(model, BertEncoder) and model.pooler is None:
         hf = transformers.BertModel(hf_config(model), add_pooling_layer=False)
@@ -273,17 +154,19 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     for our_key, hf_keys, kind in spec:
         t = ours[our_key].detach().float().cpu()
         if kind == "qkv":
-            for k, part in zip(hf_keys, t.chunk(3, dim=0)):
+            for k, part in zip(hf_keys, t.chunk(3, dim=0), strict=True):
                 sd[k] = part.clone()
         else:
             sd[hf_keys[0]] = (t.t() if kind == "t" else t).clone()
     target = set(hf.state_dict())
     if not set(sd) <= target:
-        sd = {_vit_rename(k, to_new=True): v for k, v in sd.items()}
+        sd = {vit_rename(k, to_new=True): v for k, v in sd.items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "lm_head.weight"}
     if unexpected or set(missing) - tied:
-        raise RuntimeError(f"to_hf key mismatch: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}.")
+        raise RuntimeError(
+            f"to_hf key mismatch: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}."
+        )
     if hasattr(hf, "tie_weights"):
         hf.tie_weights()
     return hf.eval()
@@ -323,7 +206,7 @@ def _normalize_keys(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, t
         elif model_type == "gpt2" and not k.startswith(("transformer.", "lm_head.", "score.")):
             k = f"transformer.{k}"
         elif model_type == "vit":
-            k = _vit_rename(k, to_new=False)
+            k = vit_rename(k, to_new=False)
             if not k.startswith(("vit.", "classifier.")):
                 k = f"vit.{k}"
         out[k] = v
@@ -432,12 +315,17 @@ def from_hf(
             cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels, "id2label": id2label})
         model = ViT(cfg)
 
-    loaded, consumed = _load(model, _spec_for(model), sd)
+    loaded, consumed = _load(model, spec_for(model), sd)
     report = LoadReport(source=source, architecture=arch or hf_cfg.model_type)
     tied = {"mlm.decoder.weight", "lm_head.weight"} if getattr(cfg, "tie_word_embeddings", True) else set()
     report.missing = sorted(set(model.state_dict()) - loaded - tied)
     rest = sorted(set(sd) - consumed)
-    report.ignored = [k for k in rest if _IGNORABLE.search(k) or k in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "lm_head.weight")]
+    report.ignored = [
+        k
+        for k in rest
+        if _IGNORABLE.search(k)
+        or k in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "lm_head.weight")
+    ]
     report.unexpected = [k for k in rest if k not in report.ignored]
     if report.missing:
         warnings.warn(f"from_hf: {len(report.missing)} parameters not in the checkpoint were freshly initialized: "
@@ -460,7 +348,9 @@ def _load(model: nn.Module, spec: Spec, sd: dict[str, torch.Tensor]) -> tuple[se
         if t.shape != ours[our_key].shape:
             if our_key.split(".")[0] in ("head", "classifier", "qa_outputs"):
                 continue  # a new task head of another size: keep its init, report it missing
-            raise ValueError(f"Shape mismatch for {our_key}: checkpoint {tuple(t.shape)} vs model {tuple(ours[our_key].shape)}.")
+            raise ValueError(
+                f"Shape mismatch for {our_key}: checkpoint {tuple(t.shape)} vs model {tuple(ours[our_key].shape)}."
+            )
         new[our_key] = t
         loaded.add(our_key)
         consumed.update(hf_keys)

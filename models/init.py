@@ -18,7 +18,10 @@ Our rule for decoder-only stacks (GPT): the paper's (9N)^-1/4 decoder factor com
 blocks in an encoder-decoder having *three* residual sublayers (self-attention, cross-attention,
 MLP). A decoder-only block has the encoder's two (self-attention + MLP); the causal mask changes
 which positions mix but not the residual depth the update bound sums over, so GPT uses the
-encoder factor 0.67 N^-1/4 too. Task heads (MLM transform, pooler, classifiers) get Xavier only.
+encoder factor 0.67 N^-1/4 too. ViT: [CLS] and positions are the input embeddings; the patch
+projection is a matrix (Xavier) that produces them, so it is scaled by the same factor.
+Task heads (MLM transform, pooler, classifiers) get Xavier only; BERT's MLM-head LayerNorm sits
+outside the residual stack and is kept.
 """
 
 from __future__ import annotations

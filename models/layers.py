@@ -63,9 +63,7 @@ class TransformerConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{type(self).__name__}.{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})."
-            )
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}).")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}.")
@@ -96,7 +94,9 @@ def attention_mask_for_sdpa(
     keep = attention_mask.to(torch.bool)[:, None, None, :]
     if causal:
         tri = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attention_mask.device).tril()
-        keep = keep & tri
+        # Each position may always see itself, so a left-padded query row is never fully masked
+        # (an all-masked row gives NaN in some fused kernels); real tokens never see padding.
+        keep = (keep & tri) | torch.eye(seq_len, dtype=torch.bool, device=attention_mask.device)
     return keep, False
 
 

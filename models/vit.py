@@ -42,6 +42,8 @@ class ViTConfig(TransformerConfig):
         super().__post_init__()
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size}).")
+        if self.id2label is not None:  # YAML/JSON give string keys
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
         if self.id2label is not None and len(self.id2label) != self.num_labels:
             raise ValueError(f"id2label has {len(self.id2label)} names but num_labels is {self.num_labels}.")
 
@@ -85,7 +87,9 @@ class ViT(nn.Module):
         else:
             inits.init_normal_(self, cfg.initializer_range, truncated=True)
             for p in (self.cls_token, self.pos_embed):
-                nn.init.trunc_normal_(p, std=cfg.initializer_range, a=-2 * cfg.initializer_range, b=2 * cfg.initializer_range)
+                nn.init.trunc_normal_(
+                    p, std=cfg.initializer_range, a=-2 * cfg.initializer_range, b=2 * cfg.initializer_range
+                )
 
     def set_activation_checkpointing(self, enabled: bool = True, layers=None) -> None:
         _set_ckpt(self.blocks, enabled, layers)
@@ -129,5 +133,11 @@ class ViT(nn.Module):
 _SIZES = {"tiny": (12, 192, 3), "small": (12, 384, 6), "base": (12, 768, 12), "large": (24, 1024, 16)}
 for _name, (_layers, _width, _heads) in _SIZES.items():
     register_model(
-        f"vit-{_name}", ViT, num_layers=_layers, hidden_size=_width, num_heads=_heads, intermediate_size=4 * _width, patch_size=16
+        f"vit-{_name}",
+        ViT,
+        num_layers=_layers,
+        hidden_size=_width,
+        num_heads=_heads,
+        intermediate_size=4 * _width,
+        patch_size=16,
     )

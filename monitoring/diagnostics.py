@@ -30,6 +30,7 @@ Quantities (``t`` = Adam step count, from the state's ``step`` or else the ``ste
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,7 +40,15 @@ import torch
 
 from pipelines.optim import radam_rectification
 
-__all__ = ["layer_group", "collect_diagnostics", "gradient_histogram", "deepspeed_getters"]
+__all__ = [
+    "layer_group",
+    "collect_diagnostics",
+    "gradient_histogram",
+    "deepspeed_getters",
+    "diagnostics_due",
+    "adam_update",
+    "log_diagnostics",
+]
 
 GradGetter = Callable[[torch.Tensor], "torch.Tensor | None"]
 StateGetter = Callable[[torch.Tensor], "dict[str, Any] | None"]
@@ -76,6 +85,7 @@ def deepspeed_getters(
     step, before later groups have state, so parameters of the no-decay group never get
     ``exp_avg``/``exp_avg_sq`` through ``safe_get_full_optimizer_state``. We relink (cheap views)
     when the optimizer exposes that hook. A key still missing is left out (the parameter is skipped).
+    Parameters DeepSpeed does not partition (ZeRO stage 0) are read from ``zero_optimizer.state``.
     """
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
@@ -87,6 +97,9 @@ def deepspeed_getters(
             relink()
 
     def get_state(p: torch.Tensor) -> dict[str, Any] | None:
+        if getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id"):  # not partitioned (ZeRO-0)
+            inner_state = getattr(zero_optimizer, "state", None)
+            return inner_state.get(p) if inner_state is not None else None
         state = {}
         for key in state_keys:
             try:
@@ -249,3 +262,123 @@ def gradient_histogram(
         counts += torch.histc(g, bins=bins, min=lo, max=hi).double()
     edges = np.linspace(lo, hi, bins + 1)
     return counts.numpy(), edges
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer's hook: everything above, on a cadence, into RunLogger (used by the warmup study)
+# --------------------------------------------------------------------------------------------
+
+
+def diagnostics_due(step: int, every: int) -> bool:
+    """True on update 1 and every ``every``-th update (``logging.diagnostics_every``; 0 = never)."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+def adam_update(
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any] | None, group: dict[str, Any], *, radam: bool
+) -> torch.Tensor:
+    """The step ``delta w`` that Adam/AdamW/RAdam is about to apply to ``p`` for (already clipped) gradient ``g``.
+
+    m_t = b1 m + (1 - b1) g, v_t = b2 v + (1 - b2) g^2, u = lr m^ / (sqrt(v^) + eps) (Kingma & Ba 2015);
+    RAdam multiplies by r_t once rho_t > 5 and applies lr m^ before (Liu et al. 2020, Alg. 2).
+    L2 weight decay (Adam) enters g; decoupled decay (AdamW) adds lr wd w. Matches torch's
+    optimizers up to where eps enters RAdam's denominator.
+    """
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group.get("weight_decay", 0.0))
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    w = p.detach().double()
+    g = g.detach().double()
+    if wd and not decoupled:
+        g = g + wd * w
+    state = state or {}
+    t = (_as_int(state["step"]) if "step" in state else 0) + 1
+    m = state["exp_avg"].detach().double() if "exp_avg" in state else torch.zeros_like(g)
+    v = state["exp_avg_sq"].detach().double() if "exp_avg_sq" in state else torch.zeros_like(g)
+    m_hat = (beta1 * m + (1 - beta1) * g) / (1 - beta1**t)
+    v_hat = (beta2 * v + (1 - beta2) * g * g) / (1 - beta2**t)
+    if radam:
+        _, r_t = radam_rectification(t, beta2)
+        u = m_hat if r_t is None else r_t * m_hat / (v_hat.sqrt() + eps)
+    else:
+        u = m_hat / (v_hat.sqrt() + eps)
+    u = -lr * u
+    if wd and decoupled:
+        u = u - lr * wd * w
+    return u
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The innermost ``torch.optim.Optimizer`` (accelerate wraps it; its ``.optimizer`` is the real one)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int = 64) -> dict[str, float] | None:
+    """Log gradient/optimizer diagnostics for update ``step`` when ``diagnostics_due`` says so.
+
+    Call it on **every rank** between the last ``engine.backward`` and ``engine.step()`` (the
+    gradients still exist there); ``engine`` is ``pipelines.distributed.Engine``, ``cfg`` the
+    ``RunConfig``. Writes, under ``step``:
+
+    - split ``diag`` (``RunLogger.log``): everything ``collect_diagnostics`` returns (Adam statistics
+      of the state *before* this update, i.e. after ``step - 1`` updates), with ``radam/rho_t`` and
+      ``radam/r_t`` of this update t and ``radam/effective_lr`` = lr r_t (0 while unrectified)
+      for RAdam -- its implicit warmup (Liu et al. 2020, Fig. 3; Ma & Yarats 2019, sec. 4);
+    - split ``hist``: histograms of log10|g| of the gradients (before clipping) and of log10|delta w|
+      of the update about to be applied (``adam_update``, after clipping; Adam-family only), as
+      ``grad_log10_counts`` / ``grad_log10_edges`` and ``update_log10_counts`` / ``update_log10_edges``
+      (Liu et al. 2020, Fig. 2); also TensorBoard histograms ``diag/grad_log10_abs``, ``diag/update_log10_abs``.
+
+    Under DeepSpeed the engine steps inside ``backward``, so gradients are gone by then: only the
+    optimizer-state statistics (after this update) are logged. Returns the scalars (or None when not due).
+    """
+    if not diagnostics_due(step, cfg.logging.diagnostics_every):
+        return None
+    deepspeed = bool(getattr(engine, "deepspeed", False))
+    if not deepspeed and getattr(engine, "rank", 0) != 0:
+        return None  # DDP: gradients are identical on every rank after backward, no collective here
+    model = engine.module
+    radam = cfg.optim.name == "radam"
+    if deepspeed:
+        zero_opt = getattr(engine.model, "optimizer", None)
+        getters = deepspeed_getters(zero_opt)
+        optimizer = zero_opt
+    else:
+        getters, optimizer = {}, _torch_optimizer(engine.optimizer)
+    lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else float(cfg.optim.lr)
+    named = list(model.named_parameters())
+    scalars = collect_diagnostics(named, optimizer, step=step, lr=lr, **getters)
+    beta2 = float(cfg.optim.betas[1])
+    rho_t, r_t = radam_rectification(step, beta2)
+    scalars["radam/rho_t"], scalars["radam/rectified"] = rho_t, float(r_t is not None)
+    scalars.pop("radam/r_t", None)
+    if r_t is not None:
+        scalars["radam/r_t"] = r_t
+    if radam:
+        scalars["radam/effective_lr"] = lr * (r_t or 0.0)
+    logger.log(step, scalars, split="diag")
+
+    hist: dict[str, Any] = {}
+    counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=getters.get("get_grad"))
+    if len(counts):
+        hist["grad_log10_counts"], hist["grad_log10_edges"] = counts.tolist(), edges.tolist()
+        logger.log_histogram(step, "diag/grad_log10_abs", counts=counts, edges=edges)
+    if not deepspeed and cfg.optim.name in ("adam", "adamw", "radam") and optimizer is not None:
+        clip = float(cfg.optim.grad_clip)
+        norm = scalars.get("grad_norm", 0.0)
+        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 and math.isfinite(norm) else 1.0
+        groups = {id(q): grp for grp in optimizer.param_groups for q in grp["params"]}
+        updates = {
+            id(p): adam_update(p, p.grad * coef, optimizer.state.get(p), groups[id(p)], radam=radam)
+            for _, p in named
+            if p.grad is not None and id(p) in groups
+        }
+        counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=lambda q: updates.get(id(q)))
+        if len(counts):
+            hist["update_log10_counts"], hist["update_log10_edges"] = counts.tolist(), edges.tolist()
+            logger.log_histogram(step, "diag/update_log10_abs", counts=counts, edges=edges)
+    if hist:
+        logger.log(step, hist, split="hist")
+    return scalars

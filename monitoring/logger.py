@@ -10,6 +10,7 @@ ever shown twice, and TensorBoard is told to purge the same steps.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -26,8 +27,13 @@ __all__ = ["RunLogger", "read_metrics_lines"]
 
 log = logging.getLogger(__name__)
 
-_TRAIN_KEYS = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:,.0f}"),
-               ("mfu", "mfu", "{:.1%}"), ("grad_norm", "gnorm", "{:.3g}"))
+_TRAIN_KEYS = (
+    ("loss", "loss", "{:.4f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("tokens_per_s", "tok/s", "{:,.0f}"),
+    ("mfu", "mfu", "{:.1%}"),
+    ("grad_norm", "gnorm", "{:.3g}"),
+)
 
 
 def _plain(value: Any) -> Any:
@@ -77,6 +83,22 @@ def read_metrics_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+_sync = getattr(os, "fdatasync", os.fsync)  # the data is what matters; skip the metadata flush
+
+
+def _wait_for_later_second(tb_dir: Path) -> None:
+    """TensorBoard reads a dir's event files in name order, and names start with the creation
+    second; a new file must not share a second with an older one or the order can come out wrong
+    (it then compares pid and a counter as text). Only ever waits when a writer is reopened at once."""
+    stamps = [
+        int(p.name.split(".")[3])
+        for p in tb_dir.glob("events.out.tfevents.*")
+        if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()
+    ]
+    if stamps and max(stamps) >= int(time.time()):
+        time.sleep(max(stamps) + 1 - time.time() + 0.01)
+
+
 def _fmt_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)
@@ -122,9 +144,9 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._prior_end, self._prior_max_step = self._repair_and_scan()
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
-        if cfg.tensorboard:
-            self._open_tensorboard()
         self._trackers = self._open_trackers()
+        if getattr(cfg, "prometheus_port", 0):
+            log.warning("logging.prometheus_port is set but the Prometheus endpoint is not implemented yet; ignored.")
         self._use_bar = bool(cfg.progress) and sys.stdout.isatty()
         if self._use_bar:
             self._start_progress_bar()
@@ -146,30 +168,30 @@ class RunLogger:
     def _append(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
         self._fh.flush()
-        os.fsync(self._fh.fileno())
+        _sync(self._fh.fileno())
 
     def _rewrite(self, keep: Callable[[dict[str, Any]], bool], prior_only: bool) -> int:
         """Atomically rewrite metrics.jsonl without the records ``keep`` rejects; returns how many."""
         self._fh.close()
         data = self.metrics_path.read_bytes()
         split_at = self._prior_end if prior_only else len(data)
-        kept, dropped = [], 0
+        kept, steps, dropped = [], [], 0
         for raw in data[:split_at].split(b"\n"):
             if not raw.strip():
                 continue
             try:
                 rec = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                dropped += 1
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and not keep(rec):
+                rec = None
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if rec is None or not isinstance(rec, dict) or (isinstance(step, int) and not keep(rec)):
                 dropped += 1
                 continue
             kept.append(raw.decode("utf-8"))
+            steps.append(step)
         prior_text = "".join(line + "\n" for line in kept)
         atomic_write_text(self.metrics_path, prior_text + data[split_at:].decode("utf-8"))
         self._prior_end = len(prior_text.encode("utf-8")) if prior_only else 0
-        steps = [json.loads(line).get("step") for line in kept]
         self._prior_max_step = max((s for s in steps if isinstance(s, int)), default=-1) if prior_only else -1
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
         return dropped
@@ -197,19 +219,41 @@ class RunLogger:
         self._purge_tensorboard(cut + 1)
 
     # -------------------------------------------------------------------------------- TensorBoard
-    def _open_tensorboard(self, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    def _writer(self) -> Any:
+        """The SummaryWriter, created on first use so a resume's purge step is known by then."""
+        if self._tb is None and self.cfg.tensorboard and not self._closed:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge_step, flush_secs=30)
-        if self.config_dict and purge_step is None:
-            text = json.dumps(_plain(self.config_dict), indent=2)
-            self._tb.add_text("config", "```\n" + text + "\n```", 0)
+            tb_dir = self.run_dir / "tb"
+            _wait_for_later_second(tb_dir)
+            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=self._tb_purge_step, flush_secs=30)
+            if self.config_dict:
+                text = json.dumps(_plain(self.config_dict), indent=2)
+                self._tb.add_text("config", "```\n" + text + "\n```", 0)
+        return self._tb
+
+    def _tb_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """All of a step's scalars as one event record: one queue hand-off instead of one per tag."""
+        from torch.utils.tensorboard.summary import scalar
+
+        writer = self._writer()
+        get_writer = getattr(writer, "_get_file_writer", None)
+        if get_writer is None:  # a future torch without it: the public, slower path
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, step)
+            return
+        items = iter(scalars.items())
+        merged = scalar(*next(items))
+        for tag, value in items:
+            merged.value.extend(scalar(tag, value).value)
+        get_writer().add_summary(merged, step, time.time())
 
     def _purge_tensorboard(self, first_stale_step: int) -> None:
-        if self._tb is None:
-            return
-        self._tb.close()
-        self._open_tensorboard(purge_step=first_stale_step)
+        """Make TensorBoard hide events at or after this step from earlier sessions' files."""
+        self._tb_purge_step = first_stale_step
+        if self._tb is not None:  # already writing: a new file whose first record is the purge
+            self._tb.close()
+            self._tb = None
 
     # ----------------------------------------------------------------------------- W&B / MLflow
     def _open_trackers(self) -> list[Any]:
@@ -297,8 +341,11 @@ class RunLogger:
 
     def _console(self, step: int, split: str, metrics: dict[str, Any]) -> None:
         if split == "train":
-            parts = [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in _TRAIN_KEYS
-                     if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)]
+            parts = [
+                f"{label} {fmt.format(metrics[k])}"
+                for k, label, fmt in _TRAIN_KEYS
+                if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)
+            ]
         else:
             parts = [f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
         info = "  ".join(parts)
@@ -320,20 +367,44 @@ class RunLogger:
         values = {str(k): _plain(v) for k, v in metrics.items()}
         self._append({"step": step, "split": split, "time": time.time(), **values})
         scalars = {f"{split}/{k}": s for k, v in values.items() if (s := _scalar(v)) is not None}
-        if self._tb is not None:
-            for tag, value in scalars.items():
-                self._tb.add_scalar(tag, value, step)
+        if self.cfg.tensorboard and scalars:
+            self._tb_scalars(scalars, step)
         if self._trackers:
             self._tracker_log(scalars, step)
         self._console(step, split, values)
 
-    def log_histogram(self, step: int, tag: str, values: Any) -> None:
-        """A TensorBoard histogram (tensor, array or list of numbers); other sinks ignore it."""
-        if not self.enabled or self._closed or self._tb is None:
+    def log_histogram(self, step: int, tag: str, values: Any = None, *, counts: Any = None, edges: Any = None) -> None:
+        """A TensorBoard histogram of raw ``values`` (tensor, array or list), or of a ready-made
+        histogram given as ``counts`` (n bins) and ``edges`` (n + 1), e.g. from
+        ``monitoring.diagnostics.gradient_histogram``. Other sinks ignore histograms."""
+        if not self.enabled or self._closed or not self.cfg.tensorboard:
+            return
+        if counts is not None or edges is not None:
+            self._raw_histogram(int(step), tag, counts, edges)
             return
         if hasattr(values, "detach"):
             values = values.detach().float().cpu()
-        self._tb.add_histogram(tag, values, int(step))
+        self._writer().add_histogram(tag, values, int(step))
+
+    def _raw_histogram(self, step: int, tag: str, counts: Any, edges: Any) -> None:
+        counts = [float(c) for c in _plain(counts)]
+        edges = [float(e) for e in _plain(edges)]
+        if len(edges) != len(counts) + 1:
+            raise ValueError(
+                f"log_histogram({tag!r}): {len(counts)} counts need {len(counts) + 1} edges, got {len(edges)}."
+            )
+        centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
+        self._writer().add_histogram_raw(
+            tag,
+            min=edges[0],
+            max=edges[-1],
+            num=sum(counts),
+            sum=sum(c * x for c, x in zip(counts, centers, strict=True)),  # bin centres: exact data is gone
+            sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
+            bucket_limits=edges[1:],
+            bucket_counts=counts,
+            global_step=step,
+        )
 
     def event(self, step: int, kind: str, message: str, **fields: Any) -> None:
         """A notable occurrence (NaN skip, spike, starvation, resume…) in metrics.jsonl and console."""

@@ -27,11 +27,18 @@ __all__ = ["Run", "load_run", "render_report", "main"]
 Series = list[tuple[int, float]]
 
 _HIGHLIGHTS = [
-    ("model", ("model", "name")), ("task", ("train", "task")), ("optimizer", ("optim", "name")),
-    ("lr", ("optim", "lr")), ("warmup", ("schedule", "warmup")), ("warmup steps", ("schedule", "warmup_steps")),
-    ("decay", ("schedule", "decay")), ("micro batch", ("data", "micro_batch_size")),
-    ("grad accum", ("train", "grad_accum_steps")), ("precision", ("train", "precision")),
-    ("max steps", ("train", "max_steps")), ("engine", ("distributed", "engine")),
+    ("model", ("model", "name")),
+    ("task", ("train", "task")),
+    ("optimizer", ("optim", "name")),
+    ("lr", ("optim", "lr")),
+    ("warmup", ("schedule", "warmup")),
+    ("warmup steps", ("schedule", "warmup_steps")),
+    ("decay", ("schedule", "decay")),
+    ("micro batch", ("data", "micro_batch_size")),
+    ("grad accum", ("train", "grad_accum_steps")),
+    ("precision", ("train", "precision")),
+    ("max steps", ("train", "max_steps")),
+    ("engine", ("distributed", "engine")),
     ("ZeRO stage", ("distributed", "zero_stage")),
 ]
 _FINAL_TRAIN = ("loss", "tokens_per_s", "mfu", "step_time", "data_wait_share", "mem_peak_mb", "host_rss_mb")
@@ -129,15 +136,17 @@ def _figure(title: str, rows: int = 1) -> tuple[Any, list[Any]]:
     return fig, axes
 
 
-def _plot_lines(ax: Any, runs: list[Run], colors: list[str], curves: list[tuple[str, str, str]], scale: float = 1.0) -> int:
+def _plot_lines(
+    ax: Any, runs: list[Run], colors: list[str], curves: list[tuple[str, str, str]], scale: float = 1.0
+) -> int:
     """Draw (split, metric, label-suffix) curves for every run; returns how many were drawn."""
     drawn = 0
-    for run, color in zip(runs, colors):
+    for run, color in zip(runs, colors, strict=True):
         for i, (split, metric, suffix) in enumerate(curves):
             data = [(s, v * scale) for s, v in run.get(split, metric) if math.isfinite(v)]
             if not data:
                 continue
-            xs, ys = zip(*data)
+            xs, ys = zip(*data, strict=True)
             style = ("-", "--", ":", "-.")[i % 4]
             marker = "o" if split != "train" or len(data) < 3 else None
             label = f"{run.name} {suffix}".strip() if len(runs) > 1 else suffix or run.name
@@ -148,8 +157,12 @@ def _plot_lines(ax: Any, runs: list[Run], colors: list[str], curves: list[tuple[
     return drawn
 
 
-_EVENT_COLORS = {"nan_skip": "tab:red", "nan_stop": "darkred", "loss_spike": "tab:orange",
-                 "data_starvation": "tab:purple"}
+_EVENT_COLORS = {
+    "nan_skip": "tab:red",
+    "nan_stop": "darkred",
+    "loss_spike": "tab:orange",
+    "data_starvation": "tab:purple",
+}
 
 
 def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
@@ -160,8 +173,16 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
     colors = [palette[i % len(palette)] for i in range(len(runs))]
     images: list[tuple[str, str]] = []
 
-    def simple(filename: str, title: str, ylabel: str, curves: list[tuple[str, str, str]], *,
-               scale: float = 1.0, logy: bool = False, events: bool = False) -> None:
+    def simple(
+        filename: str,
+        title: str,
+        ylabel: str,
+        curves: list[tuple[str, str, str]],
+        *,
+        scale: float = 1.0,
+        logy: bool = False,
+        events: bool = False,
+    ) -> None:
         fig, (ax,) = _figure(title)
         if _plot_lines(ax, runs, colors, curves, scale) == 0:
             return
@@ -174,20 +195,32 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
                     ax.axvline(ev["step"], color=_EVENT_COLORS.get(ev["event"], "grey"), alpha=0.4, linewidth=0.8)
         images.append((_save(fig, out_dir, filename), title))
 
-    simple("loss.png", "Loss (solid: train, dashed: eval; vertical lines: events)", "loss",
-           [("train", "loss", "train"), ("eval", "loss", "eval")], events=True)
+    simple(
+        "loss.png",
+        "Loss (solid: train, dashed: eval; vertical lines: events)",
+        "loss",
+        [("train", "loss", "train"), ("eval", "loss", "eval")],
+        events=True,
+    )
     simple("lr.png", "Learning rate", "lr", [("train", "lr", "")])
     simple("tokens_per_s.png", "Throughput (global tokens/s)", "tokens/s", [("train", "tokens_per_s", "")])
     simple("mfu.png", "Model FLOPs utilization", "MFU (%)", [("train", "mfu", "")], scale=100.0)
-    simple("memory.png", "Memory (MiB)", "MiB",
-           [("train", "mem_allocated_mb", "allocated"), ("train", "mem_peak_mb", "peak"),
-            ("train", "host_rss_mb", "host RSS")])
+    simple(
+        "memory.png",
+        "Memory (MiB)",
+        "MiB",
+        [
+            ("train", "mem_allocated_mb", "allocated"),
+            ("train", "mem_peak_mb", "peak"),
+            ("train", "host_rss_mb", "host RSS"),
+        ],
+    )
     simple("grad_norm.png", "Gradient norm (before clipping)", "norm", [("train", "grad_norm", "")], logy=True)
 
     eval_metrics = [m for m in _EVAL_PLOTTED if any(run.get("eval", m) for run in runs)]
     if eval_metrics:
         fig, axes = _figure("Evaluation metrics", rows=len(eval_metrics))
-        for ax, metric in zip(axes, eval_metrics):
+        for ax, metric in zip(axes, eval_metrics, strict=True):
             _plot_lines(ax, runs, colors, [("eval", metric, "")])
             ax.set_ylabel(metric)
         images.append((_save(fig, out_dir, "eval.png"), "Evaluation metrics"))
@@ -195,7 +228,7 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
     if any(run.events for run in runs):
         fig, (ax,) = _figure("Events")
         kinds = sorted({ev["event"] for run in runs for ev in run.events})
-        for offset, (run, color) in enumerate(zip(runs, colors)):
+        for offset, (run, color) in enumerate(zip(runs, colors, strict=True)):
             if run.events:
                 ys = [kinds.index(ev["event"]) + 0.1 * offset for ev in run.events]
                 ax.scatter([ev["step"] for ev in run.events], ys, color=color, s=18, label=run.name)
@@ -241,8 +274,12 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("steps logged", _fmt(train_last.get("step"))),
         ("tokens", _fmt(tokens) if tokens is not None else "—"),
         ("wall time", _duration(run.last_time - run.first_time if run.first_time is not None else None)),
-        ("last update", _dt.datetime.fromtimestamp(run.last_time).strftime("%Y-%m-%d %H:%M:%S")
-         if run.last_time is not None else "—"),
+        (
+            "last update",
+            _dt.datetime.fromtimestamp(run.last_time).strftime("%Y-%m-%d %H:%M:%S")
+            if run.last_time is not None
+            else "—",
+        ),
     ]
     for split in sorted(run.last):
         for key, value in run.last[split].items():
@@ -277,23 +314,31 @@ def _html(runs: list[Run], images: list[tuple[str, str]]) -> str:
         f"<tr><th>{esc(label)}</th>" + "".join(f"<td>{esc(rows.get(label, '—'))}</td>" for rows in per_run) + "</tr>"
         for label in labels
     )
-    figures = "".join(
-        f'<figure><img src="{esc(name)}" alt="{esc(caption)}"><figcaption>{esc(caption)}</figcaption></figure>'
-        for name, caption in images
-    ) or "<p>No metrics logged yet.</p>"
+    figures = (
+        "".join(
+            f'<figure><img src="{esc(name)}" alt="{esc(caption)}"><figcaption>{esc(caption)}</figcaption></figure>'
+            for name, caption in images
+        )
+        or "<p>No metrics logged yet.</p>"
+    )
     event_rows = [(run.name, ev) for run in runs for ev in run.events][:500]
     events = ""
     if event_rows:
-        events = "<h2>Events</h2><table><tr><th>run</th><th>step</th><th>kind</th><th>message</th></tr>" + "".join(
-            f"<tr><td>{esc(name)}</td><td>{ev['step']}</td><td>{esc(str(ev['event']))}</td>"
-            f"<td>{esc(str(ev.get('message', '')))}</td></tr>" for name, ev in event_rows
-        ) + "</table>"
+        events = (
+            "<h2>Events</h2><table><tr><th>run</th><th>step</th><th>kind</th><th>message</th></tr>"
+            + "".join(
+                f"<tr><td>{esc(name)}</td><td>{ev['step']}</td><td>{esc(str(ev['event']))}</td>"
+                f"<td>{esc(str(ev.get('message', '')))}</td></tr>"
+                for name, ev in event_rows
+            )
+            + "</table>"
+        )
     paths = "<br>".join(esc(str(run.path.resolve())) for run in runs)
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>pretrain report: {esc(', '.join(r.name for r in runs))}</title><style>{_CSS}</style></head><body>"
-        f"<h1>Training report</h1><p class=\"muted\">Generated {now} from<br>{paths}</p>"
+        f'<h1>Training report</h1><p class="muted">Generated {now} from<br>{paths}</p>'
         f"<h2>Summary</h2><table><tr><th></th>{head}</tr>{body}</table>"
         f"<h2>Plots</h2>{figures}{events}</body></html>\n"
     )
@@ -315,7 +360,7 @@ def render_report(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike 
     paths = [Path(p) for p in run_dirs]
     if not paths:
         raise ValueError("render_report needs at least one run dir.")
-    runs = [load_run(p, name) for p, name in zip(paths, _unique_names(paths))]
+    runs = [load_run(p, name) for p, name in zip(paths, _unique_names(paths), strict=True)]
     out = Path(out_dir) if out_dir is not None else paths[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
     images = _render_plots(runs, out)

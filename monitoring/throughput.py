@@ -58,10 +58,17 @@ PEAK_FLOPS: list[tuple[str, str, dict[str, float]]] = [
 ]
 
 _DTYPE_ALIASES = {
-    "float32": "fp32", "fp32": "fp32", "float": "fp32", "32": "fp32",
+    "float32": "fp32",
+    "fp32": "fp32",
+    "float": "fp32",
+    "32": "fp32",
     "tf32": "tf32",
-    "bfloat16": "bf16", "bf16": "bf16",
-    "float16": "fp16", "fp16": "fp16", "half": "fp16", "16": "fp16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "half": "fp16",
+    "16": "fp16",
 }
 
 _cpu_peak_cache: dict[tuple[str, int], float] = {}
@@ -148,18 +155,26 @@ def model_flops_utilization(flops_per_sample: float, samples: float, step_time: 
     return flops_per_sample * samples / step_time / peak_flops
 
 
+_process: Any = None
+
+
 def host_rss_mb() -> float:
     """Resident set size of this process in MiB (psutil when present, else /proc)."""
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**20
-    except ImportError:
+    global _process
+    if _process is None or (_process and _process.pid != os.getpid()):  # a forked child: re-create
         try:
-            with open("/proc/self/statm") as fh:
-                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        except OSError:
-            return float("nan")
+            import psutil
+
+            _process = psutil.Process()
+        except ImportError:
+            _process = False
+    if _process:
+        return _process.memory_info().rss / 2**20
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
 
 
 def _device_memory_mb() -> dict[str, float]:
@@ -203,6 +218,7 @@ class ThroughputMeter:
         self._window: deque[tuple[float, float, int, int]] = deque(maxlen=max(1, window))
         self._t_start: float | None = None
         self._t_data: float | None = None
+        host_rss_mb()  # pay psutil's import now, not inside the first timed step
         self.total_samples = 0
         self.total_tokens = 0
         self.last_step_time = float("nan")

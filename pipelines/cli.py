@@ -23,11 +23,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exception types whose message is meant for the user (no traceback is shown)."""
     types: list[type[BaseException]] = [FileNotFoundError]
     for module, name in (
-        ("data_prep.errors", "DataPrepError"),
-        ("pipelines.data", "CorpusError"),
-        ("pipelines.checkpoint", "CheckpointError"),
-        ("pipelines.finetune", "FinetuneError"),
-        ("models.hf", "ConversionError"),
+        ("data_prep.errors", "PrepError"),
+        ("pipelines.finetune_data", "FinetuneError"),
     ):
         mod = sys.modules.get(module)
         cls = getattr(mod, name, None) if mod else None

@@ -380,6 +380,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
     path = Path(path)
@@ -390,6 +394,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644 & ~_UMASK)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from pipelines.finetune_data import FinetuneError  # noqa: F401  (re-exported fo
 class FinetuneDataConfig:
     """Labelled examples read from local files."""
 
-    train: str = option("", help="Training examples: .tsv, .csv or .jsonl with a header / JSON keys.")
+    train: str = option("", help="Training examples: .tsv, .csv or .jsonl (classification) or SQuAD .json (qa).")
     validation: str = option("", help="Dev examples in the same format; selects the best epoch.")
     text_column: str = option("text", help="Column holding the (first) text.")
     text_pair_column: str = option("", help="Column holding the second text of a pair task (empty = single text).")
@@ -39,6 +39,18 @@ class FinetuneDataConfig:
     max_seq_len: int = option(128, help="Tokens per example after truncation (longest side first for pairs).")
     micro_batch_size: int = option(32, help="Examples per process per forward pass.")
     max_bad_share: float = option(0.01, help="Fail when more than this share of a file's rows is bad.")
+
+
+@dataclass(kw_only=True)
+class QAConfig:
+    """Extractive question answering (SQuAD v1.1 / v2.0 JSON)."""
+
+    version_2: bool = option(False, help="SQuAD v2.0: questions may be unanswerable (null answer allowed).")
+    doc_stride: int = option(64, help="Overlap in tokens between consecutive windows over a long context.")
+    max_query_len: int = option(64, help="Question tokens kept (truncated beyond).")
+    max_answer_len: int = option(30, help="Longest answer span, in tokens, considered when decoding.")
+    n_best: int = option(20, help="Start/end candidates considered per window when decoding.")
+    null_score_threshold: float = option(0.0, help="v2: predict no answer when null score - best span score > this.")
 
 
 @dataclass(kw_only=True)
@@ -53,6 +65,7 @@ class FinetuneConfig:
     early_stopping_patience: int = option(0, help="Stop after this many epochs without a better dev metric (0 = off).")
     selection_metric: str = option("accuracy", help="Dev metric that picks the best epoch (accuracy, macro_f1, mcc, pearson…).")
     data: FinetuneDataConfig = option(help="Data.", default_factory=FinetuneDataConfig)
+    qa: QAConfig = option(help="QA decoding (train.task=qa).", default_factory=QAConfig)
     optim: OptimConfig = option(help="Optimizer.", default_factory=lambda: OptimConfig(lr=1e-4, weight_decay=0.01))
     schedule: ScheduleConfig = option(
         help="LR schedule.", default_factory=lambda: ScheduleConfig(warmup="linear", warmup_steps=10, decay="linear")
@@ -67,17 +80,25 @@ class FinetuneConfig:
     logging: LoggingConfig = option(help="Logging.", default_factory=lambda: LoggingConfig(tensorboard=True))
 
     def __post_init__(self) -> None:
-        if self.train.task != "classification":
-            raise ConfigError(f"train.task must be 'classification' for fine-tuning here, got {self.train.task!r}.")
+        if self.train.task not in FINETUNE_TASKS:
+            raise ConfigError(f"train.task must be one of {', '.join(FINETUNE_TASKS)} for fine-tuning, got {self.train.task!r}.")
         if self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1, got {self.epochs}.")
 
 
+#: train.task -> "module:function" running that kind of fine-tuning (imported on use).
+FINETUNE_TASKS = {
+    "classification": "pipelines.finetune_run:finetune_classification",
+    "qa": "pipelines.qa_run:finetune_qa",
+}
+
+
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune and export; returns the dev metrics of the best epoch and the output paths."""
-    from pipelines.finetune_run import finetune_classification
+    import importlib
 
-    return finetune_classification(cfg)
+    module, func = FINETUNE_TASKS[cfg.train.task].split(":")
+    return getattr(importlib.import_module(module), func)(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,10 @@ def confusion_matrix(pred: Sequence[int], gold: Sequence[int], num_labels: int) 
 
 def macro_f1(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
     """Mean over classes of F1 = 2·TP / (2·TP + FP + FN); a class absent from both counts as 0."""
-    cm = confusion_matrix(pred, gold, num_labels)
+    return _macro_f1(confusion_matrix(pred, gold, num_labels))
+
+
+def _macro_f1(cm: np.ndarray) -> float:
     tp = np.diag(cm).astype(float)
     denom = 2 * tp + (cm.sum(0) - tp) + (cm.sum(1) - tp)
     f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
@@ -36,7 +39,11 @@ def macro_f1(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float
 
 def matthews_corrcoef(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
     """Multi-class MCC from the confusion matrix; 0 when either marginal is constant."""
-    cm = confusion_matrix(pred, gold, num_labels).astype(float)
+    return _mcc(confusion_matrix(pred, gold, num_labels))
+
+
+def _mcc(cm: np.ndarray) -> float:
+    cm = cm.astype(float)
     c, s = np.trace(cm), cm.sum()
     p, t = cm.sum(0), cm.sum(1)
     num = c * s - (p * t).sum()
@@ -66,12 +73,18 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return pearson(_ranks(np.asarray(x, dtype=float)), _ranks(np.asarray(y, dtype=float)))
 
 
-def classification_metrics(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> dict[str, float]:
+def metrics_from_confusion(cm: np.ndarray) -> dict[str, float]:
+    """Accuracy, macro-F1 and MCC from a confusion matrix (additive across batches and ranks)."""
+    total = cm.sum()
     return {
-        "accuracy": accuracy(pred, gold),
-        "macro_f1": macro_f1(pred, gold, num_labels),
-        "mcc": matthews_corrcoef(pred, gold, num_labels),
+        "accuracy": float(np.trace(cm) / total) if total else 0.0,
+        "macro_f1": _macro_f1(cm),
+        "mcc": _mcc(cm),
     }
+
+
+def classification_metrics(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> dict[str, float]:
+    return metrics_from_confusion(confusion_matrix(pred, gold, num_labels))
 
 
 def regression_metrics(pred: Sequence[float], gold: Sequence[float]) -> dict[str, float]:

@@ -203,7 +203,9 @@ def test_gpt_to_hf_same_logits_causal_with_padding_and_shifted_loss():
 
 
 def test_gpt_from_hf_dir_and_round_trip(tmp_path):
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     hf = randomize_(transformers.GPT2LMHeadModel(cfg)).eval()
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ours, report = H.from_hf(tmp_path)
@@ -231,7 +233,13 @@ def test_vit_to_hf_same_logits_also_at_another_image_size():
     x = vit_pixels((16, 12))  # a 4x3 patch grid: bicubic-resized positions
     assert maxdiff(ours(x)["logits"], hf(pixel_values=x, interpolate_pos_encoding=True).logits) < TOL
     labels = torch.tensor([0, 2])
-    assert abs(ours(x, labels)["loss"].item() - hf(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss.item()) < TOL
+    assert (
+        abs(
+            ours(x, labels)["loss"].item()
+            - hf(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss.item()
+        )
+        < TOL
+    )
 
 
 def test_vit_from_hf_dir_instance_and_round_trip(tmp_path):

@@ -48,8 +48,9 @@ def run_tiny_loop(
     batch, seq = 8, 16
     params = sum(p.numel() for p in model.parameters())
     meter = ThroughputMeter(flops_per_sample=6 * params, peak_flops=resolve_peak_flops(cfg.peak_flops, "cpu"))
-    logger = RunLogger(run_dir, cfg, is_main=True, total_steps=steps, config_dict=to_dict(run_cfg),
-                       **(logger_kwargs or {}))
+    logger = RunLogger(
+        run_dir, cfg, is_main=True, total_steps=steps, config_dict=to_dict(run_cfg), **(logger_kwargs or {})
+    )
     health = HealthMonitor(cfg, logger, starvation_window=5)
     statuses: dict[int, str] = {}
 
@@ -81,16 +82,25 @@ def run_tiny_loop(
             if status == "stop":
                 break
             if step % log_every == 0:
-                logger.log(step, {"loss": loss.detach(), "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm,
-                                  "tokens": meter.total_tokens, **stats})
+                logger.log(
+                    step,
+                    {
+                        "loss": loss.detach(),
+                        "lr": opt.param_groups[0]["lr"],
+                        "grad_norm": grad_norm,
+                        "tokens": meter.total_tokens,
+                        **stats,
+                    },
+                )
             if step % 25 == 0:
                 logger.log_histogram(step, "weights/0", model[0].weight)
             if eval_every and step % eval_every == 0:
                 with torch.no_grad():
                     xe, ye = fetch()
                     eval_loss = torch.nn.functional.mse_loss(model(xe), ye)
-                logger.log(step, {"loss": eval_loss, "perplexity": float(torch.exp(eval_loss)),
-                                  "accuracy": 0.5}, split="eval")
+                logger.log(
+                    step, {"loss": eval_loss, "perplexity": float(torch.exp(eval_loss)), "accuracy": 0.5}, split="eval"
+                )
     finally:
         logger.close()
     return {"statuses": statuses, "health": health, "meter": meter, "model": model}

@@ -82,6 +82,7 @@ def test_injected_getters_are_used():
     doubled = collect_diagnostics(params.items(), opt, step=1, lr=0.01, get_grad=lambda p: 2 * p.grad)
     plain = collect_diagnostics(params.items(), opt, step=1, lr=0.01)
     assert doubled["grad_norm"] == pytest.approx(2 * plain["grad_norm"])
+
     # an injected state: t = 1, m = 0, v = 0.004, so v^ = 0.004 / (1 - 0.999) = 4 and 1/(sqrt(v^) + 0) = 0.5
     def get_state(p):
         return {"step": 1, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, 0.004)}
@@ -134,11 +135,13 @@ def _benchmark(repeats: int = 10) -> None:
     torch.set_num_threads(1)
     d, layers, vocab, seq, batch = 128, 2, 1000, 128, 8
     layer = nn.TransformerEncoderLayer(d, 2, 4 * d, batch_first=True, dropout=0.0)
-    model = nn.ModuleDict({
-        "embeddings": nn.Embedding(vocab, d),
-        "encoder": nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
-        "head": nn.Linear(d, vocab),
-    })
+    model = nn.ModuleDict(
+        {
+            "embeddings": nn.Embedding(vocab, d),
+            "encoder": nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
+            "head": nn.Linear(d, vocab),
+        }
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, vocab, (batch, seq))
 
@@ -162,8 +165,10 @@ def _benchmark(repeats: int = 10) -> None:
     t_diag = timed(lambda: collect_diagnostics(model.named_parameters(), opt, step=3, lr=1e-3))
     t_hist = timed(lambda: gradient_histogram(model.named_parameters()))
     n = sum(p.numel() for p in model.parameters())
-    print(f"params={n / 1e6:.2f}M  train step {t_step * 1e3:.1f} ms  collect_diagnostics {t_diag * 1e3:.1f} ms "
-          f"({t_diag / t_step:.1%})  gradient_histogram {t_hist * 1e3:.1f} ms ({t_hist / t_step:.1%})")
+    print(
+        f"params={n / 1e6:.2f}M  train step {t_step * 1e3:.1f} ms  collect_diagnostics {t_diag * 1e3:.1f} ms "
+        f"({t_diag / t_step:.1%})  gradient_histogram {t_hist * 1e3:.1f} ms ({t_hist / t_step:.1%})"
+    )
 
 
 if __name__ == "__main__":

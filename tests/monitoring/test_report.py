@@ -94,8 +94,16 @@ window.addEventListener('load', function () {
 });
 </script>"""
 
-_CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+_CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _chromium() -> str:
@@ -112,9 +120,19 @@ def _open_in_chromium(page: Path, profile: Path) -> tuple[list, str, list[str]]:
     probe = page.with_name("_probe_" + page.name)
     probe.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + _PROBE, 1), encoding="utf-8")
     proc = subprocess.run(
-        [_chromium(), *_CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        [
+            _chromium(),
+            *_CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     match = re.search(r'<pre id="img-widths">(.*?)</pre>', proc.stdout, re.S)
@@ -135,15 +153,28 @@ def test_report_in_headless_chromium(finished_run: Path, tmp_path: Path) -> None
     import subprocess
 
     shot = tmp_path / "report-screenshot.png"  # the test artifact
-    subprocess.run([_chromium(), *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile2'}",
-                    "--window-size=1200,2400", f"--screenshot={shot}", out.as_uri()],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [
+            _chromium(),
+            *_CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile2'}",
+            "--window-size=1200,2400",
+            f"--screenshot={shot}",
+            out.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     assert _png_size(shot) == (1200, 2400)
 
     # The probe must be able to fail: a broken image and a script error are both reported.
     broken = out.with_name("broken.html")
-    broken.write_text(out.read_text().replace('src="lr.png"', 'src="missing.png"')
-                      .replace("</body>", "<script>console.error('probe-check')</script></body>"))
+    broken.write_text(
+        out.read_text()
+        .replace('src="lr.png"', 'src="missing.png"')
+        .replace("</body>", "<script>console.error('probe-check')</script></body>")
+    )
     widths, errors, console = _open_in_chromium(broken, tmp_path / "profile3")
     assert dict(widths)["missing.png"] == 0 and "missing.png" in errors
     assert any("probe-check" in line for line in console)

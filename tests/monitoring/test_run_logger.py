@@ -38,8 +38,18 @@ def test_tiny_loop_metrics_jsonl(finished_run: Path) -> None:
     assert [r["step"] for r in train] == [10, 20, 30, 40, 50]
     assert [r["step"] for r in evals] == [25, 50]
     for r in train:
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time", "mfu",
-                    "data_wait_share", "host_rss_mb", "time"):
+        for key in (
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "samples_per_s",
+            "step_time",
+            "mfu",
+            "data_wait_share",
+            "host_rss_mb",
+            "time",
+        ):
             assert isinstance(r[key], float), key
         assert r["tokens"] == r["step"] * 8 * 16
         assert 0 < r["mfu"] < 1.5  # CPU peak is the measured matmul rate, tiny MLP is far below it
@@ -49,8 +59,18 @@ def test_tiny_loop_metrics_jsonl(finished_run: Path) -> None:
 def test_tiny_loop_tensorboard_scalars_and_histograms(finished_run: Path) -> None:
     acc = _accumulator(finished_run)
     scalars = set(acc.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                "train/step_time", "train/data_wait_share", "eval/loss", "eval/perplexity", "eval/accuracy"}
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/mfu",
+        "train/step_time",
+        "train/data_wait_share",
+        "eval/loss",
+        "eval/perplexity",
+        "eval/accuracy",
+    }
     assert expected <= scalars, expected - scalars
     assert [e.step for e in acc.Scalars("train/loss")] == [10, 20, 30, 40, 50]
     assert [e.step for e in acc.Scalars("eval/loss")] == [25, 50]
@@ -60,6 +80,16 @@ def test_tiny_loop_tensorboard_scalars_and_histograms(finished_run: Path) -> Non
     assert "weights/0" in acc.Tags()["histograms"]
     assert [h.step for h in acc.Histograms("weights/0")] == [25, 50]
     assert "config" in "".join(acc.Tags().get("tensors", []))  # the run config as TensorBoard text
+
+
+def test_ready_made_histogram(tmp_path: Path) -> None:
+    with RunLogger(tmp_path, LoggingConfig(progress=False), is_main=True, total_steps=5) as lg:
+        lg.log_histogram(3, "grad/hist", counts=[1, 4, 2], edges=[-1.0, 0.0, 1.0, 2.0])
+        with pytest.raises(ValueError, match="edges"):
+            lg.log_histogram(4, "grad/hist", counts=[1, 2], edges=[0.0, 1.0])
+    (h,) = _accumulator(tmp_path).Histograms("grad/hist")
+    assert h.step == 3 and h.histogram_value.num == 7
+    assert list(h.histogram_value.bucket) == [1, 4, 2] and list(h.histogram_value.bucket_limit) == [0.0, 1.0, 2.0]
 
 
 def test_non_main_rank_writes_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,181 @@
+"""Throughput of the Ray data-preparation jobs against a `datasets.map` baseline, in one run.
+
+On the same real corpus (the Python documentation sources from Debian's python3.11-doc, else
+Python's own pydoc topics) and with the same fast tokenizer, this times:
+  * ours: `run_prepare` for packed_lm (GPT) and bert_pairs, 2 Ray workers (and 1 for scaling);
+  * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)` tokenization plus
+    the equivalent grouping (GPT: concatenate + cut seq_len+1 windows; BERT: the same NSP pair
+    builder applied per map batch), written to the datasets cache as usual;
+and prints tokens/s of each and the ratios. It also runs the packed_lm job on 1x and 4x the
+corpus in fresh driver processes and reports their peak driver RSS.
+
+    python benchmarks/prep_throughput.py [--mb 3] [--seq-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+PY_DOC = Path("/usr/share/doc/python3.11-doc/html/_sources")
+
+
+def build_corpus(root: Path, mb: float, copies: int = 1) -> Path:
+    """`mb` MB of real text as files; `copies` > 1 repeats it with a marker so dedup keeps it."""
+    root.mkdir(parents=True, exist_ok=True)
+    if PY_DOC.is_dir():
+        texts = [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in sorted(PY_DOC.rglob("*.txt"))]
+    else:
+        from pydoc_data.topics import topics
+
+        texts = sorted(topics.items())
+    budget = mb * 1e6
+    chosen = []
+    for name, text in texts:
+        if budget <= 0:
+            break
+        chosen.append((name, text))
+        budget -= len(text.encode())
+    for c in range(copies):
+        for k, (name, text) in enumerate(chosen):
+            body = text if c == 0 else "\n\n".join(f"Copy {c}. {p}" for p in text.split("\n\n"))
+            (root / f"{c:02d}-{k:04d}.txt").write_text(body, encoding="utf-8")
+    return root
+
+
+def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int) -> dict:
+    from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
+    from data_prep.job import run_prepare
+
+    cfg = PrepConfig(
+        kind=kind, output=str(out), seq_len=seq_len, num_workers=workers, progress=False, validation_fraction=0.0,
+        shard_target_mb=1, sources=[SourceConfig(type="text", paths=[str(corpus / "*.txt")], text_mode="paragraphs")],
+        tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000),
+    )
+    cfg.clean.dedup = False  # the baseline does not dedup either
+    t0 = time.perf_counter()
+    s = run_prepare(cfg)
+    return {"tokens": s["tokens"], "seconds": time.perf_counter() - t0}
+
+
+def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int) -> dict:
+    import datasets
+    from tokenizers import Tokenizer
+
+    from data_prep.bert_pairs import create_pairs, split_sentences
+
+    datasets.disable_progress_bars()
+    tok_file = str(Path(tokenizer) / "tokenizer.json")
+    t0 = time.perf_counter()
+    ds = datasets.load_dataset("text", data_files=sorted(str(p) for p in corpus.glob("*.txt")), sample_by="paragraph",
+                               split="train", cache_dir=str(cache))
+    tok = Tokenizer.from_file(tok_file)
+    if kind == "packed_lm":
+        eos = tok.token_to_id("<|endoftext|>")
+
+        def tokenize(batch):
+            return {"ids": [e.ids + [eos] for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
+
+        def group(batch):  # the classic `group_texts` of the HF examples, windows of seq_len + 1
+            flat = [t for ids in batch["ids"] for t in ids]
+            n = (len(flat) // (seq_len + 1)) * (seq_len + 1)
+            return {"input_ids": [flat[i : i + seq_len + 1] for i in range(0, n, seq_len + 1)]}
+    else:
+        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+
+        def tokenize(batch):
+            sents = [split_sentences(t) for t in batch["text"]]
+            flat = [e.ids for e in tok.encode_batch_fast([s for d in sents for s in d], add_special_tokens=False)]
+            out, k = [], 0
+            for d in sents:
+                out.append(flat[k : k + len(d)])
+                k += len(d)
+            return {"ids": out}
+
+        def group(batch):
+            import numpy as np
+
+            docs = [[np.asarray(s) for s in d if s] for d in batch["ids"]]
+            rng = random.Random(0)
+            pairs = [p[0].tolist() for k in range(len(docs)) for p in create_pairs(docs, k, max_seq_len=seq_len, cls_id=cls_id, sep_id=sep_id, rng=rng)]
+            return {"input_ids": pairs}
+
+    ds = ds.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
+    ds = ds.map(group, batched=True, num_proc=2, remove_columns=["ids"])
+    tokens = sum(len(x) for batch in ds.with_format("arrow").iter(1000) for x in batch.column("input_ids").to_pylist())
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, address: str) -> float:
+    code = (
+        "import resource, sys; sys.path.insert(0, %r); from benchmarks.prep_throughput import ours; "
+        "ours(%r, __import__('pathlib').Path(%r), __import__('pathlib').Path(%r), %r, %d, 2); "
+        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    ) % (str(REPO), kind, str(corpus), str(out), tokenizer, seq_len)
+    env = {**os.environ, "RAY_ADDRESS": address, "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    line = [x for x in res.stdout.splitlines() if x.startswith("RSS")]
+    if not line:
+        raise RuntimeError(res.stderr[-3000:])
+    return int(line[-1].split()[1]) / 1024  # MiB (ru_maxrss is KiB on Linux)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=3.0, help="corpus size in MB")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both sides
+
+    import ray
+
+    from data_prep.config import TokenizerConfig
+    from data_prep.tokenizer import save_tokenizer, train_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="prep_bench_"))
+    try:
+        corpus = build_corpus(work / "corpus", args.mb)
+        texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+        toks = {}
+        for kind, ttype in (("packed_lm", "bpe"), ("bert_pairs", "wordpiece")):
+            toks[kind] = str(work / f"tok-{ttype}" / "tokenizer")
+            tok = train_tokenizer(texts, TokenizerConfig(type=ttype, vocab_size=16000))
+            save_tokenizer(tok, toks[kind], ttype, model_max_length=args.seq_len, lowercase=True)
+        ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        address = ctx.address_info["gcs_address"]
+        results: dict = {"corpus_mb": round(sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6, 2)}
+        for kind in ("packed_lm", "bert_pairs"):
+            ours(kind, corpus, work / f"warm-{kind}", toks[kind], args.seq_len, 2)  # warm the workers
+            o2 = ours(kind, corpus, work / f"ours2-{kind}", toks[kind], args.seq_len, 2)
+            o1 = ours(kind, corpus, work / f"ours1-{kind}", toks[kind], args.seq_len, 1)
+            b = baseline(kind, corpus, work / f"cache-{kind}", toks[kind], args.seq_len)
+            r = {name: round(x["tokens"] / x["seconds"]) for name, x in (("ours_2w", o2), ("ours_1w", o1), ("baseline", b))}
+            r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2), speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),
+                     tokens_ours=o2["tokens"], tokens_baseline=b["tokens"])
+            results[kind] = r
+            print(kind, json.dumps(r), flush=True)
+        if not args.skip_memory:
+            big = build_corpus(work / "corpus4x", args.mb, copies=4)
+            results["peak_driver_rss_mib"] = {
+                "1x": round(peak_rss("packed_lm", corpus, work / "m1", toks["packed_lm"], args.seq_len, address)),
+                "4x": round(peak_rss("packed_lm", big, work / "m4", toks["packed_lm"], args.seq_len, address)),
+            }
+        print(json.dumps(results, indent=2))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

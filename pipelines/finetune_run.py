@@ -1,0 +1,279 @@
+"""Sequence-classification fine-tuning on the pretraining engine (see `pipelines.finetune`).
+
+Flow: resolve the checkpoint (a release dir, or one of our run checkpoints exported on the fly) →
+read and tokenize the labelled files → our `SequenceClassifier` on the release's encoder (or the
+same architecture from random init) → `Trainer` with one evaluation and one checkpoint per epoch
+→ pick the best epoch on the dev metric → export it as a transformers release directory →
+`metrics.json` computed by that exported model on the whole dev set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipelines import distributed as dist
+from pipelines.config import DataConfig, ModelConfig, RunConfig, atomic_write_text
+from pipelines.finetune import FinetuneConfig
+from pipelines.finetune_data import (
+    FinetuneError,
+    collate_classification,
+    encode_examples,
+    read_examples,
+)
+from pipelines.metrics import classification_metrics, metrics_from_confusion, regression_metrics
+from pipelines.tasks import Task
+
+#: Metrics where smaller is better; every other selection metric is maximized.
+_LOWER_IS_BETTER = {"loss", "mse"}
+
+
+class ClassificationTask(Task):
+    """Cross-entropy (or MSE when `num_labels == 1`); eval sums a confusion matrix so macro-F1/MCC are exact across ranks."""
+
+    name, family = "classification", "bert"
+    input_names = ("input_ids", "attention_mask", "token_type_ids")
+
+    def __init__(self, num_labels: int, pad_id: int):
+        self.num_labels, self.pad_id = num_labels, pad_id
+        self.regression = num_labels == 1
+
+    def collate(self, samples, *, epoch=0, train=True):
+        return collate_classification(samples, self.pad_id)
+
+    def forward(self, model, batch):
+        out = model(**self.model_inputs(batch))
+        logits, labels, valid = out["logits"], batch["labels"], batch["valid"]
+        if self.regression:
+            err = (logits.squeeze(-1).float() - labels.float()) ** 2
+            out["loss"] = (err * valid).sum() / valid.sum().clamp(min=1)
+        else:
+            out["loss"] = torch.nn.functional.cross_entropy(logits.float(), labels.masked_fill(~valid, -100))
+        return out
+
+    def eval_sums(self, out, batch):
+        valid = batch["valid"].bool()
+        n = float(valid.sum())
+        sums = {"count": n, "loss_sum": float(out["loss"]) * n}
+        if self.regression:
+            x, y = out["logits"].squeeze(-1).float()[valid], batch["labels"].float()[valid]
+            sums.update(sx=float(x.sum()), sy=float(y.sum()), sxx=float((x * x).sum()), syy=float((y * y).sum()),
+                        sxy=float((x * y).sum()), sse=float(((x - y) ** 2).sum()))
+            return sums
+        pred, gold = out["logits"].argmax(-1)[valid], batch["labels"][valid]
+        cm = torch.zeros(self.num_labels, self.num_labels, dtype=torch.float64)
+        cm.index_put_((gold.cpu(), pred.cpu()), torch.ones(len(gold), dtype=torch.float64), accumulate=True)
+        sums.update({f"cm_{t}_{p}": float(cm[t, p]) for t in range(self.num_labels) for p in range(self.num_labels)})
+        return sums
+
+    def eval_metrics(self, s):
+        n = max(s["count"], 1.0)
+        metrics = {"loss": s["loss_sum"] / n}
+        if self.regression:
+            cov = s["sxy"] / n - (s["sx"] / n) * (s["sy"] / n)
+            var = (s["sxx"] / n - (s["sx"] / n) ** 2) * (s["syy"] / n - (s["sy"] / n) ** 2)
+            metrics.update(mse=s["sse"] / n, pearson=float(cov / np.sqrt(var)) if var > 0 else 0.0)
+            return metrics
+        k = self.num_labels
+        cm = np.array([[s[f"cm_{t}_{p}"] for p in range(k)] for t in range(k)])
+        metrics.update(metrics_from_confusion(cm))
+        return metrics
+
+    def tokens(self, batch):
+        return int(batch["attention_mask"].sum())
+
+
+def _padded(features: list[dict[str, Any]], multiple: int, pad_label: int | float) -> list[dict[str, Any]]:
+    """Mark real items valid and pad with invalid ones so every rank evaluates the whole dev set."""
+    out = [{**f, "valid": True} for f in features]
+    filler = {"input_ids": features[0]["input_ids"][:2], "token_type_ids": [0, 0], "label": pad_label, "valid": False}
+    out += [filler] * (-len(out) % multiple)
+    return out
+
+
+def _collate_with_valid(task: ClassificationTask):
+    def collate(items):
+        batch = collate_classification(items, task.pad_id)
+        batch["valid"] = torch.tensor([bool(it.get("valid", True)) for it in items])
+        return batch
+
+    return collate
+
+
+def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
+    """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
+    path = Path(checkpoint)
+    if (path / "config.json").is_file():
+        return path
+    if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
+        from pipelines.export import export_checkpoint
+
+        target = run_dir / "base-release"
+        if env.rank == 0:
+            export_checkpoint(path, target)
+        dist.barrier_if_initialized()
+        return target
+    raise FinetuneError(
+        f"checkpoint={checkpoint}: not a release directory (no config.json) nor a run checkpoint "
+        f"(no trainer_state.json). Pass a directory written by `pretrain export` or `save_pretrained`, or a run dir."
+    )
+
+
+def load_tokenizer(release: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(release), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(f"{release}: no usable tokenizer files ({exc}). Copy the tokenizer the model was trained with into it.") from None
+
+
+def build_classifier(release: Path, label_names: list[str], regression: bool, init: str) -> torch.nn.Module:
+    import models
+    from models.bert import init_bert_
+
+    try:
+        model, report = models.hf.from_hf(
+            release, head="classification", num_labels=1 if regression else len(label_names),
+            id2label=None if regression else dict(enumerate(label_names)),
+        )
+    except ValueError as exc:
+        raise FinetuneError(f"{release}: {exc} Fine-tuning supports BERT-architecture checkpoints.") from None
+    if getattr(model, "family", None) != "bert":
+        raise FinetuneError(f"{release} holds a {getattr(model, 'family', '?')} model; classification fine-tuning needs a BERT-architecture encoder.")
+    if init == "random":
+        model.apply(lambda m: init_bert_(m, model.config) if m is model else None)
+    return model
+
+
+def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
+    from pipelines.trainer import Trainer
+    from pipelines.data import MapStyleSource
+
+    env = dist.init_env()
+    run_dir = Path(cfg.train.run_dir)
+    release = resolve_release(cfg.checkpoint, run_dir, env)
+    d = cfg.data
+    columns = dict(text_column=d.text_column, label_column=d.label_column, text_pair_column=d.text_pair_column,
+                   regression=d.regression, max_bad_share=d.max_bad_share)
+    train_ex, labels, train_report = read_examples(d.train, **columns)
+    val_ex, _, val_report = read_examples(d.validation, label_names=labels, **columns)
+    if env.rank == 0:
+        print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
+
+    tokenizer = load_tokenizer(release)
+    task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0)
+    pad_label: int | float = 0.0 if d.regression else 0
+    train_feats = [{**f, "valid": True} for f in encode_examples(train_ex, tokenizer, d.max_seq_len)]
+    val_feats = _padded(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size, pad_label)
+    model = build_classifier(release, labels, d.regression, cfg.init)
+
+    per_step = env.world_size * d.micro_batch_size * cfg.train.grad_accum_steps
+    steps_per_epoch = len(train_feats) // per_step
+    if steps_per_epoch < 1:
+        raise FinetuneError(f"{d.train}: {len(train_feats)} examples are fewer than one optimizer step ({per_step}); "
+                            f"lower data.micro_batch_size or train.grad_accum_steps.")
+    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
+                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
+    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
+                        model=ModelConfig(name="bert-classifier"), optim=cfg.optim, schedule=cfg.schedule,
+                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
+    collate = _collate_with_valid(task)
+    common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
+    trainer = Trainer(
+        run_cfg, model=model, task=task, env=env,
+        train_data=MapStyleSource(train_feats, collate, micro_batch_size=d.micro_batch_size, shuffle=True, **common),
+        eval_data=MapStyleSource(val_feats, collate, micro_batch_size=d.micro_batch_size, shuffle=False, **common),
+        model_build={"name": "bert-classifier", "checkpoint": str(release), "labels": labels},
+        data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
+        should_stop=_early_stopping(cfg), config_to_save=cfg,
+    )
+    summary = trainer.fit()
+    best_step, history = _best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
+                              "history": history, "steps": summary["steps"]}
+    if env.rank == 0:
+        out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", labels, d.regression)
+        result["metrics"] = evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression)
+        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
+    dist.barrier_if_initialized()
+    if env.rank != 0:
+        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
+    return result
+
+
+def _early_stopping(cfg: FinetuneConfig):
+    """A `should_stop(step, eval_metrics)` that stops after `patience` evaluations without improvement."""
+    if cfg.early_stopping_patience <= 0:
+        return None
+    sign = -1.0 if cfg.selection_metric in _LOWER_IS_BETTER else 1.0
+    state = {"best": -np.inf, "bad": 0}
+
+    def should_stop(_step: int, metrics: dict[str, float]) -> bool:
+        score = sign * metrics.get(cfg.selection_metric, -np.inf * sign)
+        if score > state["best"]:
+            state["best"], state["bad"] = score, 0
+        else:
+            state["bad"] += 1
+        return state["bad"] >= cfg.early_stopping_patience
+
+    return should_stop
+
+
+def _best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, list[dict[str, Any]]]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("split") == "eval" and row.get("step", 0) % steps_per_epoch == 0:
+            rows.append(row)
+    if not rows:
+        raise FinetuneError(f"{run_dir}/metrics.jsonl has no evaluation; the run did not finish an epoch.")
+    if metric not in rows[-1]:
+        raise FinetuneError(f"selection_metric={metric!r} is not among the dev metrics {sorted(k for k in rows[-1] if k not in ('step', 'split', 'time'))}.")
+    sign = -1.0 if metric in _LOWER_IS_BETTER else 1.0
+    best = max(rows, key=lambda r: (sign * r[metric], -r["step"]))
+    return int(best["step"]), [{"epoch": r["step"] // steps_per_epoch, **{k: v for k, v in r.items() if k not in ("split", "time")}} for r in rows]
+
+
+def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool) -> Path:
+    import models
+    from pipelines.checkpoint import step_dir_name
+    from pipelines.export import consolidated_state_dict, write_release
+
+    sd = consolidated_state_dict(checkpoints / step_dir_name(step))
+    model.load_state_dict(sd)
+    hf = models.hf.to_hf(model.float().eval())
+    if not regression:
+        hf.config.id2label = dict(enumerate(labels))
+        hf.config.label2id = {name: i for i, name in enumerate(labels)}
+    card = f"# Fine-tuned sequence classifier\n\nFrom `{base}`, best epoch at step {step}. Labels: {', '.join(labels)}.\n"
+    return write_release(hf, out, tokenizer_dir=base, card=card)
+
+
+@torch.no_grad()
+def evaluate_release(release: Path, examples, max_seq_len: int, labels: list[str], regression: bool) -> dict[str, float]:
+    """Dev metrics of the exported model, loaded back with transformers (so the release is what was measured)."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = load_tokenizer(release)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(release), trust_remote_code=False).eval()
+    preds: list[float] = []
+    for i in range(0, len(examples), 64):
+        chunk = examples[i: i + 64]
+        pairs = [e.text_pair for e in chunk] if chunk[0].text_pair is not None else None
+        enc = tokenizer([e.text for e in chunk], pairs, truncation="longest_first", max_length=max_seq_len,
+                        padding=True, return_tensors="pt")
+        logits = hf(**enc).logits
+        preds.extend(logits.squeeze(-1).tolist() if regression else logits.argmax(-1).tolist())
+    gold = [e.label for e in examples]
+    if regression:
+        return regression_metrics(preds, gold)
+    return classification_metrics(preds, gold, len(labels))

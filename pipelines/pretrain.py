@@ -1,0 +1,55 @@
+"""``python -m pipelines.pretrain CONFIG [key=value ...]``: one rank of a pretraining job.
+
+Runs unchanged under ``accelerate launch``, ``torchrun``, ``deepspeed`` and ``srun`` (and as a plain
+single process); ``pipelines.distributed`` works out which. Config and corpus problems print one
+paragraph and exit with code 2, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipelines.config import ConfigError, RunConfig, describe, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    keys = "\n".join(f"  {k:<34} {d:<14} {h}" for k, d, h in describe(RunConfig))
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.pretrain",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pretrain BERT (mlm_nsp), GPT (causal_lm) or ViT (image_cls) from a prepared corpus.",
+        epilog=f"Overrides (key=value, dotted):\n{keys}\n\nExamples:\n"
+        "  python -m pipelines.pretrain configs/train/bert_tiny_cpu.yaml data.corpus=out/corpus\n"
+        "  accelerate launch --config_file configs/accelerate/cpu_zero2.yaml --num_processes 2 -m pipelines.pretrain CONFIG\n"
+        "  torchrun --nproc_per_node 8 -m pipelines.pretrain CONFIG distributed.zero_stage=3\n",
+    )
+    p.add_argument("config", help="Run config YAML (see configs/train/).")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100 optim.lr=3e-4")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from pipelines.trainer import train
+
+        summary = train(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as td
+
+    if not td.is_initialized() or td.get_rank() == 0:
+        print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+    if td.is_initialized():
+        td.barrier()
+        td.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

