@@ -111,12 +111,16 @@ def init_bert_(module: nn.Module, cfg: BertConfig) -> None:
 def masked_mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean CE over positions whose label is not -100; 0 (not NaN) when a batch has none."""
     flat = labels.reshape(-1)
-    total = F.cross_entropy(logits.reshape(flat.numel(), -1).float(), flat, ignore_index=-100, reduction="sum")
+    total = F.cross_entropy(logits.reshape(flat.numel(), logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
     return total / (flat != -100).sum().clamp(min=1)
 
 
 class BertForPreTraining(nn.Module):
-    """BERT with MLM + NSP heads; ``forward`` follows docs/interfaces.md (mirrors ``transformers.BertForPreTraining``)."""
+    """BERT with MLM + NSP heads; ``forward`` follows docs/interfaces.md (mirrors ``transformers.BertForPreTraining``).
+
+    Without ``labels`` it returns the dense ``prediction_logits`` [B, T, V] like transformers; with
+    ``labels`` it returns ``masked_prediction_logits`` [n_masked, V] only (see ``forward``).
+    """
 
     config_class = BertConfig
     family = "bert"
@@ -147,15 +151,22 @@ class BertForPreTraining(nn.Module):
         self, input_ids, attention_mask=None, token_type_ids=None, labels=None, next_sentence_label=None
     ) -> dict[str, torch.Tensor]:
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        prediction_logits = self.mlm(out["last_hidden_state"])
-        seq_relationship_logits = self.nsp(out["pooler_output"])
-        result = {"prediction_logits": prediction_logits, "seq_relationship_logits": seq_relationship_logits}
+        hidden = out["last_hidden_state"]
+        result = {"seq_relationship_logits": self.nsp(out["pooler_output"])}
         losses = []
-        if labels is not None:
-            result["mlm_loss"] = masked_mean_cross_entropy(prediction_logits, labels)
+        if labels is None:
+            result["prediction_logits"] = self.mlm(hidden)
+        else:
+            # Sparse MLM head (as in NVIDIA's BERT recipe): the vocabulary projection, the largest
+            # matmul of small BERTs, runs only at the ~15 % masked positions. The loss equals the
+            # dense head's; `masked_prediction_logits` rows follow `labels != -100` in row-major order.
+            selected = labels != -100
+            masked_logits = self.mlm(hidden[selected])
+            result["masked_prediction_logits"] = masked_logits
+            result["mlm_loss"] = masked_mean_cross_entropy(masked_logits, labels[selected])
             losses.append(result["mlm_loss"])
         if next_sentence_label is not None:
-            result["nsp_loss"] = F.cross_entropy(seq_relationship_logits.float(), next_sentence_label.view(-1))
+            result["nsp_loss"] = F.cross_entropy(result["seq_relationship_logits"].float(), next_sentence_label.view(-1))
             losses.append(result["nsp_loss"])
         if losses:
             result["loss"] = sum(losses)

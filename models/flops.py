@@ -10,7 +10,8 @@ with no causal halving (PaLM's convention, so GPT and BERT numbers compare); ele
 
 N counts the matmul weights a token passes through:
 - every block: Q, K, V, O (4 d^2) + MLP (2 d d_ff);
-- BERT: MLM transform (d^2) + tied decoder (d V) at every position; pooler (d^2) and NSP (2 d) once
+- BERT: MLM transform (d^2) + tied decoder (d V) at every position (or at the masked share of
+  positions with our sparse MLM head, ``mlm_fraction``); pooler (d^2) and NSP (2 d) once
   per sequence, i.e. divided by T;  GPT: the tied LM head (d V).
 - ViT (per image, T = P + 1 tokens, P = (image/patch)^2): patch projection (C p^2 d) per patch,
   blocks per token, classifier (d K) once per image.
@@ -37,11 +38,15 @@ def _attention_flops(cfg: TransformerConfig, seq_len: int) -> int:
     return 12 * cfg.num_layers * cfg.hidden_size * seq_len
 
 
-def training_flops_per_token(config: TransformerConfig, seq_len: int | None = None, include_head: bool = True) -> float:
+def training_flops_per_token(
+    config: TransformerConfig, seq_len: int | None = None, include_head: bool = True, mlm_fraction: float = 1.0
+) -> float:
     """6 N + 12 L d T per token for BERT/GPT; for ViT the FLOPs per *image* (``seq_len`` ignored).
 
     ``seq_len`` defaults to ``config.max_position_embeddings``; ``include_head=False`` drops the
-    pretraining heads (use it for fine-tuning heads, whose cost is negligible).
+    pretraining heads (use it for fine-tuning heads, whose cost is negligible). ``mlm_fraction``:
+    share of positions the BERT MLM head runs at (1.0 = dense as in transformers; our sparse head
+    runs at the masked positions only, ~0.15).
     """
     if isinstance(config, ViTConfig):
         return training_flops_per_image(config, include_head)
@@ -50,7 +55,7 @@ def training_flops_per_token(config: TransformerConfig, seq_len: int | None = No
     n = block_matmul_params(config)
     per_sequence = 0
     if include_head and isinstance(config, BertConfig):
-        n += d * d + d * config.vocab_size
+        n += mlm_fraction * (d * d + d * config.vocab_size)
         per_sequence = d * d + 2 * d
     elif include_head and isinstance(config, GPTConfig):
         n += d * config.vocab_size
@@ -70,9 +75,9 @@ def training_flops_per_image(config: ViTConfig, include_head: bool = True) -> fl
     return 6 * n + T * _attention_flops(config, T)
 
 
-def training_flops_per_sample(config: TransformerConfig, seq_len: int | None = None) -> float:
+def training_flops_per_sample(config: TransformerConfig, seq_len: int | None = None, mlm_fraction: float = 1.0) -> float:
     """FLOPs per training sample: per token x T for text, per image for ViT (ThroughputMeter's ``flops_per_sample``)."""
     if isinstance(config, ViTConfig):
         return training_flops_per_image(config)
     T = seq_len or config.max_position_embeddings
-    return training_flops_per_token(config, T) * T
+    return training_flops_per_token(config, T, mlm_fraction=mlm_fraction) * T

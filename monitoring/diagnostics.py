@@ -325,8 +325,10 @@ def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int 
     - split ``diag`` (``RunLogger.log``): everything ``collect_diagnostics`` returns (Adam statistics
       of the state *before* this update, i.e. after ``step - 1`` updates), with ``radam/rho_t`` and
       ``radam/r_t`` of this update t and ``radam/effective_lr`` = lr r_t (0 while unrectified)
-      for RAdam -- its implicit warmup (Liu et al. 2020, Fig. 3; Ma & Yarats 2019, sec. 4);
-    - split ``hist``: histograms of log10|g| of the gradients (before clipping) and of log10|delta w|
+      for RAdam -- its implicit warmup (Liu et al. 2020, Fig. 3; Ma & Yarats 2019, sec. 4) -- and
+      ``adam/step_size_{mean,var}_blocks`` over the transformer blocks' weights only (embedding rows
+      no batch has hit yet have v = 0, a step size of 1/eps, and dominate the all-weights variance);
+    - in the same ``diag`` record: histograms of log10|g| of the gradients (before clipping) and of log10|delta w|
       of the update about to be applied (``adam_update``, after clipping; Adam-family only), as
       ``grad_log10_counts`` / ``grad_log10_edges`` and ``update_log10_counts`` / ``update_log10_edges``
       (Liu et al. 2020, Fig. 2); also TensorBoard histograms ``diag/grad_log10_abs``, ``diag/update_log10_abs``.
@@ -358,8 +360,12 @@ def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int 
         scalars["radam/r_t"] = r_t
     if radam:
         scalars["radam/effective_lr"] = lr * (r_t or 0.0)
-    logger.log(step, scalars, split="diag")
-
+    if not deepspeed and optimizer is not None:  # the same variance over the transformer blocks only (no
+        blocks = [(n, p) for n, p in named if re.search(r"\.\d+\.", n)]  # never-hit embedding rows: 1/eps)
+        sub = collect_diagnostics(blocks, optimizer, step=step, lr=lr) if blocks else {}
+        if "adam/step_size_var" in sub:
+            scalars["adam/step_size_var_blocks"] = sub["adam/step_size_var"]
+            scalars["adam/step_size_mean_blocks"] = sub["adam/step_size_mean"]
     hist: dict[str, Any] = {}
     counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=getters.get("get_grad"))
     if len(counts):
@@ -379,6 +385,5 @@ def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int 
         if len(counts):
             hist["update_log10_counts"], hist["update_log10_edges"] = counts.tolist(), edges.tolist()
             logger.log_histogram(step, "diag/update_log10_abs", counts=counts, edges=edges)
-    if hist:
-        logger.log(step, hist, split="hist")
+    logger.log(step, {**scalars, **hist}, split="diag")
     return scalars

@@ -98,11 +98,47 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pipelines.sweep import load_sweep, run_local, submit_slurm
+
+    sweep = load_sweep(args.sweep, args.overrides)
+    if args.slurm:
+        submit_slurm(args.sweep, sweep, args.overrides, dry_run=args.dry_run)
+        return 0
+    results = run_local(sweep, args.set, force=args.force)
+    return 0 if all(r.get("status") in ("ok", "diverged") for r in results) else EXIT_FAILURE
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from monitoring.report import render_report
 
+    if len(args.run_dirs) == 1:  # a sweep dir gets the optimizer x warmup study report
+        from monitoring.study import is_sweep_dir, render_study
+
+        if is_sweep_dir(args.run_dirs[0]):
+            out = args.out if args.out != "report" else None  # default: SWEEP_DIR/study
+            print(f"Study report written to {render_study(args.run_dirs[0], out)}")
+            return 0
     page = render_report(args.run_dirs, args.out)
     print(f"Report written to {page}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from pipelines.submit import SubmitOptions, describe_submitted, render_job, submit_job
+
+    opts = SubmitOptions(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time,
+        account=args.account, job_name=args.job_name, cpus_per_task=args.cpus_per_task, mem=args.mem,
+        signal_seconds=args.signal_seconds, launcher=args.launcher, kind=args.kind, sbatch_args=tuple(args.sbatch_arg),
+    )
+    job = render_job(args.config, args.overrides, opts)
+    for warning in job.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.dry_run:
+        print(job.script, end="")
+        return 0
+    print(describe_submitted(submit_job(job), job))
     return 0
 
 
@@ -208,13 +244,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(
         sub,
+        "sweep",
+        cmd_sweep,
+        "Run an optimizer x warmup x LR x seed grid of pretraining runs, locally or as a SLURM job array.",
+        "pretrain sweep configs/sweeps/warmup_post_ln_bert.yaml corpus=demo_out/corpus --local\n"
+        "pretrain report runs/sweeps/warmup_post_ln_bert     # the study report",
+    )
+    p.add_argument("sweep", help="Sweep YAML (configs/sweeps/).")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="Sweep fields, e.g. corpus=DIR seeds=[0] jobs=2.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--local", action="store_true", help="Run the grid here, one run after another (default).")
+    mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
+    p.add_argument("--force", action="store_true", help="--local: rerun runs already marked done.")
+    p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only.")
+
+    p = _add(
+        sub,
         "report",
         cmd_report,
-        "Render PNG plots and an HTML page for one or more run directories (also while a run is going).",
+        "Render PNG plots and an HTML page for one or more run directories, or the study report of a sweep dir.",
         "pretrain report runs/a runs/b --out report",
     )
     p.add_argument("run_dirs", nargs="+", help="Run directories (with metrics.jsonl).")
     p.add_argument("--out", default="report", help="Output directory for report.html and the PNGs.")
+
+    p = _add(
+        sub,
+        "submit",
+        cmd_submit,
+        "Submit a pretraining (or fine-tuning) job to SLURM: N nodes x G GPUs, checkpoint + requeue on pre-emption.",
+        "pretrain submit configs/train/bert_tiny_cpu.yaml data.corpus=/shared/corpus --nodes 4 --gpus-per-node 8 "
+        "--partition gpu --time 24:00:00",
+    )
+    _add_config_args(p, "run")
+    p.add_argument("--nodes", type=int, default=1, help="Nodes (one srun task per node).")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs (= processes) per node; 0 = one CPU process per node (gloo).")
+    p.add_argument("--partition", default="", help="SLURM partition (default: the cluster's default).")
+    p.add_argument("--time", default="", help="Time limit, e.g. 24:00:00 or 2-00:00:00 (default: the partition's).")
+    p.add_argument("--account", default="", help="SLURM account to charge.")
+    p.add_argument("--job-name", default="", help="Job name (default: KIND-<run dir name>).")
+    p.add_argument("--cpus-per-task", type=int, default=0, help="CPUs for each node's task (default: SLURM's).")
+    p.add_argument("--mem", default="", help="Memory per node, e.g. 200G (default: SLURM's).")
+    p.add_argument("--signal-seconds", type=int, default=300,
+                   help="Send the checkpoint-and-requeue warning (USR1) this many seconds before the time limit.")
+    p.add_argument("--launcher", choices=("accelerate", "torchrun"), default="accelerate", help="Per-node launcher.")
+    p.add_argument("--kind", choices=("pretrain", "finetune"), default="pretrain",
+                   help="pretrain (python -m pipelines.pretrain) or finetune (python -m pipelines.finetune).")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
+                   help="Extra sbatch option, repeatable, e.g. --sbatch-arg=--exclusive.")
+    p.add_argument("--dry-run", action="store_true", help="Print the rendered sbatch script instead of submitting it.")
     return parser
 
 

@@ -95,7 +95,7 @@ class OptimConfig:
     """The optimizer (see `pipelines.optim`)."""
 
     name: Literal["adam", "adamw", "radam", "lamb"] = option("adamw", help="Optimizer registry name.")
-    lr: float = option(1e-3, help="Base (peak) learning rate.")
+    lr: float = option(1e-3, help="Base (peak) learning rate; ignored by schedule.warmup=noam (Vaswani et al. eq. 3 sets it).")
     betas: list[float] = option([0.9, 0.999], help="Adam-family (beta1, beta2).")
     eps: float = option(1e-8, help="Adam-family epsilon.")
     weight_decay: float = option(0.01, help="Weight decay; never applied to biases and norm weights.")
@@ -117,8 +117,10 @@ class ScheduleConfig:
         "linear",
         help="none | linear | exponential | untuned_linear | untuned_exponential | noam.",
     )
-    warmup_steps: int = option(0, help="Warmup length tau in optimizer steps (ignored by untuned warmups).")
-    decay: str = option("linear", help="After warmup: constant | linear | cosine | inverse_sqrt | polynomial.")
+    warmup_steps: int = option(0, help="Warmup length tau (noam: w) in optimizer steps; ignored by untuned warmups.")
+    decay: str = option(
+        "linear", help="After warmup: constant | linear | cosine | inverse_sqrt | polynomial (use constant with noam)."
+    )
     min_lr_ratio: float = option(0.0, help="Floor of the decay as a fraction of the base LR.")
     power: float = option(1.0, help="Exponent of the polynomial decay.")
     d_model: int = option(0, help="Noam: model width; 0 takes the model's hidden size.")

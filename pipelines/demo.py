@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.config import atomic_write_text
 from pipelines.demo_data import write_classification_task, write_pretraining_corpus
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -128,6 +129,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     summary = summarize(run_dir, corpus, ft, task_stats["majority_baseline"])
     summary["release_dir"] = str(release)
     summary["wall_time_s"] = time.perf_counter() - started
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
 

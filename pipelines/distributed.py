@@ -155,24 +155,40 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     if "optimizer" in base or "scheduler" in base:
         raise ConfigError(f"{path}: remove its `optimizer`/`scheduler` sections; optim.* and schedule.* build them.")
 
+    tuning = {"steps_per_print", "wall_clock_breakdown", "overlap_comm", "contiguous_gradients", "pin_memory",
+              "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale"}
+
     def merge(b: dict, o: dict, where: str) -> dict:
-        out = dict(b)
+        out = dict(b)  # keys only the JSON has (bucket sizes, prefetch, ...) are kept as they are
         for k, v in o.items():
             if isinstance(v, dict) and isinstance(b.get(k), dict):
                 out[k] = merge(b[k], v, f"{where}{k}.")
-            elif k in b and b[k] != "auto" and b[k] != v and k not in ("steps_per_print", "wall_clock_breakdown", "overlap_comm", "contiguous_gradients"):
-                if k == "train_batch_size":
-                    out[k] = b[k]  # checked against world x micro x accum in validate()
+            elif k in b and b[k] != "auto" and b[k] != v:
+                if k in tuning or k == "train_batch_size":  # the JSON's tuning wins; batch is checked in validate()
                     continue
                 raise ConfigError(
                     f"{path}: `{where}{k}` is {b[k]!r} but the run config gives {v!r}. Set it to \"auto\" in the JSON "
-                    f"(the run config fills it) or change the run config to match."
+                    f"(the run config fills it) or change the run config to match (e.g. distributed.zero_stage)."
                 )
             else:
                 out[k] = v
         return out
 
-    return merge(base, ours, "")
+    merged = merge(base, ours, "")
+    zero = merged.get("zero_optimization", {})
+    for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
+        if zero.get(key, {}).get("device", "none") != "none" and not getattr(d, flag):
+            raise ConfigError(f"{path} offloads ({key}) but distributed.{flag} is false. Set distributed.{flag}=true "
+                              f"(the optimizer is built for it) or remove `{key}` from the JSON.")
+
+    def leftover(node: Any, where: str) -> None:
+        for k, v in (node.items() if isinstance(node, dict) else []):
+            if v == "auto":
+                raise ConfigError(f"{path}: `{where}{k}` is \"auto\" but the run config has no value for it. Give it a value.")
+            leftover(v, f"{where}{k}.")
+
+    leftover(merged, "")
+    return merged
 
 
 class Engine:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,14 +139,19 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
     from models.bert import init_bert_
 
     try:
-        model, report = models.hf.from_hf(
-            release, head="classification", num_labels=1 if regression else len(label_names),
-            id2label=None if regression else dict(enumerate(label_names)),
-        )
+        with warnings.catch_warnings():  # a fresh classifier is expected; anything else is reported below
+            warnings.simplefilter("ignore", UserWarning)
+            model, report = models.hf.from_hf(
+                release, head="classification", num_labels=1 if regression else len(label_names),
+                id2label=None if regression else dict(enumerate(label_names)),
+            )
     except ValueError as exc:
         raise FinetuneError(f"{release}: {exc} Fine-tuning supports BERT-architecture checkpoints.") from None
     if getattr(model, "family", None) != "bert":
         raise FinetuneError(f"{release} holds a {getattr(model, 'family', '?')} model; classification fine-tuning needs a BERT-architecture encoder.")
+    unexpected_fresh = [k for k in report.missing if not k.startswith("classifier.")]
+    if unexpected_fresh or report.unexpected:
+        warnings.warn(str(report), stacklevel=2)
     if init == "random":
         model.apply(lambda m: init_bert_(m, model.config) if m is model else None)
     return model

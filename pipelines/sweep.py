@@ -81,6 +81,8 @@ class SweepConfig:
     only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
     num_processes: int = option(1, help="Processes per run; 1 runs in this process, more via distributed.launch.")
     launcher: str = option("accelerate", help="distributed.launch launcher when num_processes > 1 (or `python` for a subprocess).")
+    jobs: int = option(1, help="--local: runs at the same time (each a subprocess when > 1; e.g. one per core).")
+    threads: int = option(0, help="Intra-op CPU threads per run (torch / OMP_NUM_THREADS); 0 leaves the default.")
     target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
     slurm_script: str = option("slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides).")
     max_parallel: int = option(0, help="--slurm: at most this many array tasks at once (0 = no limit).")
@@ -93,6 +95,8 @@ class SweepConfig:
                 if not label or any(c in label for c in "/ \\") or "-" in label:
                     raise ConfigError(f"Sweep arm label {label!r} must be non-empty without '-', '/' or spaces "
                                       f"(it becomes part of run names like adam-none-lr1e-3-s0); use '_'.")
+        if self.jobs < 1:
+            raise ConfigError(f"jobs must be >= 1, got {self.jobs}.")
         if self.num_processes < 1:
             raise ConfigError(f"num_processes must be >= 1, got {self.num_processes}.")
 
@@ -225,7 +229,7 @@ def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
 
 
 # --------------------------------------------------------------------------------------- run
-def _train_in_process(cfg: RunConfig) -> None:
+def _train_in_process(cfg: RunConfig, threads: int = 0) -> None:
     """``trainer.train(cfg)``, then undo the process-wide state a run leaves behind for the next one."""
     import signal
 
@@ -234,13 +238,16 @@ def _train_in_process(cfg: RunConfig) -> None:
     from pipelines.trainer import train
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     try:
         train(cfg)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(num_threads)
         try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
             from accelerate.state import AcceleratorState
 
@@ -249,8 +256,13 @@ def _train_in_process(cfg: RunConfig) -> None:
             pass
 
 
-def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = (), *, force: bool = False) -> dict[str, Any]:
-    """Run grid point ``spec`` unless it is complete; record the attempt; never raises for a failed run."""
+def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = (), *, force: bool = False,
+            subprocess_run: bool = False) -> dict[str, Any]:
+    """Run grid point ``spec`` unless it is complete; record the attempt; never raises for a failed run.
+
+    In this process when ``num_processes == 1`` (unless ``subprocess_run`` or ``launcher: python``),
+    else through ``pipelines.distributed.launch`` with the resolved config.
+    """
     sweep_dir = Path(sweep.out_dir)
     done = _done_record(spec.run_dir)
     if done is not None and not force:
@@ -266,14 +278,16 @@ def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...
     print(f"=== sweep run {spec.index}: {spec.name}", flush=True)
     error, rc = None, 0
     try:
-        if sweep.num_processes == 1 and sweep.launcher != "python":
-            _train_in_process(cfg)
+        if sweep.num_processes == 1 and sweep.launcher != "python" and not subprocess_run:
+            _train_in_process(cfg, sweep.threads)
         else:
             from pipelines.distributed import launch
 
             resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`
             save_config(cfg, resolved)
-            rc = launch(str(resolved), [], sweep.num_processes, launcher=sweep.launcher)
+            launcher = "python" if sweep.num_processes == 1 else sweep.launcher
+            env = {"OMP_NUM_THREADS": str(sweep.threads)} if sweep.threads else None
+            rc = launch(str(resolved), [], sweep.num_processes, launcher=launcher, extra_env=env)
             if rc != 0:
                 error = f"exit code {rc}"
     except KeyboardInterrupt:
@@ -302,7 +316,13 @@ def run_local(sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, fo
     """Every grid point, one after another; returns the records (skipped ones marked ``skipped``)."""
     specs = expand(sweep)
     write_manifest(sweep, specs)
-    results = [run_one(sweep, spec, extra, force=force) for spec in specs]
+    if sweep.jobs == 1:
+        results = [run_one(sweep, spec, extra, force=force) for spec in specs]
+    else:  # each run in its own process; a thread per slot only waits on it
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
+            results = list(pool.map(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True), specs))
     counts: dict[str, int] = {}
     for r in results:
         key = "skipped" if r.get("skipped") else r["status"]

@@ -186,11 +186,11 @@ class MLMNSPTask(Task):
         labels = batch["labels"]
         sel = labels != -100
         n_mlm = float(sel.sum())
-        pred = out["prediction_logits"].argmax(-1)
+        pred = out["masked_prediction_logits"].argmax(-1)  # rows follow labels[sel] (sparse MLM head)
         nsp_pred = out["seq_relationship_logits"].argmax(-1)
         n_nsp = float(batch["next_sentence_label"].numel())
         return {
-            "mlm_correct": float((pred[sel] == labels[sel]).sum()), "mlm_count": n_mlm,
+            "mlm_correct": float((pred == labels[sel]).sum()), "mlm_count": n_mlm,
             "mlm_loss_sum": float(out["mlm_loss"]) * n_mlm,
             "nsp_correct": float((nsp_pred == batch["next_sentence_label"].view(-1)).sum()), "nsp_count": n_nsp,
             "nsp_loss_sum": float(out["nsp_loss"]) * n_nsp,

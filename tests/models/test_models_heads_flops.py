@@ -66,6 +66,8 @@ def test_bert_flops_hand_count():
     assert training_flops_per_token(cfg, T) == pytest.approx(hand) == pytest.approx(16368)
     assert training_flops_per_sample(cfg, T) == pytest.approx(16368 * 10)
     assert per_sequence_params == 80
+    # sparse MLM head at 15 % of positions: the head's 864 params count 0.15 times
+    assert training_flops_per_token(cfg, T, mlm_fraction=0.15) == pytest.approx(16368 - 6 * 0.85 * 864)
 
 
 def test_gpt_and_vit_flops_hand_count():

@@ -35,11 +35,27 @@ def test_forward_backward_at_tiny_size(name):
         labels = torch.full_like(ids, -100)
         labels[:, 1] = ids[:, 1]
         out = model(ids, mask, types, labels=labels, next_sentence_label=torch.tensor([0, 1]))
-        assert set(out) == {"loss", "mlm_loss", "nsp_loss", "prediction_logits", "seq_relationship_logits"}
+        assert set(out) == {"loss", "mlm_loss", "nsp_loss", "masked_prediction_logits", "seq_relationship_logits"}
+        assert out["masked_prediction_logits"].shape == (2, 64)  # one masked position per row
         assert torch.allclose(out["loss"], out["mlm_loss"] + out["nsp_loss"])
     out["loss"].backward()
     missing_grad = [n for n, p in model.named_parameters() if p.grad is None]
     assert missing_grad == []
+
+
+def test_sparse_mlm_head_equals_dense():
+    """The loss from the masked positions only equals cross-entropy over the dense logits."""
+    model = models.create("bert-tiny", **tiny_overrides("bert")).eval()
+    ids, mask, types = text_batch()
+    labels = torch.full_like(ids, -100)
+    labels[0, 2], labels[1, 5], labels[1, 6] = ids[0, 2], ids[1, 5], ids[1, 6]
+    dense = model(ids, mask, types)["prediction_logits"]
+    sparse = model(ids, mask, types, labels=labels)
+    assert torch.allclose(sparse["masked_prediction_logits"], dense[labels != -100], atol=1e-6)
+    expected = torch.nn.functional.cross_entropy(dense.reshape(-1, 64), labels.reshape(-1), ignore_index=-100)
+    assert torch.allclose(sparse["mlm_loss"], expected, atol=1e-6)
+    none_masked = model(ids, mask, types, labels=torch.full_like(ids, -100))
+    assert none_masked["mlm_loss"].item() == 0.0
 
 
 def test_no_labels_no_loss():

@@ -1,0 +1,342 @@
+"""SLURM submission: render an sbatch script from a run config and options, check it, submit it.
+
+``pretrain submit CONFIG k=v… --nodes N --gpus-per-node G`` calls :func:`render_job` then
+:func:`submit_job`. The rendered script is our own ``#SBATCH`` lines + a few exported settings +
+the body of ``slurm/pretrain.sbatch`` (everything below its ``# ---- body`` marker), so a job
+submitted by hand (``sbatch slurm/pretrain.sbatch CONFIG``) and one submitted here run the same
+code. ``python -m pipelines.submit resolve KIND CONFIG k=v…`` is what the scripts call (through
+``slurm/common.sh``) to validate the config inside the job and learn its run directory.
+
+This module imports no torch: it runs on login nodes and in the batch shell in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pipelines.config import ConfigError, RunConfig, load_config
+
+__all__ = [
+    "SubmitOptions",
+    "ResolvedRun",
+    "RenderedJob",
+    "resolve_run",
+    "validate_job",
+    "render_job",
+    "submit_job",
+    "parse_time",
+    "main",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = REPO / "slurm"
+BODY_MARKER = "# ---- body"
+Kind = Literal["pretrain", "finetune"]
+Launcher = Literal["accelerate", "torchrun"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitOptions:
+    """Resources and scheduling of one job (the ``pretrain submit`` flags)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0 = one CPU process per node (gloo)
+    partition: str = ""
+    time: str = ""  # SLURM format: MM, HH:MM:SS, D-HH:MM, ...
+    account: str = ""
+    job_name: str = ""
+    cpus_per_task: int = 0  # 0 = SLURM's default
+    mem: str = ""  # per node, e.g. 64G; empty = SLURM's default
+    signal_seconds: int = 300  # pre-emption warning (USR1) this long before the time limit
+    launcher: Launcher = "accelerate"
+    kind: Kind = "pretrain"
+    sbatch_args: tuple[str, ...] = ()  # extra raw options, e.g. ("--exclusive", "--qos=high")
+
+    @property
+    def procs_per_node(self) -> int:
+        return max(self.gpus_per_node, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A loaded run config and the facts the scripts need from it."""
+
+    kind: Kind
+    config_path: Path
+    overrides: tuple[str, ...]
+    cfg: Any  # RunConfig or pipelines.finetune.FinetuneConfig
+    run_dir: Path  # absolute (relative run dirs are taken from the submit directory)
+    max_steps: int
+    resume: str
+
+
+@dataclass(frozen=True)
+class RenderedJob:
+    script: str
+    run: ResolvedRun
+    options: SubmitOptions
+    job_name: str
+    log_dir: Path
+    warnings: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_time(value: str) -> int:
+    """Seconds of a SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
+    m = _TIME_RE.match(value.strip())
+    if not m:
+        raise ConfigError(f"--time {value!r} is not a SLURM time (MM, HH:MM:SS, D-HH:MM:SS, e.g. 2:00:00 or 1-12:00:00).")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        return int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    if c is not None:  # HH:MM:SS
+        return int(a) * 3600 + int(b) * 60 + int(c)
+    if b is not None:  # MM:SS
+        return int(a) * 60 + int(b)
+    return int(a) * 60  # MM
+
+
+def resolve_run(kind: Kind, config: str | Path, overrides: Sequence[str] = (), *, cwd: Path | None = None) -> ResolvedRun:
+    """Load and check the config as the job will (raises ConfigError); relative run dirs hang off ``cwd``."""
+    if kind == "finetune":
+        from pipelines.finetune import FinetuneConfig
+
+        cfg: Any = load_config(config, list(overrides), cls=FinetuneConfig)
+    elif kind == "pretrain":
+        cfg = load_config(config, list(overrides), cls=RunConfig)
+    else:
+        raise ConfigError(f"kind must be pretrain or finetune, got {kind!r}.")
+    run_dir = Path(cfg.train.run_dir)
+    if not run_dir.is_absolute():
+        run_dir = (cwd or Path.cwd()) / run_dir
+    return ResolvedRun(kind, Path(config), tuple(overrides), cfg, run_dir, cfg.train.max_steps, cfg.train.resume)
+
+
+def validate_job(run: ResolvedRun, opts: SubmitOptions) -> list[str]:
+    """Refuse jobs that cannot work (ConfigError naming the fix); return warnings for doubtful ones."""
+    warnings: list[str] = []
+    if opts.nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {opts.nodes}.")
+    if opts.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node must be >= 0 (0 = one CPU process per node), got {opts.gpus_per_node}.")
+    if opts.launcher not in ("accelerate", "torchrun"):
+        raise ConfigError(f"--launcher must be accelerate or torchrun, got {opts.launcher!r}.")
+    if opts.signal_seconds < 0:
+        raise ConfigError(f"--signal-seconds must be >= 0, got {opts.signal_seconds}.")
+    if opts.time and parse_time(opts.time) <= opts.signal_seconds:
+        raise ConfigError(
+            f"--time {opts.time} ({parse_time(opts.time)} s) must be longer than the pre-emption warning "
+            f"--signal-seconds {opts.signal_seconds}; lower --signal-seconds or raise --time."
+        )
+    cfg, world = run.cfg, opts.world_size
+    if opts.gpus_per_node == 0:
+        if cfg.train.precision == "fp16":
+            raise ConfigError("train.precision=fp16 needs GPUs; with --gpus-per-node 0 use fp32 or bf16.")
+        if cfg.distributed.backend == "nccl":
+            raise ConfigError("distributed.backend=nccl needs GPUs; with --gpus-per-node 0 use auto or gloo.")
+    micro = cfg.data.micro_batch_size
+    global_batch = micro * cfg.train.grad_accum_steps * world
+    if cfg.distributed.deepspeed_config:
+        path = Path(cfg.distributed.deepspeed_config)
+        try:
+            ds = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"distributed.deepspeed_config={path} cannot be read as JSON ({exc}).") from None
+        tb = ds.get("train_batch_size", "auto")
+        if tb != "auto":
+            if not isinstance(tb, int) or tb % world:
+                raise ConfigError(
+                    f"{path}: train_batch_size={tb} is not divisible by the world size {world} "
+                    f"({opts.nodes} nodes x {opts.procs_per_node}); set it to \"auto\" or change --nodes/--gpus-per-node."
+                )
+            if tb != global_batch:
+                raise ConfigError(
+                    f"{path}: train_batch_size={tb} != data.micro_batch_size {micro} x train.grad_accum_steps "
+                    f"{cfg.train.grad_accum_steps} x world size {world} = {global_batch}. Set it to \"auto\"."
+                )
+    if run.kind == "pretrain":
+        _check_corpus(cfg, world)
+    if run.resume == "never":
+        warnings.append("train.resume=never: a pre-empted job will not be requeued (it could not continue). Use auto.")
+    if not opts.time:
+        warnings.append("no --time: the partition's default limit applies; the USR1 warning comes "
+                        f"{opts.signal_seconds} s before it.")
+    return warnings
+
+
+def _check_corpus(cfg: RunConfig, world: int) -> None:
+    """The corpus must exist (on the shared filesystem) and give every rank at least one batch."""
+    corpus = Path(cfg.data.corpus)
+    if not cfg.data.corpus:
+        raise ConfigError("data.corpus is empty. Set it to a corpus directory written by `pretrain prepare`.")
+    manifest = corpus / "manifest.json"
+    try:
+        raw = json.loads(manifest.read_text(encoding="utf-8"))
+    except OSError:
+        raise ConfigError(f"{manifest} does not exist. data.corpus must be a prepared corpus on a filesystem every node sees.") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{manifest} is not valid JSON ({exc}); re-run `pretrain prepare`.") from None
+    samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
+    need = world * cfg.data.micro_batch_size
+    if samples < need:
+        raise ConfigError(
+            f"The corpus {corpus} has {samples} training samples, fewer than one micro-batch per rank "
+            f"(world size {world} x data.micro_batch_size {cfg.data.micro_batch_size} = {need}). "
+            f"Lower data.micro_batch_size or the node/GPU count, or prepare more data."
+        )
+
+
+# ----------------------------------------------------------------------------------------- render
+
+
+def script_body(name: str = "pretrain.sbatch") -> str:
+    """The part of ``slurm/NAME`` below its body marker (its own #SBATCH header is left out)."""
+    text = (SLURM_DIR / name).read_text(encoding="utf-8")
+    head, sep, body = text.partition(BODY_MARKER)
+    if not sep:
+        raise RuntimeError(f"slurm/{name} lost its '{BODY_MARKER}' marker line.")
+    return body.split("\n", 1)[1]
+
+
+def sbatch_lines(opts: SubmitOptions, *, job_name: str, output: str, chdir: Path, ntasks_per_node: int = 1,
+                 requeue: bool = True) -> list[str]:
+    """The ``#SBATCH`` header for ``opts``."""
+    lines = [f"--job-name={job_name}", f"--nodes={opts.nodes}", f"--ntasks-per-node={ntasks_per_node}"]
+    if opts.gpus_per_node:
+        lines.append(f"--gpus-per-node={opts.gpus_per_node}")
+    if opts.cpus_per_task:
+        lines.append(f"--cpus-per-task={opts.cpus_per_task}")
+    if opts.mem:
+        lines.append(f"--mem={opts.mem}")
+    for flag, value in (("partition", opts.partition), ("time", opts.time), ("account", opts.account)):
+        if value:
+            lines.append(f"--{flag}={value}")
+    if requeue:
+        lines += [f"--signal=B:USR1@{opts.signal_seconds}", "--requeue"]
+    lines += ["--open-mode=append", f"--output={output}", f"--chdir={chdir}", *opts.sbatch_args]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def render_job(config: str | Path, overrides: Sequence[str], opts: SubmitOptions, *, cwd: Path | None = None,
+               python: str | None = None, repo: Path = REPO) -> RenderedJob:
+    """Validate and render the sbatch script for ``config`` + ``overrides`` (raises ConfigError)."""
+    cwd = (cwd or Path.cwd()).resolve()
+    config = Path(config)
+    config_abs = config if config.is_absolute() else cwd / config
+    run = resolve_run(opts.kind, config_abs, overrides, cwd=cwd)
+    warnings = validate_job(run, opts)
+    job_name = opts.job_name or f"{opts.kind}-{run.run_dir.name}"
+    log_dir = run.run_dir / "logs"
+    python = python or sys.executable
+    world = opts.world_size
+    cfg = run.cfg
+    global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum_steps * world
+    device = f"{opts.gpus_per_node} GPU(s)" if opts.gpus_per_node else "1 CPU process (gloo)"
+    header = [
+        "#!/bin/bash",
+        f"# Rendered by `pretrain submit` on {time.strftime('%Y-%m-%d %H:%M:%S')}: {opts.kind} of {config_abs}",
+        f"# {opts.nodes} node(s) x {device} = world size {world}; global batch {global_batch} samples per step "
+        f"(micro {cfg.data.micro_batch_size} x accum {cfg.train.grad_accum_steps} x world {world}).",
+        f"# Run dir {run.run_dir}; logs {log_dir}. Resubmit unchanged with: sbatch THIS_FILE",
+        *sbatch_lines(opts, job_name=job_name, output=str(log_dir / "slurm-%j.out"), chdir=cwd),
+        f"export PRETRAIN_REPO={shlex.quote(str(repo))}",
+        f"export PRETRAIN_PYTHON={shlex.quote(python)}",
+        f"export PRETRAIN_KIND={opts.kind} PRETRAIN_LAUNCHER={opts.launcher}",
+        f"export PRETRAIN_GPUS_PER_NODE={opts.gpus_per_node}",
+        f"export PRETRAIN_WORLD_SIZE={world}  # checked against SLURM's allocation when the job starts",
+        "set -- " + " ".join(shlex.quote(a) for a in (str(config_abs), *overrides)),
+    ]
+    script = "\n".join(header) + "\n" + script_body("pretrain.sbatch")
+    return RenderedJob(script, run, opts, job_name, log_dir, tuple(warnings))
+
+
+# ----------------------------------------------------------------------------------------- submit
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    script_path: Path
+    log_dir: Path
+    run_dir: Path
+
+
+def submit_job(job: RenderedJob, *, sbatch: str = "sbatch") -> SubmittedJob:
+    """Write the script into the run's log dir and ``sbatch --parsable`` it; returns the job id."""
+    job.log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create the --output directory
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    script_path = job.log_dir / f"submit-{stamp}.sbatch"
+    script_path.write_text(job.script, encoding="utf-8")
+    try:
+        proc = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise ConfigError(f"`{sbatch}` was not found: run `pretrain submit` on a SLURM login node (or use --dry-run).") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch refused the job (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    final = script_path.with_name(f"submit-{job_id}.sbatch")
+    script_path.rename(final)
+    return SubmittedJob(job_id, final, job.log_dir, job.run.run_dir)
+
+
+def describe_submitted(sub: SubmittedJob, job: RenderedJob) -> str:
+    o = job.options
+    return "\n".join([
+        f"Submitted job {sub.job_id}: {o.kind} on {o.nodes} node(s) x "
+        f"{o.gpus_per_node or 'CPU'}{' GPU(s)' if o.gpus_per_node else ''} = world size {o.world_size}",
+        f"  run dir : {sub.run_dir}",
+        f"  logs    : {sub.log_dir}/slurm-{sub.job_id}.out (batch shell), "
+        f"{sub.log_dir}/job-{sub.job_id}-r<restart>-node<N>.log (each node)",
+        f"  script  : {sub.script_path}",
+        f"  watch   : squeue -j {sub.job_id}   |   scontrol show job {sub.job_id}   |   tail -f {sub.log_dir}/*.log",
+    ])
+
+
+# -------------------------------------------------------------------------- `python -m` entry
+
+
+def _cmd_resolve(args: argparse.Namespace) -> int:
+    run = resolve_run(args.kind, args.config, args.overrides)
+    values = {"RUN_DIR": str(run.run_dir), "MAX_STEPS": str(run.max_steps), "RESUME": run.resume}
+    print("\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipelines.submit resolve KIND CONFIG k=v…`` (used by slurm/common.sh)."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.submit", description="Helpers for the slurm/ scripts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("resolve", help="Check a run config and print RUN_DIR=, MAX_STEPS=, RESUME= for a shell.")
+    p.add_argument("kind", choices=("pretrain", "finetune"))
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(handler=_cmd_resolve)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The streaming loader: manifest checks, rank/worker balance on uneven shards, exact seeking, bad samples."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import corpus_fixtures as cf
+from pipelines import data, tasks
+from pipelines.config import RunConfig
+from pipelines.data import DataError, StreamingSource, load_manifest
+
+
+def _src(m, task, *, rank=0, world=1, workers=0, mb=4, buf=16, **kw):
+    return StreamingSource(m, "train", task.collate, micro_batch_size=mb, rank=rank, world=world, num_workers=workers,
+                           shuffle_buffer=buf, seed=3, **kw)
+
+
+def _task(m):
+    return tasks.build_task(RunConfig(), m)
+
+
+def _keys(src, n):
+    return [tuple(b["keys"]) for b in src.batches(limit=n)]
+
+
+@pytest.fixture()
+def uneven(tmp_path):
+    return cf.make_bert_corpus(tmp_path / "c", train_sizes=(25, 11, 7), val_sizes=(8,))
+
+
+def test_manifest_refusals_name_the_file(tmp_path, uneven):
+    m = load_manifest(uneven, kind="bert_pairs")
+    data.verify_shards(m, ["train", "validation"])
+    with pytest.raises(DataError, match="packed_lm"):
+        load_manifest(uneven, kind="packed_lm")
+    raw = json.loads((uneven / "manifest.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(uneven, bad)
+    (bad / "manifest.json").write_text(json.dumps({**raw, "schema_version": "2.0"}))
+    with pytest.raises(DataError, match=r"manifest.json has schema_version '2.0'"):
+        load_manifest(bad)
+    (bad / "manifest.json").write_text(json.dumps(raw))
+    (bad / "tokenizer/tokenizer.json").write_text((bad / "tokenizer/tokenizer.json").read_text().replace("river", "rivers"))
+    with pytest.raises(DataError, match="tokenizer.json does not match the sha256"):
+        load_manifest(bad)
+    m = load_manifest(uneven)
+    shard = uneven / "train-000001.tar"
+    blob = bytearray(shard.read_bytes())
+    blob[700] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(DataError, match=r"train-000001.tar has a different sha256"):
+        data.verify_shards(m, ["train"])
+    shard.unlink()
+    with pytest.raises(DataError, match=r"train-000001.tar .* is missing"):
+        data.verify_shards(m, ["train"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uneven_shards_every_rank_gets_the_same_batches(uneven, workers):
+    m = load_manifest(uneven)
+    t = _task(m)
+    world, mb = 2, 4
+    nb = 43 // (world * mb)  # 5 batches per rank per epoch, 3 samples dropped
+    per_rank = [_keys(_src(m, t, rank=r, world=world, workers=workers, mb=mb), 2 * nb) for r in range(world)]
+    for epoch in range(2):
+        seen = [set(k for b in per_rank[r][epoch * nb:(epoch + 1) * nb] for k in b) for r in range(world)]
+        assert all(len(s) == nb * mb for s in seen) and not seen[0] & seen[1]
+    assert per_rank[0][:nb] != per_rank[0][nb:]  # a new order every epoch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_seek_resumes_exactly_without_reading_consumed_shards(tmp_path, uneven, workers):
+    m = load_manifest(uneven)
+    t = _task(m)
+    full = _keys(_src(m, t, rank=1, world=2, workers=workers), 12)
+    first = _src(m, t, rank=1, world=2, workers=workers)
+    head = _keys(first, 7)  # into the second epoch
+    state = first.state_dict()
+    assert state["epoch"] == 1 and state["batch_in_epoch"] == 2
+    # Shards the resumed position does not need may be unreadable: resume seeks, it does not replay.
+    copy = tmp_path / "copy"
+    shutil.copytree(uneven, copy)
+    m2 = load_manifest(copy)
+    order = data.shard_order(3, 3, 1, True)
+    nb, per_worker = data.epoch_layout(43, 2, max(1, workers), 4)
+    start = 1 * nb * 4  # rank 1's range in epoch 1 starts here
+    offset, untouched = 0, []
+    for i in order:
+        if offset + m2.splits["train"][i].samples <= start:
+            untouched.append(m2.splits["train"][i].name)
+        offset += m2.splits["train"][i].samples
+    for name in untouched:
+        (copy / name).write_bytes(b"garbage")
+    resumed = _src(m2, _task(m2), rank=1, world=2, workers=workers)
+    resumed.load_state_dict(state)
+    assert head + _keys(resumed, 3) == full[:10]  # the rest of epoch 1 (epoch 2 needs the other shards)
+    intact = _src(m, t, rank=1, world=2, workers=workers)
+    intact.load_state_dict(state)
+    assert head + _keys(intact, 5) == full
+
+
+def test_pipe_urls_stream_like_local_files(tmp_path, uneven):
+    m = load_manifest(uneven)
+    t = _task(m)
+    local = _keys(_src(m, t), 6)
+    raw = json.loads((uneven / "manifest.json").read_text())
+    for s in raw["splits"]["train"]["shards"]:
+        s["url"] = f"pipe:cat {uneven / s['name']}"
+    piped = tmp_path / "piped"
+    shutil.copytree(uneven, piped)
+    (piped / "manifest.json").write_text(json.dumps(raw))
+    m2 = load_manifest(piped)
+    assert _keys(_src(m2, _task(m2)), 6) == local
+
+
+def test_bad_samples_are_replaced_counted_or_fail(tmp_path, uneven):
+    m = load_manifest(uneven)
+    shard = uneven / "train-000002.tar"
+    data_bytes = shard.read_bytes()
+    shard.write_bytes(data_bytes[: len(data_bytes) // 2])  # truncated shard
+    t = _task(m)
+    batches = list(_src(m, t, buf=64).batches(limit=10))  # all of epoch 0 of one rank: 43 // 4
+    assert len(batches) == 10 and sum(b["num_bad"] for b in batches) > 0
+    with pytest.raises(DataError, match="train-000002.tar"):
+        list(_src(m, t, buf=64, on_bad_sample="fail").batches(limit=10))
+
+
+def test_mlm_masking_80_10_10_is_keyed_not_global():
+    class M:
+        special_tokens = {"pad_token": 0, "unk_token": 1, "cls_token": 2, "sep_token": 3, "mask_token": 4}
+        vocab_size, seq_len, root = 100, 128, Path(".")
+
+    task = tasks.MLMNSPTask(M(), seed=0)
+    rng = np.random.default_rng(0)
+    ids = np.r_[[2], rng.integers(5, 100, 120), [3]]
+    selected = masked = kept = 0
+    for k in range(300):
+        out, labels = task.mask(ids, np.random.default_rng(k))
+        sel = labels != -100
+        assert not sel[0] and not sel[-1]  # specials never selected
+        selected += sel.sum()
+        masked += (out[sel] == 4).sum()
+        kept += (out[sel] == ids[sel]).sum()
+    assert selected == 300 * round(120 * 0.15)
+    assert abs(masked / selected - 0.8) < 0.03 and abs(kept / selected - 0.1 - 0.01) < 0.03
+    a, _ = task.mask(ids, np.random.default_rng(tasks.key_seed(0, 1, "k")))
+    b, _ = task.mask(ids, np.random.default_rng(tasks.key_seed(0, 1, "k")))
+    assert (a == b).all()
+
+
+def test_whole_word_masking_masks_all_pieces(tmp_path):
+    root = cf.make_bert_corpus(tmp_path / "c", train_sizes=(8,), val_sizes=(8,))
+    m = load_manifest(root)
+    task = tasks.MLMNSPTask(m, seed=0, probability=0.5, whole_word=True)
+    vocab = json.loads((root / "tokenizer/tokenizer.json").read_text())["model"]["vocab"]
+    ids = np.array([2] + [vocab["cat"], vocab["##s"], vocab["dog"], vocab["##ing"], vocab["##s"]] * 4 + [3])
+    for k in range(20):
+        _, labels = task.mask(ids, np.random.default_rng(k))
+        sel = labels != -100
+        for i in range(1, len(ids) - 1):
+            if ids[i] in (vocab["##s"], vocab["##ing"]):
+                assert sel[i] == sel[i - 1]
+
+
+def test_image_transforms_and_mixup(tmp_path):
+    root = cf.make_image_corpus(tmp_path / "img", train_sizes=(8,), val_sizes=(8,), size=40)
+    m = load_manifest(root, kind="images")
+    task = tasks.ImageClsTask(m, seed=0, image_size=32, mixup_alpha=0.4)
+    samples = [s for s in (data.decode_sample("images", k, p) for _, k, p in data.read_samples(m, m.shards("train"), 0, 4))]
+    train = task.collate(samples, epoch=0, train=True)
+    assert train["pixel_values"].shape == (4, 3, 32, 32)
+    assert train["labels"].shape == (4, 4) and np.allclose(train["labels"].sum(1).numpy(), 1.0)
+    ev1, ev2 = task.collate(samples, epoch=0, train=False), task.collate(samples, epoch=5, train=False)
+    assert (ev1["pixel_values"] == ev2["pixel_values"]).all() and ev1["labels"].dtype.is_floating_point is False
+    other = task.collate(samples, epoch=1, train=True)
+    assert not (other["pixel_values"] == train["pixel_values"]).all()
+
+
+def test_map_style_source_balances_and_seeks():
+    items = list(range(23))
+    collate = lambda b: {"x": b}  # noqa: E731
+    ranks = [data.MapStyleSource(items, collate, micro_batch_size=3, rank=r, world=2, seed=1) for r in range(2)]
+    got = [[b["x"] for b in s.batches(limit=3)] for s in ranks]
+    assert len(got[0]) == len(got[1]) == 3 and not set(sum(got[0], [])) & set(sum(got[1], []))
+    a = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1)
+    full = [b["x"] for b in a.batches(limit=8)]
+    b = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1)
+    head = [x["x"] for x in b.batches(limit=5)]
+    c = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1)
+    c.load_state_dict(b.state_dict())
+    assert head + [x["x"] for x in c.batches(limit=3)] == full

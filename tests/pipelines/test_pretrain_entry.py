@@ -1,0 +1,87 @@
+"""``python -m pipelines.pretrain``: impossible configs and bad corpora fail with exit code 2 before any
+process group starts; checkpoints are found, written atomically and hold weights_only-loadable state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, job_env
+
+from pipelines import checkpoint as ckpt
+from pipelines.pretrain import main
+
+CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")
+
+
+@pytest.fixture()
+def clean_env():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_help_and_bad_key_exit_2_without_traceback():
+    help_out = subprocess.run([sys.executable, "-m", "pipelines.pretrain", "--help"], cwd=REPO, env=job_env(),
+                              capture_output=True, text=True, timeout=120)
+    assert help_out.returncode == 0 and "distributed.zero_stage" in help_out.stdout
+    bad = subprocess.run([sys.executable, "-m", "pipelines.pretrain", CONFIG, "train.max_stpes=3"], cwd=REPO, env=job_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "train.max_steps" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distributed.zero_stage=3", "model.compile=true"], "model.compile=true is not supported with distributed.zero_stage=3"),
+    (["train.precision=fp16"], "fp16 needs a GPU"),
+    (["distributed.engine=ddp", "distributed.offload_optimizer=true"], "need engine=deepspeed"),
+    (["data.micro_batch_size=500"], "fewer than one batch per rank"),
+    (["train.task=causal_lm", "model.name=gpt-tiny"], "holds a 'bert_pairs' corpus but the task needs 'packed_lm'"),
+    (["model.name=gpt-tiny"], "needs a bert model"),
+])
+def test_impossible_configs_fail_before_any_process_group(bert_corpus, tmp_path, capsys, clean_env, overrides, message):
+    code = main([CONFIG, f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path}/run", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_batch_that_does_not_divide_and_corrupt_shard(bert_corpus, tmp_path, capsys, clean_env):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}))
+    code = main([CONFIG, f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path}/run", f"distributed.deepspeed_config={ds}"])
+    assert code == 2 and "train_batch_size=48 != micro_batch_size 8" in capsys.readouterr().err
+    import shutil
+
+    copy = tmp_path / "corpus"
+    shutil.copytree(bert_corpus, copy)
+    shard = copy / "validation-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:-2048])
+    code = main([CONFIG, f"data.corpus={copy}", f"train.run_dir={tmp_path}/run"])
+    assert code == 2 and "validation-000000.tar has a different sha256" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_find_resume_and_rng_state(tmp_path):
+    run = tmp_path / "run"
+    assert ckpt.find_resume(run, "auto") is None
+    for step in (4, 8):
+        d = run / "checkpoints" / ckpt.step_dir_name(step)
+        d.mkdir(parents=True)
+        (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (run / "checkpoints" / ".tmp-step-00000012").mkdir()  # a crash mid-save
+    (run / "checkpoints/latest").write_text("step-00000004\n")
+    assert ckpt.find_resume(run, "auto").name == "step-00000004"
+    (run / "checkpoints/latest").write_text("step-00000099\n")  # stale pointer: newest complete wins
+    assert ckpt.find_resume(run, "auto").name == "step-00000008"
+    assert ckpt.find_resume(run, "never") is None
+    torch.manual_seed(5)
+    state = ckpt.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    a = torch.rand(3)
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(a, torch.rand(3))
