@@ -149,8 +149,9 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
         raise FinetuneError(f"{release}: {exc} Fine-tuning supports BERT-architecture checkpoints.") from None
     if getattr(model, "family", None) != "bert":
         raise FinetuneError(f"{release} holds a {getattr(model, 'family', '?')} model; classification fine-tuning needs a BERT-architecture encoder.")
+    # A fresh classifier and unused pretraining heads (cls.*) are expected; anything else is worth a warning.
     unexpected_fresh = [k for k in report.missing if not k.startswith("classifier.")]
-    if unexpected_fresh or report.unexpected:
+    if unexpected_fresh or [k for k in report.unexpected if not k.startswith("cls.")]:
         warnings.warn(str(report), stacklevel=2)
     if init == "random":
         model.apply(lambda m: init_bert_(m, model.config) if m is model else None)

@@ -11,15 +11,14 @@
 # started with `slurmd -N cX`; `%n` keeps their spool/pid/log paths apart. Nothing under /etc is
 # written: the config lives in $PRETRAIN_SLURM_DIR and clients find it through SLURM_CONF.
 #
-# Knobs (environment): PRETRAIN_SLURM_DIR (default /tmp/pretrain-slurm), PRETRAIN_SLURM_CTLD_PORT
-# (16817), PRETRAIN_SLURM_NODE_PORT (17000: node i gets +i), PRETRAIN_SLURM_CPUS (CPUs per node,
-# default: this machine's), PRETRAIN_SLURM_MEM_MB (memory per node, 4000).
+# Knobs (environment): PRETRAIN_SLURM_DIR (default /tmp/pretrain-slurm), PRETRAIN_SLURM_PORT (base
+# port: slurmctld on it, node i on base+i; default: a random free range in 20000-29999, so several
+# clusters can coexist), PRETRAIN_SLURM_CPUS (CPUs per node, default: this machine's),
+# PRETRAIN_SLURM_MEM_MB (memory per node, 4000).
 set -euo pipefail
 
 DIR=${PRETRAIN_SLURM_DIR:-/tmp/pretrain-slurm}
 CONF=$DIR/slurm.conf
-CTLD_PORT=${PRETRAIN_SLURM_CTLD_PORT:-16817}
-NODE_PORT=${PRETRAIN_SLURM_NODE_PORT:-17000}
 CPUS=${PRETRAIN_SLURM_CPUS:-$(nproc)}
 MEM_MB=${PRETRAIN_SLURM_MEM_MB:-4000}
 NODES=(c1 c2)
@@ -27,7 +26,21 @@ HOST=$(hostname -s)
 
 die() { echo "local_cluster: $*" >&2; exit 1; }
 
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# A base port P with P..P+#nodes free (nobody listening).
+pick_ports() {
+  local base i
+  for _ in $(seq 50); do
+    base=${PRETRAIN_SLURM_PORT:-$((20000 + RANDOM % 10000))}
+    for ((i = 0; i <= ${#NODES[@]}; i++)); do port_busy $((base + i)) && continue 2; done
+    CTLD_PORT=$base; NODE_PORT=$base; return
+  done
+  die "no free port range found (set PRETRAIN_SLURM_PORT)"
+}
+
 write_conf() {
+  pick_ports
   mkdir -p "$DIR"/{state,spool,run,log}
   cat >"$CONF" <<EOF
 # Written by slurm/ci/local_cluster.sh: two simulated nodes on $HOST.
@@ -107,8 +120,12 @@ up() {
   export SLURM_CONF=$CONF
   slurmctld -f "$CONF" -i
   for n in "${NODES[@]}"; do slurmd -f "$CONF" -N "$n"; done
-  # Wait until both nodes registered and are idle.
+  # Wait until both nodes registered and are idle (and our daemons are the ones answering).
   for _ in $(seq 150); do
+    for f in slurmctld "${NODES[@]/#/slurmd-}"; do
+      pid_alive "$DIR/run/$f.pid" || { sleep 0.5; pid_alive "$DIR/run/$f.pid"; } ||
+        { tail -n 20 "$DIR"/log/*.log >&2; down; die "$f did not start (logs above, all under $DIR/log)"; }
+    done
     if [ "$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)" -eq ${#NODES[@]} ]; then
       echo "local_cluster: up: ${NODES[*]} idle ($CONF)"; print_env; return
     fi

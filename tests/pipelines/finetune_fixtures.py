@@ -1,0 +1,63 @@
+"""Small real inputs for fine-tuning tests: a WordPiece tokenizer trained on Python's own docs and a
+transformers-created BERT checkpoint directory (what a user downloads), made locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pydoc_paragraphs(limit: int = 400) -> list[str]:
+    from pydoc_data.topics import topics
+
+    paras = [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.strip()) > 60]
+    return paras[:limit]
+
+
+def save_wordpiece_tokenizer(out: Path, vocab_size: int = 1000) -> Path:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(pydoc_paragraphs(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+    fast.save_pretrained(str(out))
+    return out
+
+
+def save_hf_bert_checkpoint(out: Path, *, vocab_size: int = 1000, seed: int = 0) -> Path:
+    """A tiny `BertForPreTraining` saved by transformers itself (safetensors + config + tokenizer)."""
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+
+    save_wordpiece_tokenizer(out, vocab_size)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=128)
+    BertForPreTraining(cfg).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def write_topic_task(out: Path, per_class: int = 100) -> tuple[Path, Path]:
+    """Classify which of three pydoc topics a paragraph (sentence window) comes from."""
+    from pydoc_data.topics import topics
+
+    rows = {"train": [], "validation": []}
+    for label in ("debugger", "string-methods", "formatstrings"):
+        sentences = [s.strip() for s in topics[label].replace("\n", " ").split(". ") if len(s.strip()) > 30]
+        for i, s in enumerate(sentences[: per_class]):
+            rows["validation" if i % 5 == 0 else "train"].append((" ".join(s.split()), label))
+    paths = []
+    for split, items in rows.items():
+        path = out / f"{split}.tsv"
+        path.write_text("text\tlabel\n" + "".join(f"{t}\t{lab}\n" for t, lab in items))
+        paths.append(path)
+    return paths[0], paths[1]

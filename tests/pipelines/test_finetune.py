@@ -1,0 +1,90 @@
+"""Classification fine-tuning through the pretraining engine, from a transformers-made checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.config import load_config
+from pipelines.finetune import FinetuneConfig, run_finetune
+from pipelines.finetune_data import FinetuneError
+
+from finetune_fixtures import save_hf_bert_checkpoint, write_topic_task
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "finetune" / "classification.yaml"
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    return save_hf_bert_checkpoint(tmp_path_factory.mktemp("hf-bert"))
+
+
+@pytest.fixture(scope="module")
+def topic_task(tmp_path_factory):
+    return write_topic_task(tmp_path_factory.mktemp("task"))
+
+
+def overrides(checkpoint, task, run_dir, *extra):
+    train, val = task
+    return [f"checkpoint={checkpoint}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={run_dir}",
+            "data.micro_batch_size=16", "data.max_seq_len=64", "optim.lr=2e-3", "logging.progress=false",
+            "logging.tensorboard=false", *extra]
+
+
+def test_finetune_from_transformers_checkpoint_round_trips(hf_checkpoint, topic_task, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import models
+
+    cfg = load_config(CONFIG, overrides(hf_checkpoint, topic_task, tmp_path / "run", "epochs=6"), cls=FinetuneConfig)
+    result = run_finetune(cfg)
+    release = Path(result["release_dir"])
+    assert len(result["history"]) == 6 and result["best_step"] in [h["step"] for h in result["history"]]
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert saved["metrics"]["accuracy"] == result["metrics"]["accuracy"]
+    assert result["metrics"]["accuracy"] > 0.5  # 3 balanced-ish classes: chance is ~0.33
+    assert (tmp_path / "run" / "config.yaml").read_text().startswith("checkpoint:")  # the fine-tuning config
+
+    # label names travel through the exported config; transformers and our loader give the same logits
+    hf = AutoModelForSequenceClassification.from_pretrained(release).eval()
+    assert hf.config.id2label == {0: "debugger", 1: "formatstrings", 2: "string-methods"}
+    ours, report = models.hf.from_hf(release)
+    assert report.missing == [] and report.unexpected == []
+    assert ours.id2label == hf.config.id2label
+    enc = AutoTokenizer.from_pretrained(release)(["the pdb prompt", "str.upper returns a copy"], padding=True, return_token_type_ids=True,
+                                                return_tensors="pt")
+    with torch.no_grad():
+        ref = hf(**enc).logits
+        got = ours.eval()(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])["logits"]
+    assert torch.allclose(ref, got, atol=1e-5)
+
+
+def test_unknown_architecture_and_bad_labels_fail_clearly(hf_checkpoint, topic_task, tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = load_config(CONFIG, overrides(tmp_path / "empty", topic_task, tmp_path / "r1"), cls=FinetuneConfig)
+    with pytest.raises(FinetuneError, match="not a release directory"):
+        run_finetune(cfg)
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("text\tlabel\n" + "".join(f"row {i}\tunknown-{i}\n" for i in range(20)))
+    cfg = load_config(CONFIG, overrides(hf_checkpoint, (topic_task[0], bad), tmp_path / "r2"), cls=FinetuneConfig)
+    with pytest.raises(FinetuneError, match="label not in the label set"):
+        run_finetune(cfg)
+
+
+@pytest.mark.slow
+def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
+    from pipelines.distributed import launch
+
+    run_dir = tmp_path / "ds"
+    code = launch(str(CONFIG), overrides(hf_checkpoint, topic_task, run_dir, "epochs=2", "distributed.engine=deepspeed",
+                                         "distributed.zero_stage=2"), 2, module="pipelines.finetune")
+    assert code == 0
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["metrics"]["accuracy"] > 0.4 and len(metrics["history"]) == 2

@@ -1,0 +1,95 @@
+"""`pretrain submit --dry-run`: the rendered sbatch script and the checks before submission (no SLURM needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_helpers import REPO, pretrain_cli
+
+from pipelines.config import ConfigError
+from pipelines.submit import SubmitOptions, parse_time, render_job
+
+CONFIG = REPO / "configs/train/bert_tiny_cpu.yaml"
+
+
+def _overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.corpus={corpus}", f"train.run_dir={run_dir}", "data.micro_batch_size=2", *extra]
+
+
+def test_dry_run_4_nodes_x_8_gpus(bert_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = pretrain_cli("submit", str(CONFIG), *_overrides(bert_corpus, run_dir), "--nodes", "4", "--gpus-per-node", "8",
+                        "--partition", "gpu", "--time", "24:00:00", "--account", "proj", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
+    sbatch = re.findall(r"^#SBATCH (\S+)", script, re.M)
+    assert sbatch[:4] == ["--job-name=pretrain-run", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8"]
+    for line in ("--partition=gpu", "--time=24:00:00", "--account=proj", "--signal=B:USR1@300", "--requeue",
+                 "--open-mode=append", f"--output={run_dir}/logs/slurm-%j.out", f"--chdir={tmp_path.resolve()}"):
+        assert line in sbatch, f"missing #SBATCH {line}"
+    # world size 32, checked against the allocation at start; one task per node; node rank from SLURM_NODEID
+    assert "world size 32" in script and "export PRETRAIN_WORLD_SIZE=32" in script
+    assert "export PRETRAIN_GPUS_PER_NODE=8" in script
+    assert '--machine_rank "$SLURM_NODEID"' in script and '--num_processes "$WORLD_SIZE"' in script
+    assert "srun --ntasks-per-node=1" in script
+    # the pre-emption path: trap USR1 in the batch shell, forward to the step, requeue
+    assert "trap on_usr1 USR1" in script and 'scancel --signal=USR1 "$SLURM_JOB_ID"' in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert f"set -- {CONFIG}" in script
+    # the body is the checked-in script's, and bash can parse the result
+    body = (REPO / "slurm/pretrain.sbatch").read_text().split("# ---- body", 1)[1].split("\n", 1)[1]
+    assert script.endswith(body)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not run_dir.exists(), "--dry-run must not create anything"
+
+
+def test_cpu_nodes_world_size_and_no_gpu_line(bert_corpus, tmp_path):
+    job = render_job(CONFIG, _overrides(bert_corpus, tmp_path / "r"), SubmitOptions(nodes=2, gpus_per_node=0), cwd=tmp_path)
+    assert "export PRETRAIN_WORLD_SIZE=2" in job.script and "--gpus-per-node" not in job.script
+    assert job.log_dir == tmp_path / "r" / "logs"
+    assert any("--time" in w for w in job.warnings)
+
+
+@pytest.mark.parametrize(("extra", "opts", "match"), [
+    ([], dict(nodes=40, gpus_per_node=8), r"fewer than one micro-batch per rank \(world size 320"),
+    ([], dict(nodes=1, time="4:00", signal_seconds=300), "must be longer than the pre-emption warning"),
+    (["train.precision=fp16"], dict(nodes=2), "fp16 needs GPUs"),
+    ([], dict(nodes=0), "--nodes must be >= 1"),
+    (["data.corpus=/nonexistent/corpus"], dict(nodes=1), "manifest.json does not exist"),
+])
+def test_refuses_impossible_jobs(bert_corpus, tmp_path, extra, opts, match):
+    with pytest.raises(ConfigError, match=match):
+        render_job(CONFIG, _overrides(bert_corpus, tmp_path / "r", *extra), SubmitOptions(**opts), cwd=tmp_path)
+
+
+def test_deepspeed_json_batch_must_divide_world(bert_corpus, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 30}))
+    ovr = _overrides(bert_corpus, tmp_path / "r", f"distributed.deepspeed_config={ds}")
+    with pytest.raises(ConfigError, match="not divisible by the world size 4"):
+        render_job(CONFIG, ovr, SubmitOptions(nodes=2, gpus_per_node=2), cwd=tmp_path)
+    ds.write_text(json.dumps({"train_batch_size": 8}))  # = micro 2 x accum 1 x world 4
+    render_job(CONFIG, ovr, SubmitOptions(nodes=2, gpus_per_node=2), cwd=tmp_path)
+
+
+def test_cli_config_error_exit_code(tmp_path):
+    proc = pretrain_cli("submit", str(CONFIG), "data.corpus=", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and "data.corpus is empty" in proc.stderr
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("90", 5400), ("10:30", 630), ("2:00:00", 7200), ("1-12", 129600),
+                                                ("1-00:30", 88200), ("2-01:02:03", 176523)])
+def test_parse_time(value, seconds):
+    assert parse_time(value) == seconds
+
+
+def test_resolve_prints_shell_assignments(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipelines.submit", "resolve", "pretrain", str(CONFIG),
+                           f"train.run_dir={tmp_path}/a b", "train.max_steps=7"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"RUN_DIR='{tmp_path}/a b'", "MAX_STEPS=7", "RESUME=auto"]
