@@ -15,7 +15,8 @@
   early, which is what warmup (Ma & Yarats 2019, arXiv:1910.04209) and RAdam's rectification tame.
 
 The table (also ``study_table.md`` and ``study_summary.json``): final train loss (mean of the last
-3 logged values), best validation loss, steps until the smoothed train loss first reaches the target,
+3 logged values), best validation loss, steps until the smoothed train loss first reaches the target
+(``target_loss`` of the sweep, else the median over arms of the final train loss),
 divergence events (runs stopped on NaN/Inf + nan_skip/loss_spike events) and wall time per run.
 """
 
@@ -82,7 +83,9 @@ def load_study(sweep_dir: str | os.PathLike) -> tuple[dict[str, Any], list[Study
         manifest = json.loads((root / "sweep.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         manifest = {}
-    names = [r["name"] for r in manifest.get("runs", [])] or sorted(p.parent.name for p in root.glob("runs/*/metrics.jsonl"))
+    names = [r["name"] for r in manifest.get("runs", [])] or sorted(
+        p.parent.name for p in root.glob("runs/*/metrics.jsonl")
+    )
     statuses: dict[str, dict[str, Any]] = {}
     for rec in read_metrics_lines(root / "sweep.jsonl"):
         if isinstance(rec.get("name"), str):
@@ -144,9 +147,19 @@ def _run_numbers(r: StudyRun, target: float | None) -> dict[str, Any]:
     if wall is None and r.run.first_time is not None:
         wall = r.run.last_time - r.run.first_time
     events = sum(1 for e in r.run.events if e.get("event") in _DIVERGENCE_EVENTS)
-    return {"name": r.name, "arm": r.arm, "seed": r.seed, "status": r.status.get("status", "?"), "final_loss": final,
-            "best_val_loss": best_val, "steps_to_target": reached, "divergence_events": events,
-            "diverged": _diverged(r), "wall_time_s": wall, "steps": train[-1][0] if train else 0}
+    return {
+        "name": r.name,
+        "arm": r.arm,
+        "seed": r.seed,
+        "status": r.status.get("status", "?"),
+        "final_loss": final,
+        "best_val_loss": best_val,
+        "steps_to_target": reached,
+        "divergence_events": events,
+        "diverged": _diverged(r),
+        "wall_time_s": wall,
+        "steps": train[-1][0] if train else 0,
+    }
 
 
 def _arms(runs: list[StudyRun]) -> dict[str, list[StudyRun]]:
@@ -157,26 +170,35 @@ def _arms(runs: list[StudyRun]) -> dict[str, list[StudyRun]]:
 
 
 def summarize(runs: list[StudyRun], target_loss: float | None = None) -> dict[str, Any]:
-    """Per-run and per-arm numbers; ``target_loss`` None/0 = the worst arm's mean final train loss."""
+    """Per-run and per-arm numbers; ``target_loss`` None/0 = the median over arms of the mean final train loss."""
     arms = _arms(runs)
     if not target_loss:
         finals = [_mean_std([_run_numbers(r, None)["final_loss"] for r in rs])[0] for rs in arms.values()]
-        target_loss = max(_finite([f for f in finals if f is not None]), default=None)
+        finals = _finite([f for f in finals if f is not None])
+        target_loss = statistics.median(finals) if finals else None
     per_run = [_run_numbers(r, target_loss) for r in runs]
     per_arm = []
-    for arm, rs in arms.items():
+    for arm in arms:
         rows = [p for p in per_run if p["arm"] == arm]
         reached = [p["steps_to_target"] for p in rows if p["steps_to_target"] is not None]
         final_m, final_s = _mean_std([p["final_loss"] for p in rows if p["final_loss"] is not None])
         val_m, val_s = _mean_std([p["best_val_loss"] for p in rows if p["best_val_loss"] is not None])
-        per_arm.append({
-            "arm": arm, "runs": len(rows), "ok": sum(p["status"] == "ok" for p in rows),
-            "diverged": sum(p["diverged"] for p in rows), "final_loss": final_m, "final_loss_std": final_s,
-            "best_val_loss": val_m, "best_val_loss_std": val_s,
-            "steps_to_target": statistics.fmean(reached) if reached else None, "reached_target": len(reached),
-            "divergence_events": sum(p["divergence_events"] for p in rows) + sum(p["diverged"] for p in rows),
-            "wall_time_s": _mean_std([p["wall_time_s"] for p in rows if p["wall_time_s"] is not None])[0],
-        })
+        per_arm.append(
+            {
+                "arm": arm,
+                "runs": len(rows),
+                "ok": sum(p["status"] == "ok" for p in rows),
+                "diverged": sum(p["diverged"] for p in rows),
+                "final_loss": final_m,
+                "final_loss_std": final_s,
+                "best_val_loss": val_m,
+                "best_val_loss_std": val_s,
+                "steps_to_target": statistics.fmean(reached) if reached else None,
+                "reached_target": len(reached),
+                "divergence_events": sum(p["divergence_events"] for p in rows) + sum(p["diverged"] for p in rows),
+                "wall_time_s": _mean_std([p["wall_time_s"] for p in rows if p["wall_time_s"] is not None])[0],
+            }
+        )
     return {"target_loss": target_loss, "arms": per_arm, "runs": per_run}
 
 
@@ -228,10 +250,19 @@ def _schedule_curve(cfg: dict[str, Any]) -> tuple[list[int], list[float], list[f
     from pipelines.schedules import build_schedule
 
     optim, train = cfg.get("optim", {}), cfg.get("train", {})
-    total, base, beta2 = int(train.get("max_steps", 1)), float(optim.get("lr", 1e-3)), float(optim.get("betas", [0.9, 0.999])[1])
+    total, base, beta2 = (
+        int(train.get("max_steps", 1)),
+        float(optim.get("lr", 1e-3)),
+        float(optim.get("betas", [0.9, 0.999])[1]),
+    )
     width = int(cfg.get("model", {}).get("overrides", {}).get("hidden_size", 0) or 0)
-    sched = build_schedule(from_dict(ScheduleConfig, cfg.get("schedule", {})), base_lr=base, total_steps=total,
-                           d_model=width or 128, beta2=beta2)
+    sched = build_schedule(
+        from_dict(ScheduleConfig, cfg.get("schedule", {})),
+        base_lr=base,
+        total_steps=total,
+        d_model=width or 128,
+        beta2=beta2,
+    )
     ts = list(range(1, total + 1))
     lrs = [base * sched(t - 1) for t in ts]
     eff = None
@@ -302,7 +333,9 @@ def _fig_histograms(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out
     steps = _hist_steps(arms, total)
     cols = max(1, len(steps))
     fig = Figure(figsize=(3.0 * cols + 1, 5.6), layout="constrained")
-    fig.suptitle("Early histograms of log10|gradient| (top) and log10|update Δw| (bottom), seed of each arm's first run")
+    fig.suptitle(
+        "Early histograms of log10|gradient| (top) and log10|update Δw| (bottom), seed of each arm's first run"
+    )
     for row, key in enumerate(("grad", "update")):
         for col in range(cols):
             ax = fig.add_subplot(2, cols, row * cols + col + 1)
@@ -366,17 +399,34 @@ def _pm(mean: float | None, std: float | None) -> str:
     return "—" if mean is None else f"{mean:.3f} ± {std or 0:.3f}"
 
 
-TABLE_HEAD = ("arm", "runs (ok / diverged)", "final train loss", "best val loss", "steps to target",
-              "divergence events", "wall time / run (s)")
+TABLE_HEAD = (
+    "arm",
+    "runs (ok / diverged)",
+    "final train loss",
+    "best val loss",
+    "steps to target",
+    "divergence events",
+    "wall time / run (s)",
+)
 
 
 def table_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for a in summary["arms"]:
-        steps = "—" if a["steps_to_target"] is None else f"{a['steps_to_target']:.0f} ({a['reached_target']}/{a['runs']})"
-        rows.append((a["arm"], f"{a['runs']} ({a['ok']} / {a['diverged']})", _pm(a["final_loss"], a["final_loss_std"]),
-                     _pm(a["best_val_loss"], a["best_val_loss_std"]), steps, str(a["divergence_events"]),
-                     _f(a["wall_time_s"], 3)))
+        steps = (
+            "—" if a["steps_to_target"] is None else f"{a['steps_to_target']:.0f} ({a['reached_target']}/{a['runs']})"
+        )
+        rows.append(
+            (
+                a["arm"],
+                f"{a['runs']} ({a['ok']} / {a['diverged']})",
+                _pm(a["final_loss"], a["final_loss_std"]),
+                _pm(a["best_val_loss"], a["best_val_loss_std"]),
+                steps,
+                str(a["divergence_events"]),
+                _f(a["wall_time_s"], 3),
+            )
+        )
     return rows
 
 
@@ -397,13 +447,31 @@ def _html(title: str, summary: dict[str, Any], images: list[tuple[str, str]]) ->
     esc = html.escape
 
     def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-        return ("<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
-                + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows) + "</table>")
+        return (
+            "<table><tr>"
+            + "".join(f"<th>{esc(h)}</th>" for h in head)
+            + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+            + "</table>"
+        )
 
     run_head = ("run", "status", "steps", "final train loss", "best val loss", "steps to target", "events", "wall (s)")
-    run_rows = [(p["name"], p["status"], str(p["steps"]), _f(p["final_loss"]), _f(p["best_val_loss"]),
-                 _f(p["steps_to_target"]), str(p["divergence_events"]), _f(p["wall_time_s"], 3)) for p in summary["runs"]]
-    figs = "".join(f'<figure><img src="{esc(n)}" alt="{esc(c)}"><figcaption>{esc(c)}</figcaption></figure>' for n, c in images)
+    run_rows = [
+        (
+            p["name"],
+            p["status"],
+            str(p["steps"]),
+            _f(p["final_loss"]),
+            _f(p["best_val_loss"]),
+            _f(p["steps_to_target"]),
+            str(p["divergence_events"]),
+            _f(p["wall_time_s"], 3),
+        )
+        for p in summary["runs"]
+    ]
+    figs = "".join(
+        f'<figure><img src="{esc(n)}" alt="{esc(c)}"><figcaption>{esc(c)}</figcaption></figure>' for n, c in images
+    )
     target = _f(summary["target_loss"])
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
@@ -416,8 +484,9 @@ def _html(title: str, summary: dict[str, Any], images: list[tuple[str, str]]) ->
     )
 
 
-def render_study(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 target_loss: float | None = None) -> Path:
+def render_study(
+    sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, target_loss: float | None = None
+) -> Path:
     """Write every figure in ``FIGURES``, ``study_table.md``, ``study_summary.json`` and ``study.html``.
 
     ``out_dir`` defaults to ``SWEEP_DIR/study``; ``target_loss`` to ``sweep.json``'s, else the worst
@@ -432,9 +501,15 @@ def render_study(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None
     colors = _colors(list(arms))
     total = max(int(r.config.get("train", {}).get("max_steps", 0) or 0) for r in runs) or 1
     images = [
-        (_fig_lr(arms, colors, out), "Learning rate per schedule; RAdam's effective rate lr·r_t dashed (0 while ρ_t ≤ 5)"),
+        (
+            _fig_lr(arms, colors, out),
+            "Learning rate per schedule; RAdam's effective rate lr·r_t dashed (0 while ρ_t ≤ 5)",
+        ),
         (_fig_loss(arms, colors, out), "Training and validation loss, mean ± std over seeds"),
-        (_fig_histograms(arms, colors, out, total), "Gradient and update magnitudes early in training, with and without warmup"),
+        (
+            _fig_histograms(arms, colors, out, total),
+            "Gradient and update magnitudes early in training, with and without warmup",
+        ),
         (_fig_variance(arms, colors, out), "Variance of Adam's adaptive step size over steps"),
     ]
     summary = summarize(runs, target_loss if target_loss is not None else manifest.get("target_loss"))

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--local", action="store_true", help="Run the grid here, one run after another (default).")
     mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
-    p.add_argument("--force", action="store_true", help="--local: rerun runs already marked done.")
+    p.add_argument("--force", action="store_true", help="--local: delete and rerun runs already marked done.")
     p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only.")
 
     p = _add(

@@ -246,7 +246,8 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             skipped = False
         lr = float(self.optimizer.param_groups[0]["lr"])
-        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr, "skipped": skipped}
+        # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
+        return {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "skipped": skipped}
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if torch.distributed.is_initialized() and self.world_size > 1:

@@ -49,8 +49,7 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     files = sorted(engine.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ConfigError(f"{engine} holds no model states; the checkpoint is incomplete. Export another checkpoint.")
-    # DeepSpeed's own file format (it loads it with weights_only=False itself); we trust our own run's files.
-    states = torch.load(files[0], map_location="cpu", weights_only=False)
+    states = torch.load(files[0], map_location="cpu", weights_only=True)  # ZeRO-0: the full module, replicated
     return {k: v.float() for k, v in states["module"].items()}
 
 

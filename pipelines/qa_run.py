@@ -138,13 +138,13 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     release = resolve_release(cfg.checkpoint, run_dir, env)
     d = cfg.data
     tokenizer = load_tokenizer(release)
+    _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)
+    val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
     model = build_qa_model(release, cfg.init)
     max_pos = getattr(model.config, "max_position_embeddings", d.max_seq_len)
     if d.max_seq_len > max_pos:
         raise FinetuneError(f"data.max_seq_len={d.max_seq_len} exceeds the model's max_position_embeddings={max_pos} "
                             f"({release}/config.json); lower data.max_seq_len.")
-    _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)
-    val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), f"{len(train_feats)} training windows, "
               f"{len(val_feats)} dev windows", sep="\n", flush=True)

@@ -1,9 +1,11 @@
 """The optimizer x warmup study: a grid of otherwise identical pretraining runs, locally or as a SLURM array.
 
-A sweep file (``configs/sweeps/*.yaml``, loaded as ``SweepConfig``) names a base run config and the
-grid axes as ``key=value`` override sets::
+A sweep file (``configs/sweeps/*.yaml``, loaded as ``SweepConfig``) holds the run settings every
+grid point shares (an optional ``base`` RunConfig file plus ``run:`` sections) and the grid axes as
+``key=value`` override sets::
 
-    base: ../train/bert_tiny_cpu.yaml         # relative to the sweep file
+    base: ../train/bert_tiny_cpu.yaml         # optional, relative to the sweep file
+    run: {optim: {betas: [0.9, 0.95]}, logging: {diagnostics_every: 5}}   # merged over base
     corpus: demo_out/corpus                   # -> data.corpus of every run (override: corpus=...)
     out_dir: runs/sweeps/warmup               # SWEEP_DIR
     optimizers: {adam: [optim.name=adam], radam: [optim.name=radam]}
@@ -31,10 +33,12 @@ arXiv:1910.04209); ``monitoring.study.render_study`` turns SWEEP_DIR into figure
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -56,8 +60,19 @@ from pipelines.config import (
     save_config,
 )
 
-__all__ = ["SweepConfig", "RunSpec", "load_sweep", "expand", "run_status", "run_one", "run_local", "submit_slurm", "main"]
+__all__ = [
+    "SweepConfig",
+    "RunSpec",
+    "load_sweep",
+    "expand",
+    "run_status",
+    "run_one",
+    "run_local",
+    "submit_slurm",
+    "main",
+]
 
+REPO = Path(__file__).resolve().parents[1]
 DONE = "done"
 SWEEP_LOG = "sweep.jsonl"
 MANIFEST = "sweep.json"
@@ -80,11 +95,15 @@ class SweepConfig:
     seeds: list[int] = option([0], help="Seeds (train.seed).")
     only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
     num_processes: int = option(1, help="Processes per run; 1 runs in this process, more via distributed.launch.")
-    launcher: str = option("accelerate", help="distributed.launch launcher when num_processes > 1 (or `python` for a subprocess).")
+    launcher: str = option(
+        "accelerate", help="distributed.launch launcher when num_processes > 1 (or `python` for a subprocess)."
+    )
     jobs: int = option(1, help="--local: runs at the same time (each a subprocess when > 1; e.g. one per core).")
     threads: int = option(0, help="Intra-op CPU threads per run (torch / OMP_NUM_THREADS); 0 leaves the default.")
     target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
-    slurm_script: str = option("slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides).")
+    slurm_script: str = option(
+        "slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides)."
+    )
     max_parallel: int = option(0, help="--slurm: at most this many array tasks at once (0 = no limit).")
 
     def __post_init__(self) -> None:
@@ -93,8 +112,10 @@ class SweepConfig:
         for axis in (self.optimizers, self.warmups):
             for label in axis:
                 if not label or any(c in label for c in "/ \\") or "-" in label:
-                    raise ConfigError(f"Sweep arm label {label!r} must be non-empty without '-', '/' or spaces "
-                                      f"(it becomes part of run names like adam-none-lr1e-3-s0); use '_'.")
+                    raise ConfigError(
+                        f"Sweep arm label {label!r} must be non-empty without '-', '/' or spaces "
+                        f"(it becomes part of run names like adam-none-lr1e-3-s0); use '_'."
+                    )
         if self.jobs < 1:
             raise ConfigError(f"jobs must be >= 1, got {self.jobs}.")
         if self.num_processes < 1:
@@ -159,7 +180,8 @@ def expand(sweep: SweepConfig) -> list[RunSpec]:
 
 def run_config(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The resolved, validated RunConfig of one grid point: base, then ``run``, grid overrides, ``extra``."""
-    data = _deep_merge(load_yaml(sweep.base) if sweep.base else {}, sweep.run)
+    # deep copies: apply_overrides writes into nested dicts it shares with its input (runs may be concurrent)
+    data = copy.deepcopy(_deep_merge(load_yaml(sweep.base) if sweep.base else {}, sweep.run))
     data = apply_overrides(data, [*spec.overrides, *extra])
     return from_dict(RunConfig, data, source=f"sweep run {spec.name}")
 
@@ -192,8 +214,12 @@ def run_status(run_dir: str | os.PathLike, max_steps: int) -> dict[str, Any]:
     finite = isinstance(last_loss, (int, float)) and last_loss == last_loss and abs(last_loss) != float("inf")
     latest = run_dir / "checkpoints" / "latest"
     final = latest.is_file() and latest.read_text(encoding="utf-8").strip() == step_dir_name(max_steps)
-    info = {"last_step": train[-1]["step"] if train else 0, "final_loss": last_loss if finite else None,
-            "events": len(events), "nan_stop": any(e["event"] == "nan_stop" for e in events)}
+    info = {
+        "last_step": train[-1]["step"] if train else 0,
+        "final_loss": last_loss if finite else None,
+        "events": len(events),
+        "nan_stop": any(e["event"] == "nan_stop" for e in events),
+    }
     if info["nan_stop"] or (last_loss is not None and not finite):
         return {"status": "diverged", **info}
     if final:
@@ -220,10 +246,15 @@ def _append_log(sweep_dir: Path, record: dict[str, Any]) -> None:
 def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
     """SWEEP_DIR/sweep.json: the resolved sweep and its runs (what ``monitoring.study`` groups by)."""
     data = {
-        "name": sweep.name, "base": sweep.base, "target_loss": sweep.target_loss, "seeds": sweep.seeds,
+        "name": sweep.name,
+        "base": sweep.base,
+        "target_loss": sweep.target_loss,
+        "seeds": sweep.seeds,
         "config": {k: v for k, v in vars(sweep).items()},
-        "runs": [{"index": s.index, "name": s.name, "arm": s.arm, "run_dir": str(Path("runs") / s.name), **s.axes}
-                 for s in specs],
+        "runs": [
+            {"index": s.index, "name": s.name, "arm": s.arm, "run_dir": str(Path("runs") / s.name), **s.axes}
+            for s in specs
+        ],
     }
     atomic_write_text(Path(sweep.out_dir) / MANIFEST, json.dumps(data, indent=1, default=str) + "\n")
 
@@ -256,8 +287,14 @@ def _train_in_process(cfg: RunConfig, threads: int = 0) -> None:
             pass
 
 
-def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = (), *, force: bool = False,
-            subprocess_run: bool = False) -> dict[str, Any]:
+def run_one(
+    sweep: SweepConfig,
+    spec: RunSpec,
+    extra: list[str] | tuple[str, ...] = (),
+    *,
+    force: bool = False,
+    subprocess_run: bool = False,
+) -> dict[str, Any]:
     """Run grid point ``spec`` unless it is complete; record the attempt; never raises for a failed run.
 
     In this process when ``num_processes == 1`` (unless ``subprocess_run`` or ``launcher: python``),
@@ -267,6 +304,8 @@ def run_one(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...
     done = _done_record(spec.run_dir)
     if done is not None and not force:
         return {**done, "skipped": True}
+    if done is not None:  # force: a clean rerun, not a resume from the final checkpoint
+        shutil.rmtree(spec.run_dir)
     started = time.time()
     record: dict[str, Any] = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes}
     try:
@@ -312,7 +351,9 @@ def pending(sweep: SweepConfig) -> list[RunSpec]:
     return [s for s in expand(sweep) if _done_record(s.run_dir) is None]
 
 
-def run_local(sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, force: bool = False) -> list[dict[str, Any]]:
+def run_local(
+    sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, force: bool = False
+) -> list[dict[str, Any]]:
     """Every grid point, one after another; returns the records (skipped ones marked ``skipped``)."""
     specs = expand(sweep)
     write_manifest(sweep, specs)
@@ -331,7 +372,18 @@ def run_local(sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, fo
     return results
 
 
-def submit_slurm(sweep_path: str, sweep: SweepConfig, sweep_overrides: list[str], *, dry_run: bool = False) -> list[str]:
+def _array_spec(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8`` (sbatch --array syntax)."""
+    parts: list[str] = []
+    for _, group in itertools.groupby(enumerate(indices), key=lambda iv: iv[1] - iv[0]):
+        run = [v for _, v in group]
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(parts)
+
+
+def submit_slurm(
+    sweep_path: str, sweep: SweepConfig, sweep_overrides: list[str], *, dry_run: bool = False
+) -> list[str]:
     """``sbatch --array=<pending indices> SCRIPT SWEEP.yaml [overrides]``; returns the command (run unless dry_run)."""
     specs = expand(sweep)
     write_manifest(sweep, specs)
@@ -339,8 +391,11 @@ def submit_slurm(sweep_path: str, sweep: SweepConfig, sweep_overrides: list[str]
     if not todo:
         print("Every run of the sweep is complete; nothing to submit.")
         return []
-    array = ",".join(map(str, todo)) + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
-    cmd = ["sbatch", f"--array={array}", f"--job-name=sweep-{sweep.name}", sweep.slurm_script, sweep_path, *sweep_overrides]
+    array = _array_spec(todo) + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
+    script = Path(sweep.slurm_script)
+    if not script.is_absolute() and not script.exists() and (REPO / script).exists():
+        script = REPO / script  # submitted from outside the repo
+    cmd = ["sbatch", f"--array={array}", f"--job-name=sweep-{sweep.name}", str(script), sweep_path, *sweep_overrides]
     print(" ".join(cmd), flush=True)
     if not dry_run:
         subprocess.run(cmd, check=True)
@@ -359,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
         if name == "run-one":
             p.add_argument("--index", type=int, default=None, help="Grid index (default: $SLURM_ARRAY_TASK_ID).")
-            p.add_argument("--force", action="store_true", help="Run even if the run is marked done.")
+            p.add_argument("--force", action="store_true", help="Delete and rerun a run marked done.")
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.overrides)

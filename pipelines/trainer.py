@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import time
@@ -185,12 +184,15 @@ class Trainer:
             if stop_reason == "health":
                 logger.event(self.step, "stop", "Stopping: training health check failed; not checkpointing this state.")
                 break
+            if stop_reason in ("max_tokens", "max_time"):  # a budget reached: finish like max_steps
+                logger.event(self.step, "stop", f"Budget reached ({stop_reason}) at step {self.step}.")
+                break
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or stop_reason:
                 last_saved = self.save(health, meter)
             if stop_reason:
                 logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")
                 break
-        if stop_reason is None:
+        if stop_reason in (None, "max_tokens", "max_time"):
             if self.eval_data is not None:
                 self.last_eval = self.evaluate()
                 logger.log(self.step, self.last_eval, split="eval")
@@ -225,7 +227,7 @@ class Trainer:
         names = sorted(sums)
         total = self.engine.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64), "sum")
         self.engine.train()
-        return self.task.eval_metrics(dict(zip(names, total.tolist())))
+        return self.task.eval_metrics(dict(zip(names, total.tolist(), strict=True)))
 
     def save(self, health: Any = None, meter: Any = None) -> Path:
         state = {

@@ -6,10 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
+import corpus_fixtures as cf
 import numpy as np
 import pytest
 
-import corpus_fixtures as cf
 from pipelines import data, tasks
 from pipelines.config import RunConfig
 from pipelines.data import DataError, StreamingSource, load_manifest

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import corpus_fixtures as cf
 import pytest
 from conftest import read_trace, run_pretrain, summary_of, train_losses
-
-import corpus_fixtures as cf
 
 pytestmark = pytest.mark.slow
 

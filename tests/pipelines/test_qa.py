@@ -64,22 +64,24 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 2000):
     return fast
 
 
-def cloze_examples(paragraphs: list[tuple[str, str]], *, prefix: str, per_paragraph: int = 3) -> list[QAExample]:
+def cloze_examples(paragraphs: list[tuple[str, str]], *, prefix: str, per_paragraph: int = 3,
+                   blank: str = "[MASK]") -> list[QAExample]:
     """A sentence of the paragraph with one word blanked is the question; that word, in place, is the answer.
 
-    The blanked word is the longest alphabetic word (>= 4 letters, not the sentence's first) so the
-    answer is a content word; its character span in the paragraph is the gold answer.
+    The blanked word is a content word (>= 4 letters, not the sentence's first) picked by a seeded
+    RNG, so no fixed rule ("the longest word") answers the question without reading the context.
     """
+    rng = np.random.default_rng(1234)
     out: list[QAExample] = []
     for p, (topic, para) in enumerate(paragraphs):
         made = 0
         for m in re.finditer(r"[^.!?]+[.!?]", para):
             sent, s0 = m.group(0), m.start()
-            words = [w for w in re.finditer(r"[A-Za-z]{4,}", sent)][1:]
+            words = list(re.finditer(r"[A-Za-z]{4,}", sent))[1:]
             if len(sent.split()) < 8 or not words:
                 continue
-            w = max(words, key=lambda x: (len(x.group(0)), -x.start()))
-            question = " ".join((sent[: w.start()] + "[BLANK]" + sent[w.end():]).split())
+            w = words[int(rng.integers(len(words)))]
+            question = " ".join((sent[: w.start()] + blank + sent[w.end():]).split())
             out.append(QAExample(f"{prefix}-{p}-{made}", question, para,
                                  [{"text": w.group(0), "answer_start": s0 + w.start()}], False, topic))
             made += 1

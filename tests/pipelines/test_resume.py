@@ -37,9 +37,6 @@ def _assert_same(ref_dir: Path, got_dir: Path, steps: int) -> None:
         for step in ref:
             assert got[step]["keys"] == ref[step]["keys"], f"rank {rank} step {step}: different samples"
             assert got[step]["loss"] == ref[step]["loss"], f"rank {rank} step {step}: {got[step]['loss']!r} != {ref[step]['loss']!r}"
-    # both ranks saw disjoint samples
-    assert not set(sum((r["keys"] for r in read_trace(ref_dir, 0).values()), [])) & set(
-        sum((r["keys"] for r in read_trace(ref_dir, 1).values()), [])) or True
 
 
 def _launch_background(config: str, overrides: list[str], trace: Path) -> subprocess.Popen:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import train_losses
 
 from pipelines.config import ConfigError
 from pipelines.sweep import (
     SweepConfig,
+    _array_spec,
     expand,
     load_sweep,
     lr_label,
@@ -27,10 +29,20 @@ REPO = Path(__file__).resolve().parents[2]
 # A tiny post-LN BERT on the synthetic corpus: a run is ~1 s of compute.
 TINY_RUN = {
     "data": {"micro_batch_size": 8, "num_workers": 0, "shuffle_buffer": 16},
-    "model": {"name": "bert-tiny", "overrides": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}},
+    "model": {
+        "name": "bert-tiny",
+        "overrides": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64},
+    },
     "optim": {"name": "adam", "lr": 1e-3, "grad_clip": 0.0},
     "schedule": {"warmup": "none", "decay": "constant"},
-    "train": {"task": "mlm_nsp", "max_steps": 4, "eval_every": 0, "eval_batches": 2, "log_every": 1, "checkpoint_every": 0},
+    "train": {
+        "task": "mlm_nsp",
+        "max_steps": 4,
+        "eval_every": 0,
+        "eval_batches": 2,
+        "log_every": 1,
+        "checkpoint_every": 0,
+    },
     "distributed": {"engine": "ddp"},
     "logging": {"progress": False, "tensorboard": False, "nan_policy": "stop"},
 }
@@ -44,10 +56,14 @@ def write_sweep(path: Path, **fields) -> Path:
 def test_expand_grid_names_and_overrides(tmp_path):
     path = write_sweep(
         tmp_path / "s.yaml",
-        out_dir=str(tmp_path / "sw"), corpus="some/corpus", run=TINY_RUN, overrides=["train.max_steps=7"],
+        out_dir=str(tmp_path / "sw"),
+        corpus="some/corpus",
+        run=TINY_RUN,
+        overrides=["train.max_steps=7"],
         optimizers={"adam": ["optim.name=adam"], "radam": ["optim.name=radam"]},
         warmups={"none": ["schedule.warmup=none"], "linear": ["schedule.warmup=linear", "schedule.warmup_steps=3"]},
-        lrs=[1e-3, 3e-4], seeds=[0, 1],
+        lrs=[1e-3, 3e-4],
+        seeds=[0, 1],
     )
     sweep = load_sweep(path)
     specs = expand(sweep)
@@ -55,12 +71,20 @@ def test_expand_grid_names_and_overrides(tmp_path):
     assert [s.index for s in specs] == list(range(16))
     # seed-major, then optimizer, warmup, lr in file order
     assert [s.name for s in specs[:5]] == [
-        "adam-none-lr1e-3-s0", "adam-none-lr3e-4-s0", "adam-linear-lr1e-3-s0", "adam-linear-lr3e-4-s0",
+        "adam-none-lr1e-3-s0",
+        "adam-none-lr3e-4-s0",
+        "adam-linear-lr1e-3-s0",
+        "adam-linear-lr3e-4-s0",
         "radam-none-lr1e-3-s0",
     ]
     assert specs[8].name == "adam-none-lr1e-3-s1" and specs[-1].name == "radam-linear-lr3e-4-s1"
     assert len({s.name for s in specs}) == 16
-    assert specs[3].arm == "adam-linear-lr3e-4" and specs[3].axes == {"optimizer": "adam", "warmup": "linear", "lr": 3e-4, "seed": 0}
+    assert specs[3].arm == "adam-linear-lr3e-4" and specs[3].axes == {
+        "optimizer": "adam",
+        "warmup": "linear",
+        "lr": 3e-4,
+        "seed": 0,
+    }
     assert specs[3].run_dir == tmp_path / "sw" / "runs" / "adam-linear-lr3e-4-s0"
 
     cfg = run_config(sweep, specs[15])
@@ -71,15 +95,36 @@ def test_expand_grid_names_and_overrides(tmp_path):
     assert cfg.train.run_dir == str(specs[15].run_dir)
     assert cfg.model.overrides["hidden_size"] == 32  # from `run:`
 
+    # grid points are independent: one's overrides never leak into the shared `run:` or the next point
+    run_before = json.dumps(sweep.run, sort_keys=True)
+    linear = run_config(sweep, specs[2])  # adam-linear-lr1e-3-s0
+    assert (linear.schedule.warmup, linear.schedule.warmup_steps) == ("linear", 3)
+    after = run_config(sweep, specs[0])  # adam-none-lr1e-3-s0
+    assert (after.schedule.warmup, after.schedule.warmup_steps, after.train.run_dir) == (
+        "none",
+        0,
+        str(specs[0].run_dir),
+    )
+    assert json.dumps(sweep.run, sort_keys=True) == run_before
+
     # `only` keeps arms by pattern; adding a seed appends (earlier indices are stable)
     only = expand(load_sweep(path, ["only=[adam-*, radam-none]", "seeds=[0, 1, 2]"]))
     assert {s.arm.rsplit("-lr", 1)[0] for s in only} == {"adam-none", "adam-linear", "radam-none"}
     assert len(only) == 3 * 2 * 3
-    assert [s.name for s in only[:6]] == [s.name for s in expand(load_sweep(path, ["only=[adam-*, radam-none]", "seeds=[0]"]))]
+    assert [s.name for s in only[:6]] == [
+        s.name for s in expand(load_sweep(path, ["only=[adam-*, radam-none]", "seeds=[0]"]))
+    ]
 
 
 def test_lr_labels_and_bad_sweeps(tmp_path):
-    assert [lr_label(x) for x in (1e-3, 3e-4, 1.5e-3, 1e3, 0.1, 2.5)] == ["1e-3", "3e-4", "1.5e-3", "1e3", "1e-1", "2.5e0"]
+    assert [lr_label(x) for x in (1e-3, 3e-4, 1.5e-3, 1e3, 0.1, 2.5)] == [
+        "1e-3",
+        "3e-4",
+        "1.5e-3",
+        "1e3",
+        "1e-1",
+        "2.5e0",
+    ]
     with pytest.raises(ConfigError, match="without '-'"):
         load_sweep(write_sweep(tmp_path / "a.yaml", run=TINY_RUN, warmups={"un-tuned": []}))
     with pytest.raises(ConfigError, match="empty"):
@@ -97,8 +142,17 @@ def test_shipped_study_files():
         specs = expand(sweep)
         assert len(specs) == 6 * 3
         arms = sorted({s.arm for s in specs})
-        assert arms == sorted(f"{a}-lr3e-3" for a in ("adam-none", "adam-linear", "adam-exponential", "adam-untuned_linear",
-                                                       "adam-untuned_exponential", "radam-none"))
+        assert arms == sorted(
+            f"{a}-lr3e-3"
+            for a in (
+                "adam-none",
+                "adam-linear",
+                "adam-exponential",
+                "adam-untuned_linear",
+                "adam-untuned_exponential",
+                "radam-none",
+            )
+        )
         cfg = run_config(sweep, specs[-1])
         assert cfg.model.overrides["norm_placement"] == norm and cfg.optim.name == "radam" and cfg.train.seed == 2
         assert cfg.logging.diagnostics_every > 0 and cfg.data.corpus == "demo_out/corpus"
@@ -110,10 +164,14 @@ def test_shipped_study_files():
 def mixed_sweep(tmp_path, bert_corpus) -> Path:
     """4 real runs: one trains, one diverges (lr 1e30 -> NaN, nan_policy=stop), two point at a missing corpus."""
     return write_sweep(
-        tmp_path / "mixed.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=TINY_RUN,
+        tmp_path / "mixed.yaml",
+        out_dir=str(tmp_path / "sw"),
+        corpus=str(bert_corpus),
+        run=TINY_RUN,
         optimizers={"adam": ["optim.name=adam"]},
         warmups={"none": ["schedule.warmup=none"], "missing": [f"data.corpus={tmp_path / 'no-corpus'}"]},
-        lrs=[1e-3, 1e30], seeds=[0],
+        lrs=[1e-3, 1e30],
+        seeds=[0],
     )
 
 
@@ -121,8 +179,12 @@ def test_failures_are_recorded_and_the_sweep_goes_on_then_skips_complete_runs(mi
     sweep = load_sweep(mixed_sweep)
     first = run_local(sweep)
     status = {r["name"]: r["status"] for r in first}
-    assert status == {"adam-none-lr1e-3-s0": "ok", "adam-none-lr1e30-s0": "diverged",
-                      "adam-missing-lr1e-3-s0": "failed", "adam-missing-lr1e30-s0": "failed"}
+    assert status == {
+        "adam-none-lr1e-3-s0": "ok",
+        "adam-none-lr1e30-s0": "diverged",
+        "adam-missing-lr1e-3-s0": "failed",
+        "adam-missing-lr1e30-s0": "failed",
+    }
     log = [json.loads(line) for line in (tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()]
     assert [r["name"] for r in log] == [r["name"] for r in first]
     assert all(isinstance(r["wall_time_s"], float) and r["wall_time_s"] >= 0 for r in log)
@@ -147,9 +209,14 @@ def test_failures_are_recorded_and_the_sweep_goes_on_then_skips_complete_runs(mi
     assert main(["run-one", str(mixed_sweep), "--index", "0"]) == 0
     assert main(["run-one", str(mixed_sweep), "--index", "2"]) == 1  # still failing -> non-zero for SLURM
     assert len((tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()) == 7
+    assert main(["run-one", str(mixed_sweep), "--index", "0", "--force"]) == 0  # --force: a clean rerun
+    assert (runs / "adam-none-lr1e-3-s0" / "metrics.jsonl").stat().st_mtime_ns != mtime
+    assert len((tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()) == 8
+    assert len(train_losses(runs / "adam-none-lr1e-3-s0")) == 4  # not appended to the old run's lines
     assert main(["run-one", str(mixed_sweep), "--index", "9"]) == 2
     cmd = submit_slurm(str(mixed_sweep), sweep, ["corpus=x"], dry_run=True)
-    assert cmd[:2] == ["sbatch", "--array=2,3"] and cmd[-2:] == [str(mixed_sweep), "corpus=x"]
+    assert cmd[:2] == ["sbatch", "--array=2-3"] and cmd[-2:] == [str(mixed_sweep), "corpus=x"]
+    assert _array_spec([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and _array_spec([4]) == "4"
 
 
 def test_slurm_array_index_from_environment(mixed_sweep, monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_two_node_pretraining(slurm_cluster, bert_corpus, tmp_path):
 
 
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, bert_corpus, tmp_path):
-    steps = 150
+    steps = 100
     run_dir, trace = tmp_path / "run", tmp_path / "trace"
     proc = pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, steps), "--nodes", "2",
                         env=job_env(PRETRAIN_TRACE_DIR=str(trace)), cwd=tmp_path)
@@ -88,3 +89,83 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, bert_corpus,
         counts = collections.Counter(_trace_steps(trace, rank))
         assert sorted(counts) == list(range(1, steps + 1)) and set(counts.values()) == {1}, f"rank {rank} redid steps"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:08d}"
+
+
+def _pydoc_text(root: Path, per_file: int = 20) -> Path:
+    """Python's own pydoc topics as text files of blank-line-separated documents (always installed)."""
+    from pydoc_data.topics import topics
+
+    root.mkdir(parents=True)
+    items = sorted(topics.items())
+    for i in range(0, len(items), per_file):
+        (root / f"topics-{i:03d}.txt").write_text("\n\n".join(v for _, v in items[i:i + per_file]), encoding="utf-8")
+    return root
+
+
+def test_prepare_ray_on_two_nodes_matches_local(slurm_cluster, tmp_path):
+    text = _pydoc_text(tmp_path / "text")
+    cfg = tmp_path / "prep.yaml"
+    cfg.write_text(f"extends: {REPO}/configs/data/demo_bert.yaml\nsources: [{{type: text, paths: ['{text}/*.txt']}}]\n"
+                   "seq_len: 64\nshard_target_mb: 0.5\nprogress: false\ntokenizer: {vocab_size: 2000}\n")
+    proc = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--cpus-per-task=2",
+                           str(REPO / "slurm/prepare_ray.sbatch"), str(cfg), f"output={tmp_path / 'ray_corpus'}"],
+                          env=job_env(), capture_output=True, text=True, check=True)
+    job = proc.stdout.strip().split(";")[0]
+    local = pretrain_cli("prepare", str(cfg), f"output={tmp_path / 'local_corpus'}", "num_workers=1", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    info = wait_job(job, 300, logs=tmp_path)
+    batch_log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", batch_log[-4000:] + dump_logs(tmp_path)
+    assert "Ray cluster ready: 2 nodes" in batch_log and "stopping Ray on 2 node(s)" in batch_log
+    assert sorted(p.name for p in tmp_path.glob(f"ray-{job}-*.log")) == [f"ray-{job}-c1.log", f"ray-{job}-c2.log"]
+    ray_m = json.loads((tmp_path / "ray_corpus" / "manifest.json").read_text())
+    local_m = json.loads((tmp_path / "local_corpus" / "manifest.json").read_text())
+    assert ray_m["splits"] == local_m["splits"] and len(ray_m["splits"]["train"]["shards"]) > 1
+    assert subprocess.run(["pgrep", "-f", f"ray-{job}-"], capture_output=True).returncode == 1, "Ray processes left behind"
+
+
+def _array_states(job: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return [dict(kv.split("=", 1) for kv in ln.split() if "=" in kv).get("JobState", "?") for ln in out.splitlines()]
+
+
+def test_sweep_as_job_array_and_report(slurm_cluster, bert_corpus, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"""
+name: slurm_ci
+base: {REPO}/configs/train/bert_tiny_cpu.yaml
+corpus: {bert_corpus}
+out_dir: {sweep_dir}
+slurm_script: {REPO}/slurm/sweep_array.sbatch
+run:
+  data: {{micro_batch_size: 4, num_workers: 0, shuffle_buffer: 16}}
+  train: {{max_steps: 8, eval_every: 4, eval_batches: 2, checkpoint_every: 0, log_every: 1, resume: auto}}
+  distributed: {{engine: ddp}}
+  logging: {{progress: false, tensorboard: false}}
+optimizers: {{adam: [optim.name=adam], radam: [optim.name=radam]}}
+warmups: {{none: [schedule.warmup=none], linear: [schedule.warmup=linear, schedule.warmup_steps=4]}}
+lrs: [1.0e-3]
+seeds: [0]
+""")
+    env = job_env(PRETRAIN_REPO=str(REPO))
+    proc = pretrain_cli("sweep", str(sweep), "--slurm", env=env, cwd=tmp_path)
+    m = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert proc.returncode == 0 and m, proc.stdout + proc.stderr
+    job = m.group(1)
+    assert "--array=0,1,2,3" in proc.stdout
+    deadline = time.time() + 300
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.time() < deadline, f"array {job} still running: {_array_states(job)}"
+        time.sleep(2)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob(f"slurm-{job}_*.out")))
+    assert _array_states(job) == ["COMPLETED"] * 4, logs
+    assert len(list(tmp_path.glob(f"slurm-{job}_*.out"))) == 4
+    runs = sorted(p.name for p in (sweep_dir / "runs").iterdir())
+    assert runs == ["adam-linear-lr1e-3-s0", "adam-none-lr1e-3-s0", "radam-linear-lr1e-3-s0", "radam-none-lr1e-3-s0"]
+    for name in runs:
+        assert json.loads((sweep_dir / "runs" / name / "done").read_text())["status"] == "ok", logs
+    report = pretrain_cli("report", str(sweep_dir), env=env, cwd=tmp_path)
+    assert report.returncode == 0, report.stderr[-3000:]
+    page = Path(report.stdout.strip().rsplit(" ", 1)[-1])
+    assert page.is_file() and page.stat().st_size > 0, report.stdout

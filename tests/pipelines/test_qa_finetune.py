@@ -1,0 +1,179 @@
+"""QA fine-tuning end to end: a cloze task from Python's own docs, our Trainer, a transformers release.
+
+The task (see `test_qa.cloze_examples`): real paragraphs of `pydoc_data.topics`; a sentence with a
+content word replaced by [MASK] is the question, that word's span in the paragraph the answer.
+Train and dev questions come from different topics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.config import load_config
+from pipelines.finetune import FinetuneConfig, run_finetune
+from pipelines.finetune_data import FinetuneError
+from pipelines.qa import QAExample, read_squad, write_squad
+from test_qa import cloze_examples, make_tokenizer, topic_paragraphs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dev_topics(paragraphs) -> set[str]:
+    """Every 5th topic (sorted by name) is dev: never pretrained on, never trained on with answers."""
+    return set(sorted({t for t, _ in paragraphs})[::5])
+
+
+def _split(paragraphs):
+    dev = _dev_topics(paragraphs)
+    return [p for p in paragraphs if p[0] not in dev], [p for p in paragraphs if p[0] in dev]
+
+
+@pytest.fixture(scope="module")
+def cloze(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qa-cloze")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    train_p, dev_p = _split(topic_paragraphs())
+    train, dev = cloze_examples(train_p, prefix="tr"), cloze_examples(dev_p, prefix="dv")
+    write_squad(root / "train.json", train)
+    write_squad(root / "dev.json", dev)
+    return {"root": root, "tokenizer": tokenizer, "paragraphs": train_p + dev_p, "train": train, "dev": dev}
+
+
+@pytest.fixture(scope="module")
+def hf_base(cloze):
+    """A BERT checkpoint directory made by transformers itself (random weights) with our tokenizer."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    base = cloze["root"] / "hf-bert"
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=len(cloze["tokenizer"]), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=128)).save_pretrained(str(base))
+    cloze["tokenizer"].save_pretrained(str(base))
+    return base
+
+
+def _config(release: Path, run_dir: Path, train: Path, dev: Path, **over) -> FinetuneConfig:
+    overrides = {"checkpoint": release, "data.train": train, "data.validation": dev, "train.run_dir": run_dir,
+                 "data.max_seq_len": 96, "qa.doc_stride": 24, "qa.max_query_len": 48, "qa.max_answer_len": 8,
+                 "data.micro_batch_size": 16, "optim.lr": 1e-3, "schedule.warmup_steps": 10, "train.log_every": 1000,
+                 "logging.tensorboard": False, **over}
+    return load_config(REPO / "configs/finetune/qa.yaml", [f"{k}={v}" for k, v in overrides.items()], cls=FinetuneConfig)
+
+
+def pretrain_mlm(tokenizer, texts: list[str], out: Path, *, steps: int, seq_len: int = 64, batch: int = 32,
+                 lr: float = 2e-3, seed: int = 0) -> Path:
+    """Our `bert-tiny` trained by masked LM (BERT's 80/10/10 masking) on `texts`, saved as a transformers release."""
+    import models
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    stream = np.array([i for doc in ids for i in doc + [tokenizer.sep_token_id]])
+    cls, sep, mask = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id
+    model = models.create("bert-tiny", vocab_size=len(tokenizer), max_position_embeddings=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * max(0.0, 1 - s / steps))
+    n = seq_len - 3
+    model.train()
+    for _ in range(steps):
+        rows, types = [], []
+        for _ in range(batch):  # [CLS] A [SEP] B [SEP] from a random place, like our pretraining pairs
+            s, cut = int(rng.integers(0, len(stream) - n)), int(rng.integers(n // 4, 3 * n // 4))
+            rows.append([cls, *stream[s: s + cut], sep, *stream[s + cut: s + n], sep])
+            types.append([0] * (cut + 2) + [1] * (n - cut + 1))
+        x, tt = torch.tensor(rows), torch.tensor(types)
+        special = (x == cls) | (x == sep)
+        chosen = (torch.rand(x.shape) < 0.15) & ~special
+        labels = torch.where(chosen, x, torch.full_like(x, -100))
+        r = torch.rand(x.shape)
+        x = torch.where(chosen & (r < 0.8), torch.full_like(x, mask), x)
+        x = torch.where(chosen & (r >= 0.8) & (r < 0.9), torch.randint_like(x, 5, len(tokenizer)), x)
+        loss = model(x, attention_mask=torch.ones_like(x), token_type_ids=tt, labels=labels)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    models.hf.to_hf(model.eval()).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_pretrained_checkpoint_beats_random_init(cloze, tmp_path):
+    """Same architecture, data, steps and seed; only the initial encoder weights differ."""
+    from pydoc_data.topics import topics
+
+    started = time.perf_counter()
+    dev = _dev_topics(cloze["paragraphs"])
+    texts = [topics[name] for name in sorted(topics) if name not in dev]  # whole training topics, unlabelled
+    release = pretrain_mlm(cloze["tokenizer"], texts, tmp_path / "pretrained", steps=400)
+    pretrain_s = time.perf_counter() - started
+    results = {}
+    for init in ("pretrained", "random"):
+        cfg = _config(release, tmp_path / init, cloze["root"] / "train.json", cloze["root"] / "dev.json", init=init, epochs=2)
+        results[init] = run_finetune(cfg)["metrics"]
+    print(f"pretraining {pretrain_s:.0f}s; dev EM/F1 pretrained {results['pretrained']['exact_match']:.1f}/"
+          f"{results['pretrained']['f1']:.1f}, random init {results['random']['exact_match']:.1f}/{results['random']['f1']:.1f}")
+    assert results["pretrained"]["f1"] > results["random"]["f1"] + 5.0, results
+    assert results["pretrained"]["exact_match"] > results["random"]["exact_match"], results
+
+
+def _unanswerable(examples: list[QAExample], paragraphs, every: int) -> list[QAExample]:
+    """v2.0: every `every`-th question is asked of another paragraph, where it has no answer."""
+    out = []
+    for i, ex in enumerate(examples):
+        if i % every == 0:
+            other = next(p for _, p in paragraphs[(i * 7) % len(paragraphs):] + paragraphs if p != ex.context)
+            ex = QAExample(ex.qid, ex.question, other, [], True, ex.where)
+        out.append(ex)
+    return out
+
+
+@pytest.mark.slow
+def test_finetune_from_a_transformers_checkpoint_v2_and_release_loads_back(cloze, hf_base, tmp_path):
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+    base = hf_base
+    train_p, dev_p = _split(cloze["paragraphs"])
+    train = write_squad(tmp_path / "train.json", _unanswerable(cloze["train"][:240], train_p, 4), version_2=True)
+    dev_ex = _unanswerable(cloze["dev"][:60], dev_p, 3)
+    dev = write_squad(tmp_path / "dev.json", dev_ex, version_2=True)
+    cfg = _config(base, tmp_path / "run", train, dev, epochs=1, **{"qa.version_2": True})
+    result = run_finetune(cfg)
+    run = tmp_path / "run"
+    metrics = json.loads((run / "metrics.json").read_text())["metrics"]
+    assert metrics == result["metrics"]
+    assert {"exact_match", "f1", "HasAns_f1", "NoAns_f1"} <= set(metrics) and metrics["NoAns_total"] == 20
+    predictions = json.loads((run / "predictions.json").read_text())
+    assert set(predictions) == {e.qid for e in dev_ex} and all(isinstance(v, str) for v in predictions.values())
+    # the saved config is the fine-tuning config, and the release is a transformers QA model
+    saved = load_config(run / "config.yaml", [], cls=FinetuneConfig)
+    assert saved.train.task == "qa" and saved.qa.version_2
+    hf = AutoModelForQuestionAnswering.from_pretrained(result["release_dir"]).eval()
+    assert type(hf).__name__ == "BertForQuestionAnswering"
+    tok2 = AutoTokenizer.from_pretrained(result["release_dir"])
+    enc = tok2(dev_ex[1].question, dev_ex[1].context, return_tensors="pt", truncation="only_second", max_length=96)
+    out = hf(**enc)
+    assert out.start_logits.shape == enc["input_ids"].shape and torch.isfinite(out.end_logits).all()
+    # decoding with the exported model reproduces predictions.json
+    from pipelines.qa_run import predict_release
+
+    again, _ = predict_release(Path(result["release_dir"]), read_squad(dev, version_2=True)[0], cfg)
+    assert again == predictions
+
+
+def test_bad_training_file_fails_with_file_and_question_id(cloze, hf_base, tmp_path):
+    examples = [QAExample(e.qid, e.question, e.context, [{**e.answers[0], "answer_start": e.answers[0]["answer_start"] + 1}]
+                          if i % 10 == 0 else e.answers, False, e.where) for i, e in enumerate(cloze["train"][:100])]
+    bad = write_squad(tmp_path / "bad.json", examples)
+    cfg = _config(hf_base, tmp_path / "run", bad, bad)
+    with pytest.raises(FinetuneError, match=r"bad\.json.*question id tr-0-0.*over the limit of 1\.0%"):
+        run_finetune(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # it failed before training
