@@ -377,6 +377,14 @@ class _EpochStream(IterableDataset):
         return decoded  # type: ignore[return-value]
 
 
+def _worker_init(_worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGUSR1 (SLURM sends them to every process) to the rank, which checkpoints."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class StreamingSource:
     """Seekable, rank-balanced batches of one manifest split; the trainer's data source.
 
@@ -425,7 +433,7 @@ class StreamingSource:
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
         return DataLoader(
             _EpochStream(self, epoch, start), batch_size=None, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, generator=gen, **kwargs,
+            pin_memory=self.pin_memory, generator=gen, worker_init_fn=_worker_init, **kwargs,
         )
 
     def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
@@ -505,7 +513,7 @@ class MapStyleSource:
             idx = self._indices(self.epoch)[self.batch_in_epoch * self.mb:]
             batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
             gen = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
+            loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen, worker_init_fn=_worker_init,
                                 collate_fn=lambda b: self.collate([self.dataset[i] for i in b]))
             for batch in loader:
                 self.batch_in_epoch += 1

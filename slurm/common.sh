@@ -1,12 +1,12 @@
 # shellcheck shell=bash
 # The one place that turns SLURM's environment into what our jobs need. Sourced by every
-# slurm/*.sbatch script (in the batch shell) and by slurm/launch_node.sh (in each srun task).
+# slurm/*.sbatch script (in the batch shell) and by slurm/ray_node.sh (in each Ray srun task).
 #
 #   pretrain_job_env     batch shell: PRETRAIN_REPO/PYTHON, NNODES, GPUS_PER_NODE, PROCS_PER_NODE,
 #                        WORLD_SIZE, HEAD_NODE, MASTER_ADDR, MASTER_PORT (free on the head node),
 #                        RESTART (SLURM_RESTART_COUNT), thread and NCCL defaults — all exported, so
 #                        the srun tasks inherit exactly the same values.
-#   pretrain_node_env    srun task: NODE_RANK (= SLURM_NODEID) and LOCAL_PROCS.
+#   (a node's rank is SLURM_NODEID, read inside each srun task: see NODE_CMD in pretrain.sbatch)
 #   pretrain_resolve_run KIND CONFIG [k=v ...]: validates the config; sets RUN_DIR, LOG_DIR, MAX_STEPS, RESUME.
 #   pretrain_checkpoint_step / pretrain_run_complete: where the run stands (for the requeue decision).
 #   pretrain_wait PID    wait for a background srun even while signal traps interrupt `wait`.
@@ -72,12 +72,6 @@ pretrain_job_env() {
   fi
   _pretrain_log "job $SLURM_JOB_ID restart $RESTART: $NNODES node(s) x $PROCS_PER_NODE process(es) = world $WORLD_SIZE;" \
     "rendezvous $MASTER_ADDR:$MASTER_PORT (head $HEAD_NODE); python $PRETRAIN_PYTHON"
-}
-
-pretrain_node_env() {
-  [ -n "${MASTER_ADDR:-}" ] && [ -n "${WORLD_SIZE:-}" ] || _pretrain_die "pretrain_node_env: run pretrain_job_env in the batch shell first"
-  export NODE_RANK=${SLURM_NODEID:?srun sets SLURM_NODEID}
-  export LOCAL_PROCS=$PROCS_PER_NODE
 }
 
 # Validate KIND (pretrain | finetune) CONFIG [k=v ...] before any srun and learn where the run writes.

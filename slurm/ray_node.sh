@@ -4,15 +4,15 @@
 # `ray start --block` stops the Ray processes it started on this node.
 set -euo pipefail
 source "$PRETRAIN_REPO/slurm/common.sh"
-pretrain_node_env
+node=${SLURMD_NODENAME:?run me with srun}
 ray_bin=$(dirname "$PRETRAIN_PYTHON")/ray
 # Per job and node: nodes that share a host (and concurrent jobs) never share a session dir,
 # sockets or the dashboard agent's port.
-tmp=/tmp/ray-$SLURM_JOB_ID-$NODE_RANK
+tmp=/tmp/ray-$SLURM_JOB_ID-$node   # prepare_ray.sbatch removes it at the end
 mkdir -p "$tmp"
 common=(--block --disable-usage-stats --num-cpus="${SLURM_CPUS_ON_NODE:-1}" --temp-dir="$tmp"
         --dashboard-agent-listen-port="$(_pretrain_free_port)")
-echo "[node $NODE_RANK on $(hostname)] ray $1, head $MASTER_ADDR:$MASTER_PORT, ${SLURM_CPUS_ON_NODE:-1} CPU(s)" >&2
+echo "[node $node on $(hostname)] ray $1, head $MASTER_ADDR:$MASTER_PORT, ${SLURM_CPUS_ON_NODE:-1} CPU(s)" >&2
 case $1 in
   head) exec "$ray_bin" start --head --node-ip-address="$MASTER_ADDR" --port="$MASTER_PORT" --include-dashboard=false "${common[@]}" ;;
   worker) exec "$ray_bin" start --address="$MASTER_ADDR:$MASTER_PORT" "${common[@]}" ;;

@@ -148,6 +148,20 @@ stop_pidfile() {
 
 down() {
   [ -d "$DIR/run" ] || { echo "local_cluster: nothing to stop"; return; }
+  # Cancel what is still queued or running first, so every job's slurmstepd finishes while its
+  # slurmd is still there to hear from it (a stepd orphaned by a stopped slurmd lingers).
+  if pid_alive "$DIR/run/slurmctld.pid"; then
+    export SLURM_CONF=$CONF
+    local jobs
+    jobs=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ')
+    if [ -n "${jobs// /}" ]; then
+      echo "local_cluster: cancelling jobs $jobs"
+      # shellcheck disable=SC2086
+      scancel $jobs 2>/dev/null || true
+      for _ in $(seq 60); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.5; done
+      sleep 1
+    fi
+  fi
   for n in "${NODES[@]}"; do stop_pidfile "$DIR/run/slurmd-$n.pid"; done
   stop_pidfile "$DIR/run/slurmctld.pid"
   stop_pidfile "$DIR/run/munged.ours.pid"

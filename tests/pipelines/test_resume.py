@@ -89,7 +89,11 @@ def test_exact_resume_after_sigusr1_zero3(bert_corpus, tmp_path):
     trace = tmp_path / "tcut"
     job = _launch_background(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 3, steps, 0), trace)
     pid = _wait_for_step(trace, 1, 3, job)
-    os.kill(pid, signal.SIGUSR1)  # SLURM pre-emption notice to one rank only: all ranks stop together
+    # SLURM's pre-emption notice reaches every process of a task (its loader workers too), and only
+    # this rank's task here: the workers must survive it and all ranks stop at the same step.
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for p in [pid, *map(int, children)]:
+        os.kill(p, signal.SIGUSR1)
     out, _ = job.communicate(timeout=180)
     assert job.returncode == 0, out[-4000:]
     cut = summary_of(subprocess.CompletedProcess([], 0, out, ""))

@@ -122,6 +122,7 @@ def test_prepare_ray_on_two_nodes_matches_local(slurm_cluster, tmp_path):
     local_m = json.loads((tmp_path / "local_corpus" / "manifest.json").read_text())
     assert ray_m["splits"] == local_m["splits"] and len(ray_m["splits"]["train"]["shards"]) > 1
     assert subprocess.run(["pgrep", "-f", f"ray-{job}-"], capture_output=True).returncode == 1, "Ray processes left behind"
+    assert not list(Path("/tmp").glob(f"ray-{job}-*")), "Ray temp dirs left behind"
 
 
 def _array_states(job: str) -> list[str]:
@@ -153,7 +154,7 @@ seeds: [0]
     m = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert proc.returncode == 0 and m, proc.stdout + proc.stderr
     job = m.group(1)
-    assert "--array=0,1,2,3" in proc.stdout
+    assert re.search(r"--array=(0-3|0,1,2,3) ", proc.stdout), proc.stdout
     deadline = time.time() + 300
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
         assert time.time() < deadline, f"array {job} still running: {_array_states(job)}"
