@@ -199,6 +199,7 @@ class Engine:
         self.deepspeed = cfg.distributed.engine == "deepspeed"
         self.grad_accum, self.grad_clip = cfg.train.grad_accum_steps, cfg.optim.grad_clip
         self.module = model.module if hasattr(model, "module") else model
+        self.module = getattr(self.module, "_orig_mod", self.module)  # torch.compile wrapper (ddp engine)
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.device = accelerator.device
         self._micro = 0

@@ -41,7 +41,8 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it."""
     engine = ckpt / "engine"
     if (engine / "model.pt").is_file():  # DDP engine
-        return torch.load(engine / "model.pt", map_location="cpu", weights_only=True)
+        sd = torch.load(engine / "model.pt", map_location="cpu", weights_only=True)
+        return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
     if list(engine.glob("*zero_pp_rank_*optim_states.pt")) and not _stage0(engine):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

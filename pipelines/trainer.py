@@ -187,7 +187,8 @@ class Trainer:
             if stop_reason in ("max_tokens", "max_time"):  # a budget reached: finish like max_steps
                 logger.event(self.step, "stop", f"Budget reached ({stop_reason}) at step {self.step}.")
                 break
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or stop_reason:
+            periodic = t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps
+            if periodic or stop_reason:  # the last step is saved below, after the final evaluation
                 last_saved = self.save(health, meter)
             if stop_reason:
                 logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")

@@ -1,7 +1,7 @@
 """QA fine-tuning end to end: a cloze task from Python's own docs, our Trainer, a transformers release.
 
-The task (see `test_qa.cloze_examples`): real paragraphs of `pydoc_data.topics`; a sentence with a
-content word replaced by [MASK] is the question, that word's span in the paragraph the answer.
+The task (see `test_qa.cloze_examples`): real paragraphs of `pydoc_data.topics`; a sentence with
+its longest word replaced by [MASK] is the question, that word's span in the paragraph the answer.
 Train and dev questions come from different topics.
 """
 
