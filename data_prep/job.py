@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import to_dict
-
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.errors import PrepError
 from data_prep.shards import SCHEMA_VERSION, STATE_DIR, write_manifest
 from data_prep.sources import resolve_inputs
+from pipelines.config import to_dict
 
 __all__ = ["run_prepare", "format_summary"]
 

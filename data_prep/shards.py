@@ -18,9 +18,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import atomic_write_text
-
 from data_prep.errors import PrepError
+from pipelines.config import atomic_write_text
 
 __all__ = [
     "SCHEMA_VERSION",

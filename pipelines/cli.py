@@ -78,8 +78,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from pipelines.finetune import FinetuneConfig, run_finetune
     from pipelines.config import load_config
+    from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     if args.nproc > 1:

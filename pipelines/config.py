@@ -11,6 +11,7 @@ This module imports no torch so that ``data_prep`` and the CLI can use it cheapl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -247,7 +248,7 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings; values are parsed as YAML scalars/lists (``lr=3e-4``, ``betas=[0.9,0.98]``)."""
-    out = _deep_merge({}, data)
+    out = copy.deepcopy(data)  # nested dicts of the input must not change
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():

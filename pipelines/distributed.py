@@ -18,6 +18,7 @@ One code path serves 1 CPU process, N CPU processes (gloo), 1 GPU, 8 GPUs and N 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -26,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,14 @@ class Engine:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
         return t
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t`` in rank order (all ranks must call it)."""
+        if not (torch.distributed.is_initialized() and self.world_size > 1):
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, t)
+        return torch.cat(parts)
+
     def barrier(self) -> None:
         if torch.distributed.is_initialized() and self.world_size > 1:
             torch.distributed.barrier()
@@ -313,6 +323,38 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         model = torch.compile(model)
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
     return Engine(acc, model, optimizer, scheduler, cfg)
+
+
+@contextlib.contextmanager
+def in_process_run(threads: int = 0) -> Iterator[None]:
+    """Run a training job inside the caller's process and leave its global state as it found it.
+
+    A run installs signal handlers, may switch torch to deterministic kernels or change its thread
+    count, creates accelerate's process-wide state and a process group. The demo, sweeps, notebooks
+    and tests run several jobs in one process, so all of that is undone afterwards.
+    """
+    import signal
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(num_threads)
+        try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state(True)
+        except Exception:  # noqa: BLE001 - accelerate missing or changed: nothing to reset
+            pass
+        if owns_group and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def barrier_if_initialized() -> None:

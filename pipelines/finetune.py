@@ -97,8 +97,11 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune and export; returns the dev metrics of the best epoch and the output paths."""
     import importlib
 
+    from pipelines.distributed import in_process_run
+
     module, func = FINETUNE_TASKS[cfg.train.task].split(":")
-    return getattr(importlib.import_module(module), func)(cfg)
+    with in_process_run():
+        return getattr(importlib.import_module(module), func)(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,9 +40,12 @@ class ClassificationTask(Task):
     name, family = "classification", "bert"
     input_names = ("input_ids", "attention_mask", "token_type_ids")
 
-    def __init__(self, num_labels: int, pad_id: int):
-        self.num_labels, self.pad_id = num_labels, pad_id
+    def __init__(self, num_labels: int, pad_id: int, seq_len: int):
+        self.num_labels, self.pad_id, self.seq_len = num_labels, pad_id, seq_len
         self.regression = num_labels == 1
+
+    def flops_kwargs(self):
+        return {"seq_len": self.seq_len, "mlm_fraction": 0.0}  # the classifier's own head is negligible
 
     def collate(self, samples, *, epoch=0, train=True):
         return collate_classification(samples, self.pad_id)
@@ -159,8 +162,8 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
 
 
 def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
-    from pipelines.trainer import Trainer
     from pipelines.data import MapStyleSource
+    from pipelines.trainer import Trainer
 
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
@@ -174,7 +177,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
 
     tokenizer = load_tokenizer(release)
-    task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0)
+    task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0, d.max_seq_len)
     pad_label: int | float = 0.0 if d.regression else 0
     train_feats = [{**f, "valid": True} for f in encode_examples(train_ex, tokenizer, d.max_seq_len)]
     val_feats = _padded(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size, pad_label)

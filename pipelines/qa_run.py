@@ -92,11 +92,15 @@ class QATask(Task):
         return int(batch["attention_mask"].sum())
 
 
-def build_qa_model(release: Path, init: str) -> torch.nn.Module:
-    """Our `QuestionAnswering` on the release's BERT encoder; `init=random` re-initializes every weight."""
+def build_qa_model(release: Path, init: str, seed: int = 0) -> torch.nn.Module:
+    """Our `QuestionAnswering` on the release's BERT encoder; `init=random` re-initializes every weight.
+
+    The new head (and a random encoder) is drawn from `seed`, so runs repeat and every rank starts equal.
+    """
     import models
     from models.bert import init_bert_
 
+    torch.manual_seed(seed)
     try:
         model, _report = models.hf.from_hf(release, head="qa")
     except ValueError as exc:
@@ -140,7 +144,7 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(release)
     _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)
     val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
-    model = build_qa_model(release, cfg.init)
+    model = build_qa_model(release, cfg.init, cfg.train.seed)
     max_pos = getattr(model.config, "max_position_embeddings", d.max_seq_len)
     if d.max_seq_len > max_pos:
         raise FinetuneError(f"data.max_seq_len={d.max_seq_len} exceeds the model's max_position_embeddings={max_pos} "

@@ -261,30 +261,12 @@ def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
 
 # --------------------------------------------------------------------------------------- run
 def _train_in_process(cfg: RunConfig, threads: int = 0) -> None:
-    """``trainer.train(cfg)``, then undo the process-wide state a run leaves behind for the next one."""
-    import signal
-
-    import torch
-
+    """``trainer.train(cfg)`` in this process, leaving its global state as it was for the next run."""
+    from pipelines.distributed import in_process_run
     from pipelines.trainer import train
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with in_process_run(threads):
         train(cfg)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(num_threads)
-        try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
-            from accelerate.state import AcceleratorState
-
-            AcceleratorState._reset_state(True)
-        except Exception:  # noqa: BLE001 - accelerate missing or changed: nothing to reset
-            pass
 
 
 def run_one(

@@ -99,6 +99,10 @@ class Task:
     def model_overrides(self) -> dict[str, Any]:
         return {}
 
+    def flops_kwargs(self) -> dict[str, Any]:
+        """Arguments of ``models.flops.training_flops_per_sample`` that describe this task's work."""
+        return {"seq_len": getattr(self, "seq_len", None) or None}
+
 
 def _pad(rows: list[np.ndarray], length: int, value: int) -> torch.Tensor:
     out = np.full((len(rows), length), value, dtype=np.int64)
@@ -181,6 +185,10 @@ class MLMNSPTask(Task):
 
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
+
+    def flops_kwargs(self):
+        # the sparse MLM head projects to the vocabulary only at the masked share of positions
+        return {"seq_len": self.seq_len, "mlm_fraction": self.p}
 
     def eval_sums(self, out, batch):
         labels = batch["labels"]

@@ -110,7 +110,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
-        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops
+        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops, step_time_skew
+        from monitoring.diagnostics import log_diagnostics
 
         cfg, t, engine = self.cfg, self.cfg.train, self.engine
         if self.is_main:
@@ -145,6 +146,7 @@ class Trainer:
                 out = self.task.forward(engine, self._to_device(batch))
                 engine.backward(out["loss"])
                 loss_sum += float(out["loss"].detach())
+            log_diagnostics(logger, engine, step=self.step + 1, cfg=cfg)  # gradients exist until engine.step()
             result = engine.step()
             self.step += 1
             local_loss = loss_sum / t.grad_accum_steps
@@ -164,6 +166,11 @@ class Trainer:
             if agg[2].item() > 0:
                 logger.event(self.step, "bad_samples", f"{int(agg[2].item())} bad samples replaced this step (see worker logs for shard/key).")
             verdict = health.check(self.step, loss, result["grad_norm"])
+            health.observe_data_wait(self.step, rates.get("data_wait_share", 0.0))
+            if engine.world_size > 1 and cfg.logging.skew_every and self.step % cfg.logging.skew_every == 0:
+                # every rank takes part in the gather; rank 0 logs which rank is slowest
+                skew = step_time_skew(rates["step_time"], engine.gather)
+                logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
             if self.step % t.log_every == 0 or self.step == 1:
                 logger.log(self.step, {"loss": loss, "lr": result["lr"], "grad_norm": result["grad_norm"], "tokens": self.tokens,
                                        "epoch": self.train_data.state_dict().get("epoch", 0), **rates})
@@ -269,7 +276,7 @@ class Trainer:
         try:
             from models.flops import training_flops_per_sample
 
-            return float(training_flops_per_sample(self.model_config, getattr(self.task, "seq_len", None) or None))
+            return float(training_flops_per_sample(self.model_config, **self.task.flops_kwargs()))
         except Exception:  # noqa: BLE001 - MFU is optional (custom models have no FLOP count)
             return 0.0
 

@@ -115,7 +115,7 @@ def tiny_run(run_dir: Path, cfg: RunConfig, *, seed: int = 0, nan_at: int | None
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        logger.log(step, {"loss": float(loss), "lr": opt.param_groups[0]["lr"]})
+        logger.log(step, {"loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"]})
         if step % 4 == 0:
             logger.log(step, {"loss": float(loss) + 0.1}, split="eval")
     logger.close()

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from finetune_fixtures import save_hf_bert_checkpoint, write_topic_task
 
 from pipelines.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
 from pipelines.finetune_data import FinetuneError
-
-from finetune_fixtures import save_hf_bert_checkpoint, write_topic_task
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "finetune" / "classification.yaml"

@@ -226,13 +226,16 @@ def ds_world():
     deepspeed = pytest.importorskip("deepspeed")
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo")
-    return deepspeed
+    yield deepspeed
+    if created and dist.is_initialized():  # later tests assert that no process group exists
+        dist.destroy_process_group()
 
 
 def batches(n=3):

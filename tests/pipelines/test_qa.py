@@ -46,6 +46,7 @@ def topic_paragraphs() -> list[tuple[str, str]]:
 def make_tokenizer(out_dir: Path, vocab_size: int = 2000):
     """A BERT-style WordPiece tokenizer trained on the pydoc topics, saved as a fast tokenizer directory."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_qa import cloze_examples, make_tokenizer, topic_paragraphs
 
 from pipelines.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
 from pipelines.finetune_data import FinetuneError
 from pipelines.qa import QAExample, read_squad, write_squad
-from test_qa import cloze_examples, make_tokenizer, topic_paragraphs
 
 REPO = Path(__file__).resolve().parents[2]
 

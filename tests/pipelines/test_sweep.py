@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import train_losses
 
+from monitoring.logger import read_metrics_lines
 from pipelines.config import ConfigError
 from pipelines.sweep import (
     SweepConfig,
@@ -212,7 +212,10 @@ def test_failures_are_recorded_and_the_sweep_goes_on_then_skips_complete_runs(mi
     assert main(["run-one", str(mixed_sweep), "--index", "0", "--force"]) == 0  # --force: a clean rerun
     assert (runs / "adam-none-lr1e-3-s0" / "metrics.jsonl").stat().st_mtime_ns != mtime
     assert len((tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()) == 8
-    assert len(train_losses(runs / "adam-none-lr1e-3-s0")) == 4  # not appended to the old run's lines
+    train_lines = [
+        r for r in read_metrics_lines(runs / "adam-none-lr1e-3-s0" / "metrics.jsonl") if r.get("split") == "train"
+    ]
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4]  # a fresh run, not appended to the old one
     assert main(["run-one", str(mixed_sweep), "--index", "9"]) == 2
     cmd = submit_slurm(str(mixed_sweep), sweep, ["corpus=x"], dry_run=True)
     assert cmd[:2] == ["sbatch", "--array=2-3"] and cmd[-2:] == [str(mixed_sweep), "corpus=x"]
