@@ -137,9 +137,11 @@ def load_tokenizer(release: Path):
         raise FinetuneError(f"{release}: no usable tokenizer files ({exc}). Copy the tokenizer the model was trained with into it.") from None
 
 
-def build_classifier(release: Path, label_names: list[str], regression: bool, init: str) -> torch.nn.Module:
+def build_classifier(release: Path, label_names: list[str], regression: bool, init: str, seed: int) -> torch.nn.Module:
     import models
     from models.bert import init_bert_
+
+    torch.manual_seed(seed)  # the new head (and init=random weights) are the same on every rank and rerun
 
     try:
         with warnings.catch_warnings():  # a fresh classifier is expected; anything else is reported below
@@ -181,7 +183,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     pad_label: int | float = 0.0 if d.regression else 0
     train_feats = [{**f, "valid": True} for f in encode_examples(train_ex, tokenizer, d.max_seq_len)]
     val_feats = _padded(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size, pad_label)
-    model = build_classifier(release, labels, d.regression, cfg.init)
+    model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
 
     per_step = env.world_size * d.micro_batch_size * cfg.train.grad_accum_steps
     steps_per_epoch = len(train_feats) // per_step
