@@ -113,7 +113,8 @@ def load_run(run_dir: str | os.PathLike, name: str | None = None) -> Run:
 
 
 # ------------------------------------------------------------------------------------- plotting
-def _save(fig: Any, out_dir: Path, filename: str) -> str:
+def save_figure(fig: Any, out_dir: Path, filename: str) -> str:
+    """Save ``fig`` as PNG under ``out_dir`` atomically (temp file + rename); returns the file name."""
     fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
@@ -193,7 +194,7 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
             for run in runs:
                 for ev in run.events:
                     ax.axvline(ev["step"], color=_EVENT_COLORS.get(ev["event"], "grey"), alpha=0.4, linewidth=0.8)
-        images.append((_save(fig, out_dir, filename), title))
+        images.append((save_figure(fig, out_dir, filename), title))
 
     simple(
         "loss.png",
@@ -223,7 +224,7 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
         for ax, metric in zip(axes, eval_metrics, strict=True):
             _plot_lines(ax, runs, colors, [("eval", metric, "")])
             ax.set_ylabel(metric)
-        images.append((_save(fig, out_dir, "eval.png"), "Evaluation metrics"))
+        images.append((save_figure(fig, out_dir, "eval.png"), "Evaluation metrics"))
 
     if any(run.events for run in runs):
         fig, (ax,) = _figure("Events")
@@ -235,7 +236,7 @@ def _render_plots(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
         ax.set_yticks(range(len(kinds)), kinds)
         ax.set_ylim(-0.5, len(kinds) - 0.5)
         ax.legend(fontsize=8, loc="best")
-        images.append((_save(fig, out_dir, "events.png"), "Events"))
+        images.append((save_figure(fig, out_dir, "events.png"), "Events"))
     return images
 
 

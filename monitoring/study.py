@@ -28,13 +28,12 @@ import math
 import os
 import re
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from monitoring.logger import read_metrics_lines
-from monitoring.report import Run, load_run
+from monitoring.report import Run, load_run, save_figure
 from pipelines.config import atomic_write_text
 
 __all__ = ["StudyRun", "load_study", "render_study", "is_sweep_dir", "arm_of"]
@@ -203,17 +202,6 @@ def summarize(runs: list[StudyRun], target_loss: float | None = None) -> dict[st
 
 
 # --------------------------------------------------------------------------------- figures
-def _save(fig: Any, out_dir: Path, filename: str) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out_dir / filename)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return filename
-
-
 def _colors(arms: list[str]) -> dict[str, Any]:
     from matplotlib import colormaps
 
@@ -293,7 +281,7 @@ def _fig_lr(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out: Path) 
     ax.set_ylabel("learning rate")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, out, "lr.png")
+    return save_figure(fig, out, "lr.png")
 
 
 def _fig_loss(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out: Path) -> str:
@@ -311,7 +299,7 @@ def _fig_loss(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out: Path
         ax.set_ylabel("loss")
         ax.grid(True, alpha=0.3)
     ax.set_xlabel("step")
-    return _save(fig, out, "loss.png")
+    return save_figure(fig, out, "loss.png")
 
 
 def _hist_steps(arms: dict[str, list[StudyRun]], total: int, k: int = 4) -> list[int]:
@@ -360,7 +348,7 @@ def _fig_histograms(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out
                 ax.set_ylabel("density")
     if steps:
         fig.axes[0].legend(fontsize=6)
-    return _save(fig, out, "histograms.png")
+    return save_figure(fig, out, "histograms.png")
 
 
 def _fig_variance(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out: Path) -> str:
@@ -383,7 +371,7 @@ def _fig_variance(arms: dict[str, list[StudyRun]], colors: dict[str, Any], out: 
         ax.set_ylabel("Var[1/(√v̂+ε)]")
         ax.grid(True, alpha=0.3)
     ax.set_xlabel("step (statistics of the optimizer state before this update)")
-    return _save(fig, out, "adam_variance.png")
+    return save_figure(fig, out, "adam_variance.png")
 
 
 # ------------------------------------------------------------------------------ table + page

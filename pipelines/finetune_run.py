@@ -109,6 +109,22 @@ def _collate_with_valid(task: ClassificationTask):
     return collate
 
 
+def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model_name: str) -> tuple[RunConfig, int]:
+    """The `RunConfig` the Trainer runs for fine-tuning: `epochs` passes, one evaluation and checkpoint each."""
+    d = cfg.data
+    per_step = world_size * d.micro_batch_size * cfg.train.grad_accum_steps
+    steps_per_epoch = num_train // per_step
+    if steps_per_epoch < 1:
+        raise FinetuneError(f"{d.train}: {num_train} training examples/windows are fewer than one optimizer step "
+                            f"({per_step}); lower data.micro_batch_size or train.grad_accum_steps.")
+    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
+                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
+    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
+                        model=ModelConfig(name=model_name), optim=cfg.optim, schedule=cfg.schedule,
+                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
+    return run_cfg, steps_per_epoch
+
+
 def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
     path = Path(checkpoint)
@@ -185,16 +201,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     val_feats = _padded(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size, pad_label)
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
 
-    per_step = env.world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = len(train_feats) // per_step
-    if steps_per_epoch < 1:
-        raise FinetuneError(f"{d.train}: {len(train_feats)} examples are fewer than one optimizer step ({per_step}); "
-                            f"lower data.micro_batch_size or train.grad_accum_steps.")
-    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
-                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
-    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
-                        model=ModelConfig(name="bert-classifier"), optim=cfg.optim, schedule=cfg.schedule,
-                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
+    run_cfg, steps_per_epoch = epoch_run_config(cfg, len(train_feats), env.world_size, "bert-classifier")
     collate = _collate_with_valid(task)
     common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
     trainer = Trainer(

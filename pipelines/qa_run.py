@@ -11,7 +11,6 @@ windows) and one checkpoint per epoch → best epoch by `selection_metric` → t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ import numpy as np
 import torch
 
 from pipelines import distributed as dist
-from pipelines.config import DataConfig, ModelConfig, RunConfig, atomic_write_text
+from pipelines.config import atomic_write_text
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune_data import FinetuneError, ReadReport
-from pipelines.finetune_run import _best_epoch, _early_stopping, load_tokenizer, resolve_release
+from pipelines.finetune_run import _best_epoch, _early_stopping, epoch_run_config, load_tokenizer, resolve_release
 from pipelines.qa import QAExample, check_bad_share, decode_predictions, prepare_features, read_squad, squad_metrics
 from pipelines.tasks import Task
 
@@ -154,16 +153,7 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
               f"{len(val_feats)} dev windows", sep="\n", flush=True)
 
     task = QATask(tokenizer.pad_token_id or 0)
-    per_step = env.world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = len(train_feats) // per_step
-    if steps_per_epoch < 1:
-        raise FinetuneError(f"{d.train}: {len(train_feats)} training windows are fewer than one optimizer step ({per_step}); "
-                            f"lower data.micro_batch_size or train.grad_accum_steps.")
-    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
-                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
-    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
-                        model=ModelConfig(name="bert-qa"), optim=cfg.optim, schedule=cfg.schedule,
-                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
+    run_cfg, steps_per_epoch = epoch_run_config(cfg, len(train_feats), env.world_size, "bert-qa")
     collate = task.collate
     common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
     trainer = Trainer(
