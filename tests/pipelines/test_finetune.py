@@ -79,8 +79,10 @@ def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
     from pipelines.distributed import launch
 
     run_dir = tmp_path / "ds"
-    code = launch(str(CONFIG), overrides(hf_checkpoint, topic_task, run_dir, "epochs=2", "distributed.engine=deepspeed",
+    code = launch(str(CONFIG), overrides(hf_checkpoint, topic_task, run_dir, "epochs=8", "distributed.engine=deepspeed",
                                          "distributed.zero_stage=2"), 2, module="pipelines.finetune")
     assert code == 0
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["metrics"]["accuracy"] > 0.4 and len(metrics["history"]) == 2
+    history = metrics["history"]
+    assert len(history) == 8 and history[-1]["loss"] < history[0]["loss"]  # dev loss falls across epochs
+    assert metrics["metrics"]["accuracy"] > 0.45  # 3 classes of 20 dev sentences each: chance is 0.33
