@@ -1,21 +1,24 @@
-"""Monitoring must cost < 2 % of a small training step at default settings (log every 10 steps).
+"""Benchmark: the cost of monitoring (RunLogger + ThroughputMeter + HealthMonitor) per training step.
 
-The "small step" is a transformer-FFN-sized MLP (256 -> 1024 -> 256) over 256 token rows, the
-size of a bert-tiny-class micro-batch; monitoring time is measured around the real calls.
+Goal (issue #9): < 2 % of a small step at default settings (log every 10 steps). The "small step"
+is a transformer-FFN-sized MLP (256 -> 1024 -> 256) over 256 token rows, the size of a
+bert-tiny-class micro-batch; monitoring time is measured around the real calls, in the same run.
+
+    python benchmarks/logging_overhead.py [--steps 200]
 """
 
 from __future__ import annotations
 
+import argparse
+import tempfile
 import time
 from pathlib import Path
-
-import pytest
 
 from monitoring import HealthMonitor, RunLogger, ThroughputMeter
 from pipelines.config import LoggingConfig, TrainConfig
 
 
-def test_logging_overhead_below_two_percent(tmp_path: Path, capsys: pytest.CaptureFixture, record_property) -> None:
+def measure(tmp_path: Path, steps: int) -> float:
     import torch
 
     torch.manual_seed(0)
@@ -28,7 +31,7 @@ def test_logging_overhead_below_two_percent(tmp_path: Path, capsys: pytest.Captu
     health = HealthMonitor(cfg, logger)
     meter = ThroughputMeter(flops_per_sample=6 * 2 * 256 * 1024, peak_flops=1e11)
     train_time = monitor_time = 0.0
-    warmup, steps = log_every, 30  # steady state: one-time costs (first TensorBoard write) excluded
+    warmup = log_every  # steady state: one-time costs (first TensorBoard write) excluded
     for step in range(1, warmup + steps + 1):
         t0 = time.perf_counter()
         meter.start_step()
@@ -55,11 +58,17 @@ def test_logging_overhead_below_two_percent(tmp_path: Path, capsys: pytest.Captu
         train_time += (t2 - t1) + (t4 - t3)
         monitor_time += (t1 - t0) + (t3 - t2) + (t5 - t4)
     logger.close()
-    capsys.readouterr()
     share = monitor_time / train_time
-    record_property("monitoring_overhead_share", share)
     print(
-        f"\nmonitoring overhead: {monitor_time / steps * 1e6:.0f} us/step = {share:.2%} of a "
-        f"{train_time / steps * 1e3:.1f} ms step (log_every={log_every})"
+        f"monitoring overhead: {monitor_time / steps * 1e6:.0f} us/step = {share:.2%} of a "
+        f"{train_time / steps * 1e3:.1f} ms step (log_every={log_every}; goal < 2 %)"
     )
-    assert share < 0.02
+    return share
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(Path(tmp), args.steps)
