@@ -32,7 +32,7 @@ import math
 import re
 import subprocess
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,7 +385,34 @@ def _worker_init(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-class StreamingSource:
+class _PositionedSource:
+    """Position bookkeeping shared by the sources: (epoch, batches consumed in it, samples seen)."""
+
+    epoch = batch_in_epoch = samples_seen = mb = 0
+
+    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
+        """The rest of the current epoch's batches, from ``batch_in_epoch`` on."""
+        raise NotImplementedError
+
+    def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
+        """Batches from the current position; advances the position as they are consumed."""
+        produced = 0
+        while limit is None or produced < limit:
+            for batch in self._epoch_batches():
+                self.batch_in_epoch += 1
+                self.samples_seen += self.mb
+                produced += 1
+                yield batch
+                if limit is not None and produced >= limit:
+                    return
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def rewind(self) -> None:
+        """Back to the start of epoch 0 (evaluation reads the same batches every time)."""
+        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
+
+
+class StreamingSource(_PositionedSource):
     """Seekable, rank-balanced batches of one manifest split; the trainer's data source.
 
     ``batches()`` yields collated batches forever (epoch after epoch) from the current position;
@@ -436,22 +463,8 @@ class StreamingSource:
             pin_memory=self.pin_memory, generator=gen, worker_init_fn=_worker_init, **kwargs,
         )
 
-    def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
-        """Batches from the current position; advances the position as they are consumed."""
-        produced = 0
-        while limit is None or produced < limit:
-            for batch in self._loader(self.epoch, self.batch_in_epoch):
-                self.batch_in_epoch += 1
-                self.samples_seen += self.mb
-                produced += 1
-                yield batch
-                if limit is not None and produced >= limit:
-                    return
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-    def rewind(self) -> None:
-        """Back to the start of epoch 0 (evaluation reads the same batches every time)."""
-        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
+    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
+        return self._loader(self.epoch, self.batch_in_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         W = max(1, self.num_workers)
@@ -484,7 +497,7 @@ class StreamingSource:
             self.epoch, self.batch_in_epoch = int(state["epoch"]) + 1, 0
 
 
-class MapStyleSource:
+class MapStyleSource(_PositionedSource):
     """Seekable, rank-balanced batches from any map-style dataset (e.g. a labelled TSV for fine-tuning).
 
     Epoch order is ``rng(seed, epoch)`` over indices (or identity without shuffle); each rank takes
@@ -507,25 +520,12 @@ class MapStyleSource:
         used = order[: self.batches_per_epoch * self.world * self.mb]
         return [int(i) for i in used[self.rank:: self.world]]
 
-    def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
-        produced = 0
-        while limit is None or produced < limit:
-            idx = self._indices(self.epoch)[self.batch_in_epoch * self.mb:]
-            batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
-            gen = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen, worker_init_fn=_worker_init,
-                                collate_fn=lambda b: self.collate([self.dataset[i] for i in b]))
-            for batch in loader:
-                self.batch_in_epoch += 1
-                self.samples_seen += self.mb
-                produced += 1
-                yield batch
-                if limit is not None and produced >= limit:
-                    return
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-    def rewind(self) -> None:
-        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
+    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
+        idx = self._indices(self.epoch)[self.batch_in_epoch * self.mb:]
+        batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+        return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen, worker_init_fn=_worker_init,
+                          collate_fn=lambda b: self.collate([self.dataset[i] for i in b]))
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples_seen": self.samples_seen,
