@@ -6,10 +6,15 @@ Python's own pydoc topics) and with the same fast tokenizer, this times:
   * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)` tokenization plus
     the equivalent grouping (GPT: concatenate + cut seq_len+1 windows; BERT: the same NSP pair
     builder applied per map batch), written to the datasets cache as usual;
-and prints tokens/s of each and the ratios. It also runs the packed_lm job on 1x and 4x the
+and prints tokens/s of each and the ratios. From `ray.timeline()` it reports, per run of ours,
+how many Ray worker processes ran tasks, the most tasks running at once (must equal the configured
+`num_workers`) and the workers' busy share. It also runs the packed_lm job on 1x and 4x the
 corpus in fresh driver processes and reports their peak driver RSS.
 
-    python benchmarks/prep_throughput.py [--mb 3] [--seq-len 128]
+Each contender runs `--repeat` times, interleaved, and its fastest run counts (the same rule
+for ours and the baseline: on a shared machine the fastest run is the least disturbed one).
+
+    python benchmarks/prep_throughput.py [--mb 3] [--seq-len 128] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -63,9 +68,49 @@ def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, worke
         tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000),
     )
     cfg.clean.dedup = False  # the baseline does not dedup either
-    t0 = time.perf_counter()
+    cpu0 = time.process_time() + ray_workers_cpu_s()
+    t0, start = time.perf_counter(), time.time()
     s = run_prepare(cfg)
-    return {"tokens": s["tokens"], "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    return {"tokens": s["tokens"], "seconds": seconds, "window": (start, time.time()), "cpu_s": time.process_time() + ray_workers_cpu_s() - cpu0}
+
+
+def ray_workers_cpu_s() -> float:
+    """CPU seconds used so far by this machine's Ray worker processes (`ray::...`, agents excluded)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and cmd[0].startswith("ray::") and "Agent" not in cmd[0] and proc.info["cpu_times"]:
+            total += proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    return total
+
+
+def _self_and_children_cpu_s() -> float:
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+def task_concurrency(timeline: list[dict], window: tuple[float, float]) -> dict:
+    """From `ray.timeline()`: Ray worker processes that ran tasks in `window`, most tasks at once, busy share.
+
+    Checks that `num_workers` really is the parallelism (1 -> one task at a time) and that the
+    workers, not the driver, do the work (busy = task seconds / (wall x workers)).
+    """
+    lo, hi = window[0] * 1e6, window[1] * 1e6
+    spans = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in timeline
+             if e.get("ph") == "X" and e.get("name") == "task:execute" and lo <= e["ts"] <= hi]
+    edges = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    workers = len({t for *_, t in spans})
+    busy = sum(b - a for a, b, _ in spans) / max(1.0, (hi - lo) * max(1, peak))
+    return {"worker_processes": workers, "max_concurrent_tasks": peak, "busy_share": round(busy, 2)}
 
 
 def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int) -> dict:
@@ -76,6 +121,7 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
 
     datasets.disable_progress_bars()
     tok_file = str(Path(tokenizer) / "tokenizer.json")
+    cpu0 = _self_and_children_cpu_s()  # the map workers are child processes, reaped when map ends
     t0 = time.perf_counter()
     ds = datasets.load_dataset("text", data_files=sorted(str(p) for p in corpus.glob("*.txt")), sample_by="paragraph",
                                split="train", cache_dir=str(cache))
@@ -113,7 +159,7 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
     ds = ds.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
     ds = ds.map(group, batched=True, num_proc=2, remove_columns=["ids"])
     tokens = sum(len(x) for batch in ds.with_format("arrow").iter(1000) for x in batch.column("input_ids").to_pylist())
-    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "cpu_s": _self_and_children_cpu_s() - cpu0}
 
 
 def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, address: str) -> float:
@@ -135,6 +181,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=3.0, help="corpus size in MB")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each contender (interleaved); the fastest counts")
     args = parser.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both sides
 
@@ -157,12 +204,22 @@ def main() -> None:
         results: dict = {"corpus_mb": round(sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6, 2)}
         for kind in ("packed_lm", "bert_pairs"):
             ours(kind, corpus, work / f"warm-{kind}", toks[kind], args.seq_len, 2)  # warm the workers
-            o2 = ours(kind, corpus, work / f"ours2-{kind}", toks[kind], args.seq_len, 2)
-            o1 = ours(kind, corpus, work / f"ours1-{kind}", toks[kind], args.seq_len, 1)
-            b = baseline(kind, corpus, work / f"cache-{kind}", toks[kind], args.seq_len)
+            runs: dict[str, list[dict]] = {"ours_2w": [], "ours_1w": [], "baseline": []}
+            for rep in range(args.repeat):  # interleaved; fresh output and cache dirs every time
+                runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2))
+                runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1))
+                runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len))
+            o2, o1, b = (min(runs[name], key=lambda x: x["seconds"]) for name in ("ours_2w", "ours_1w", "baseline"))
             r = {name: round(x["tokens"] / x["seconds"]) for name, x in (("ours_2w", o2), ("ours_1w", o1), ("baseline", b))}
             r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2), speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),
-                     tokens_ours=o2["tokens"], tokens_baseline=b["tokens"])
+                     tokens_ours=o2["tokens"], tokens_baseline=b["tokens"],
+                     seconds_all_runs={name: [round(x["seconds"], 2) for x in xs] for name, xs in runs.items()})
+            # CPU cost per token (min over runs): far less sensitive to other load than wall time
+            cpu = {name: min(x["cpu_s"] for x in xs) for name, xs in runs.items()}
+            r["tokens_per_cpu_s"] = {name: round((b if name == "baseline" else o2)["tokens"] / c) for name, c in cpu.items()}
+            r["cpu_efficiency_vs_baseline"] = round((o2["tokens"] / cpu["ours_2w"]) / (b["tokens"] / cpu["baseline"]), 2)
+            timeline = ray.timeline()
+            r["ray_tasks_2w"], r["ray_tasks_1w"] = task_concurrency(timeline, o2["window"]), task_concurrency(timeline, o1["window"])
             results[kind] = r
             print(kind, json.dumps(r), flush=True)
         if not args.skip_memory:

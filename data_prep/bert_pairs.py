@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from itertools import chain
 
 import numpy as np
 
@@ -50,14 +51,29 @@ def split_sentences(text: str) -> list[str]:
 Pair = tuple[np.ndarray, int, int, int]  # (input_ids, len_a, len_b, next_sentence_label)
 
 
-def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
-    """Trim the longer segment, from the front or the back at random, until the pair fits."""
-    while len(a) + len(b) > max_tokens:
-        longer = a if len(a) > len(b) else b
-        if rng.random() < 0.5:
-            del longer[0]
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Trim the longer segment, from the front or the back at random, until the pair fits.
+
+    One random draw per removed token (as in the original); the trimming itself is index
+    arithmetic and two slices.
+    """
+    a_lo, a_hi, b_lo, b_hi = 0, len(a), 0, len(b)
+    while (a_hi - a_lo) + (b_hi - b_lo) > max_tokens:
+        if a_hi - a_lo > b_hi - b_lo:
+            if rng.random() < 0.5:
+                a_lo += 1
+            else:
+                a_hi -= 1
+        elif rng.random() < 0.5:
+            b_lo += 1
         else:
-            longer.pop()
+            b_hi -= 1
+    return a[a_lo:a_hi], b[b_lo:b_hi]
+
+
+def _flat(sentences) -> list[int]:
+    """Token ids of consecutive sentences (numpy arrays or lists) as one Python list."""
+    return list(chain.from_iterable(s.tolist() if isinstance(s, np.ndarray) else s for s in sentences))
 
 
 def _random_span(docs: list[list[np.ndarray]], doc_index: int, target: int, rng: random.Random) -> list[int] | None:
@@ -71,7 +87,7 @@ def _random_span(docs: list[list[np.ndarray]], doc_index: int, target: int, rng:
     sentences = [s for s in docs[other] if len(s)]
     span: list[int] = []
     for sent in sentences[rng.randrange(len(sentences)) :]:
-        span.extend(sent.tolist())
+        span.extend(sent.tolist() if isinstance(sent, np.ndarray) else sent)
         if len(span) >= target:
             break
     return span
@@ -87,8 +103,12 @@ def create_pairs(
     rng: random.Random,
     short_seq_prob: float = 0.1,
     random_next_prob: float = 0.5,
+    dtype: np.dtype | str = np.int64,
 ) -> Iterator[Pair]:
-    """NSP pairs of one document (`docs[doc_index]` = its sentences as token-id arrays)."""
+    """NSP pairs of one document (`docs[doc_index]` = its sentences as token-id arrays or lists).
+
+    `input_ids` come out as arrays of `dtype` (the shard writer passes the shard's token dtype).
+    """
     doc = [s for s in docs[doc_index] if len(s)]
     max_tokens = max_seq_len - 3  # room for [CLS] A [SEP] B [SEP]
     target = max_tokens
@@ -106,7 +126,7 @@ def create_pairs(
                 i += 1  # IsNext needs a continuation: take the next sentence as B
                 chunk.append(doc[i])
             a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
-            a = [t for s in chunk[:a_end] for t in s.tolist()]
+            a = _flat(chunk[:a_end])
             b: list[int] | None
             if is_random:
                 b = _random_span(docs, doc_index, max(1, target - len(a)), rng)
@@ -115,13 +135,13 @@ def create_pairs(
                 else:
                     i -= len(chunk) - a_end  # unused sentences go back to the document
             if not is_random:
-                b = [t for s in chunk[a_end:] for t in s.tolist()]
+                b = _flat(chunk[a_end:])
                 if not b and len(a) >= 2:  # a lone sentence: split it at a random token
                     cut = rng.randint(1, len(a) - 1)
                     a, b = a[:cut], a[cut:]
             if a and b:
-                _truncate_pair(a, b, max_tokens, rng)
-                ids = np.array([cls_id, *a, sep_id, *b, sep_id], dtype=np.int64)
+                a, b = _truncate_pair(a, b, max_tokens, rng)
+                ids = np.array([cls_id, *a, sep_id, *b, sep_id], dtype=dtype)
                 yield ids, len(a), len(b), int(is_random)
             chunk, length = [], 0
         i += 1

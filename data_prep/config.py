@@ -106,7 +106,7 @@ class PrepConfig:
     shard_target_mb: float = option(256.0, help="Target size of a shard in MB (approximate).")
     max_bad_fraction: float = option(0.01, help="Fail when more than this share of input records is bad.")
     num_workers: int = option(0, help="Ray workers for the parallel stages (0 = all CPUs). Does not change the output.")
-    progress: bool = option(True, help="Show Ray Data progress bars.")
+    progress: bool = option(True, help="Show progress bars (map and reduce tasks done) while the job runs.")
     clean: CleanConfig = option(help="Cleaning rules.", default_factory=CleanConfig)
     tokenizer: TokenizerConfig = option(help="Tokenizer.", default_factory=TokenizerConfig)
     images: ImageConfig = option(help="Image processing.", default_factory=ImageConfig)

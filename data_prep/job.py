@@ -1,11 +1,13 @@
 """The data-preparation job: plan on the driver, do the work in Ray, finish with a manifest.
 
-Stages (Ray Data, streaming): list inputs -> tokenizer sample (read + clean a deterministic
-subset, train or load the tokenizer, measure tokens per input byte to size the shards) ->
-optional MinHash near-dedup -> read + clean + tokenize every file in parallel -> group by shard
-(the Ray shuffle co-locates exact duplicates, which share a content hash) -> each group writes
-one shard -> the driver collects the small per-shard records and writes `manifest.json` last.
-The driver never holds documents, only the tokenizer sample and per-shard summaries.
+Stages (Ray tasks, see `tasks.py`): list inputs -> tokenizer sample (read + clean a
+deterministic subset in Ray; train the tokenizer on it, or, for a reused tokenizer, only
+estimate the shard bytes of a small sample inside the tasks) -> optional MinHash near-dedup
+(Ray Data groupby) -> map tasks read + clean + tokenize balanced chunks of files and route each
+document by content hash to its shard's reduce group -> reduce tasks (a hash-partitioned
+shuffle through Ray's object store, which co-locates exact duplicates) dedup and write their
+shards -> the driver collects the small per-shard records and writes `manifest.json` last.
+The driver never holds documents, only the tokenizer sample (when training) and summaries.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,17 @@ from data_prep.config import PrepConfig, manifest_config
 from data_prep.errors import PrepError
 from data_prep.shards import SCHEMA_VERSION, STATE_DIR, write_manifest
 from data_prep.sources import resolve_inputs
+from data_prep.tasks import chunk_entries, run_limited
 from pipelines.config import to_dict
 
 __all__ = ["run_prepare", "format_summary"]
 
 FORMAT_VERSION = "1"  # bump when the bytes a config produces change, so stale shards are rebuilt
 _SHARD_FILE = re.compile(r"^(train|validation)-\d{6}\.tar$")
+_SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
+_SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)
+_MAP_INPUT_BYTES = 128_000_000  # input bytes per map task at most (more tasks on big corpora)
+_REDUCE_INPUT_BYTES = 512_000_000  # input bytes behind one reduce task at most (bounds its memory)
 
 
 def _ensure_ray(cfg: PrepConfig) -> bool:
@@ -95,51 +104,94 @@ def _base_ctx(cfg: PrepConfig) -> dict[str, Any]:
         "seq_len": cfg.seq_len, "short_seq_prob": cfg.short_seq_prob, "nsp_random_prob": cfg.nsp_random_prob,
         "dupe_factor": cfg.dupe_factor, "validation_fraction": cfg.validation_fraction, "output": str(Path(cfg.output).resolve()),
         "slow_shards_s": float(os.environ.get("DATA_PREP_SLOW_SHARDS_S", "0") or 0),
+        "job_id": uuid.uuid4().hex,  # workers build the tokenizer afresh for every job (no warm caches)
     }
 
 
-def _prepare_tokenizer(cfg: PrepConfig, entries, ctx, workers: int) -> tuple[Any, str, dict[str, str], int]:
-    """Train (or load) the tokenizer on a deterministic sample; also measure tokens per input byte."""
-    from data_prep import stages
-    from data_prep.tokenizer import install_tokenizer, load_tokenizer_dir, save_tokenizer, train_tokenizer
-
+def _sample_files(cfg: PrepConfig, entries, limit: int) -> tuple[list[dict[str, Any]], int]:
+    """A deterministic sample of input files (seeded hash order) of at least `limit` bytes."""
     chosen, size = [], 0
     for e in _stable_order(entries, cfg.seed):
-        if size >= cfg.tokenizer.sample_bytes:
+        if size >= limit:
             break
         chosen.append(e)
         size += e["size"]
-    rows = _dataset(chosen, workers).map_batches(
-        stages.sample_docs, batch_size=None, batch_format="numpy", fn_kwargs={"ctx": ctx}, compute=_pool(workers)
-    ).take_all()
-    stats = Stats()
-    docs: dict[str, str] = {}
-    for r in rows:
-        if r["stats"]:
-            stats.merge(Stats.from_dict(json.loads(r["stats"])))
-        else:
-            docs[r["hash"]] = r["text"]
+    return chosen, size
+
+
+def _read_sample(cfg: PrepConfig, chunks, ctx, workers: int, estimate: bool) -> tuple[Stats, dict[str, str], int, float]:
+    """Run `sample_texts` over `chunks` in Ray: (stats, texts by hash, documents, estimated shard bytes)."""
+    import ray
+
+    from data_prep import stages
+
+    remote = ray.remote(num_cpus=1)(stages.sample_texts)
+    ctx_ref = ray.put(ctx)
+    stats, docs, n_docs, out_bytes = Stats(), {}, 0, 0.0
+    for ref in run_limited(remote, [(files, ctx_ref, estimate) for files in chunks], workers):
+        part = ray.get(ref)
+        stats.merge(Stats.from_dict(part["stats"]))
+        docs.update(part["docs"])
+        n_docs += part["documents"]
+        out_bytes += part["shard_bytes"]
+        del part
     _check_bad_share(stats, cfg, where="the tokenizer sample")
-    if not docs:
+    if not n_docs:
         raise PrepError(
             f"No document survived reading and cleaning in {[p for s in cfg.sources for p in s.paths]} "
             f"(counts: {dict(stats.counts)}). Check the source type/text_field, or lower clean.min_chars."
         )
+    return stats, docs, n_docs, out_bytes
+
+
+def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> tuple[dict[str, Any], float]:
+    """Install the configured tokenizer; size the shards from a small sample, estimated in Ray tasks.
+
+    The sample is cut into a fixed number of chunks (not one per worker) so the estimate, hence
+    the shard count and the bytes, do not depend on the number of workers.
+    """
+    from data_prep.tokenizer import install_tokenizer, load_tokenizer_dir
+
+    tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
+    install_tokenizer(cfg.tokenizer.path, out / "tokenizer")
+    tok_info = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
+    chosen, size = _sample_files(cfg, entries, min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES))
+    _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True)
+    return tok_info, out_bytes / max(1, size)
+
+
+def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> tuple[dict[str, Any], float]:
+    """Train the tokenizer on a deterministic sample read in Ray; size the shards from that sample."""
+    from data_prep.tokenizer import save_tokenizer, train_tokenizer
+
+    chosen, size = _sample_files(cfg, entries, cfg.tokenizer.sample_bytes)
+    _, docs, _, _ = _read_sample(cfg, chunk_entries(chosen, 2 * workers), ctx, workers, estimate=False)
     texts, budget = [], cfg.tokenizer.sample_bytes
     for h in sorted(docs):
         texts.append(docs[h])
         budget -= len(docs[h])
         if budget <= 0:
             break
-    tdir = Path(cfg.output) / "tokenizer"
-    if cfg.tokenizer.path:
-        tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
-        install_tokenizer(cfg.tokenizer.path, tdir)
-    else:
-        ttype = cfg.tokenizer.type
-        tok = train_tokenizer(texts, cfg.tokenizer)
-        save_tokenizer(tok, tdir, ttype, model_max_length=cfg.seq_len, lowercase=cfg.tokenizer.lowercase)
-    return tok, ttype, docs, size
+    tok = train_tokenizer(texts, cfg.tokenizer)
+    del texts
+    save_tokenizer(tok, out / "tokenizer", cfg.tokenizer.type, model_max_length=cfg.seq_len, lowercase=cfg.tokenizer.lowercase)
+    tok_info = _tokenizer_ctx(cfg, out, tok, cfg.tokenizer.type, ctx)
+    return tok_info, _out_bytes_per_input_byte(docs, size, ctx, tok)
+
+
+def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Check the corpus tokenizer fits the kind; put what workers need into `ctx`; return its manifest entry."""
+    from data_prep.tokenizer import tokenizer_info
+
+    tok_info = tokenizer_info(out, ttype, tok)
+    specials = {n.removesuffix("_token"): i for n, i in tok_info["special_tokens"].items()}
+    if cfg.kind == "bert_pairs" and not {"cls", "sep"} <= specials.keys():
+        raise PrepError(f"The tokenizer in {out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs needs a WordPiece (BERT) tokenizer.")
+    if cfg.kind == "packed_lm" and "eos" not in specials:
+        specials["eos"] = specials.get("sep", 0)
+    ctx.update(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
+               token_dtype="uint16" if tok_info["vocab_size"] <= 65535 else "uint32")
+    return tok_info
 
 
 def _out_bytes_per_input_byte(docs: dict[str, str], sample_file_bytes: int, ctx, tok) -> float:
@@ -173,6 +225,46 @@ def _near_dups(cfg: PrepConfig, entries, ctx, workers: int) -> frozenset[str]:
     ds = _dataset(entries, workers).map_batches(stages.minhash_bands, batch_size=None, batch_format="numpy", fn_kwargs={"ctx": ctx}, compute=_pool(workers))
     out = ds.groupby("band").map_groups(stages.near_dup_group, batch_format="numpy", fn_kwargs={"ctx": ctx}).take_all()
     return frozenset(r["hash"] for r in out)
+
+
+def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats) -> list[dict[str, Any]]:
+    """Map tasks (read, clean, tokenize, route) -> reduce tasks (dedup, build, write shards).
+
+    Shards are dealt round-robin to `groups` reduce tasks; every map task returns one table per
+    group, so each reduce task receives exactly its documents. Returns the non-empty shard records.
+    """
+    import ray
+
+    from data_prep import stages
+
+    names = sorted(f"{split}-{i:06d}" for split, n in ctx["buckets"].items() for i in range(n))
+    total_in = sum(e["size"] for e in entries)
+    groups = min(len(names), max(4 * workers, math.ceil(total_in / _REDUCE_INPUT_BYTES)))
+    ctx = {**ctx, "groups": groups, "group_of": {name: i % groups for i, name in enumerate(names)}}
+    ctx_ref = ray.put(ctx)
+    chunks = chunk_entries(entries, max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
+    mapper = ray.remote(num_cpus=1)(stages.map_images if cfg.kind == "images" else stages.map_text)
+    show = "read + tokenize" if cfg.progress else ""
+    mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
+    for refs in mapped:
+        stats.merge(Stats.from_dict(ray.get(refs[0])))
+
+    reducer = ray.remote(num_cpus=1)(stages.reduce_group)
+    calls = [(ctx_ref, names[g::groups], *[refs[g + 1] for refs in mapped]) for g in range(groups)]
+
+    def release(g: int) -> None:  # a group's tables leave the object store once its shards are written
+        calls[g] = ()
+        for refs in mapped:
+            refs[g + 1] = None
+
+    done = run_limited(reducer, calls, workers, progress="write shards" if cfg.progress else "", on_done=release)
+    records = []
+    for ref in done:
+        for rec in ray.get(ref):
+            stats.merge(Stats.from_dict(rec["stats"]))
+            if rec.get("samples"):
+                records.append(rec)
+    return records
 
 
 def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
@@ -217,9 +309,6 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
 
 
 def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str, Any]:
-    from data_prep import stages
-    from data_prep.tokenizer import tokenizer_info
-
     workers = _workers(cfg)
     ctx = _base_ctx(cfg)
     _clean_stale(out, keep={p.name for p in out.glob("*.tar")})  # temp files only
@@ -227,19 +316,8 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     tok_info: dict[str, Any] | None = None
     out_per_in = 1.0
     if cfg.kind != "images":
-        tok, ttype, sample_docs, sample_bytes = _prepare_tokenizer(cfg, entries, ctx, workers)
-        tok_info = tokenizer_info(out, ttype)
-        vocab = tok_info["vocab_size"]
-        itemsize = 2 if vocab <= 65535 else 4
-        specials = {n.removesuffix("_token"): i for n, i in tok_info["special_tokens"].items()}
-        if cfg.kind == "bert_pairs" and not {"cls", "sep"} <= specials.keys():
-            raise PrepError(f"The tokenizer in {out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs needs a WordPiece (BERT) tokenizer.")
-        if cfg.kind == "packed_lm" and "eos" not in specials:
-            specials["eos"] = specials.get("sep", 0)
-        ctx.update(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
-                   token_dtype="uint16" if itemsize == 2 else "uint32")
-        out_per_in = _out_bytes_per_input_byte(sample_docs, sample_bytes, ctx, tok)
-        del sample_docs
+        prepare = _reuse_tokenizer if cfg.tokenizer.path else _train_tokenizer
+        tok_info, out_per_in = prepare(cfg, out, entries, ctx, workers)
     ctx["buckets"] = _plan_buckets(cfg, entries, out_per_in)
     ctx["fingerprint"] = hashlib.sha256(
         json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], ctx["buckets"], class_map], sort_keys=True).encode()
@@ -247,19 +325,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     if cfg.clean.near_dedup and cfg.kind != "images":
         ctx["near_dups"] = _near_dups(cfg, entries, ctx, workers)
 
-    prepare = stages.prepare_images if cfg.kind == "images" else stages.prepare_text
-    ds = _dataset(entries, workers).map_batches(prepare, batch_size=None, batch_format="numpy", fn_kwargs={"ctx": ctx}, compute=_pool(workers))
-    rows = ds.groupby("shard").map_groups(stages.build_shard, batch_format="numpy", fn_kwargs={"ctx": ctx}, compute=_pool(workers)).take_all()
-
-    records = []
-    for r in rows:
-        result = json.loads(r["result"])
-        if r["shard"] == "":
-            stats.merge(Stats.from_dict(result))
-        else:
-            stats.merge(Stats.from_dict(result["stats"]))
-            if result.get("samples"):
-                records.append(result)
+    records = _shuffle_and_write(cfg, ctx, entries, workers, stats)
     _check_bad_share(stats, cfg, where=f"the sources {[p for s in cfg.sources for p in s.paths]}")
     if not records:
         raise PrepError(

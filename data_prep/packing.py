@@ -33,9 +33,9 @@ def pack_windows(docs: list[np.ndarray], eos_id: int, seq_len: int) -> tuple[Ite
         counts["total"] = len(stream)
         n = (len(stream) - 1) // seq_len if len(stream) > seq_len else 0
         counts["kept"] = n * seq_len + (1 if n else 0)
-        for w in range(n):
-            begin = w * seq_len
-            doc_index = int(np.searchsorted(starts, begin, side="right") - 1)
-            yield doc_index, stream[begin : begin + seq_len + 1]
+        begins = np.arange(n, dtype=np.int64) * seq_len
+        doc_index = (np.searchsorted(starts, begins, side="right") - 1).tolist()  # one call for all windows
+        for w, begin in enumerate(begins.tolist()):
+            yield doc_index[w], stream[begin : begin + seq_len + 1]
 
     return windows(), counts

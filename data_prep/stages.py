@@ -1,18 +1,23 @@
-"""The functions Ray runs in its workers: read+clean+tokenize per file, and build one shard per group.
+"""The functions Ray runs in its workers: sample reading, the map side (read + clean + tokenize a
+chunk of files, route documents to reduce groups) and the reduce side (dedup, build, write shards).
 
 Everything a worker needs arrives in a plain `ctx` dict (configs as dicts, the tokenizer as its
 JSON text) so the code runs unchanged on a laptop or a cluster. Output of a shard depends only
 on the set of documents routed to it (sorted by content hash), the seed and the shard name, never
-on how Ray split the work: that is what makes 1 and N workers write identical bytes.
+on how the work was split into tasks: that is what makes 1 and N workers write identical bytes.
+Hot paths work on whole batches (one `encode_batch` per ~4 M characters, token arrays built
+with numpy, tar headers built directly) rather than per token or per sample in Python.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
+import time
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +29,19 @@ from data_prep.clean import Stats, band_keys, clean_text, doc_hash, minhash_sign
 from data_prep.config import CleanConfig, ImageConfig, SourceConfig
 from data_prep.images import BadImage, process_image
 from data_prep.packing import pack_windows
-from data_prep.shards import load_record, save_record, write_shard
+from data_prep.shards import commit_shard, load_record, save_record, write_shard_tmp
 from data_prep.sources import iter_text_records
 
-TEXT_SCHEMA = pa.schema([("shard", pa.string()), ("hash", pa.string()), ("tokens", pa.binary()), ("sents", pa.binary()), ("stats", pa.string())])
-IMAGE_SCHEMA = pa.schema([("shard", pa.string()), ("hash", pa.string()), ("data", pa.binary()), ("ext", pa.string()), ("label", pa.int64()), ("stats", pa.string())])
-_CHUNK = 1000  # documents per output batch of the read stage
+TEXT_SCHEMA = pa.schema([("shard", pa.string()), ("hash", pa.string()), ("tokens", pa.binary()), ("sents", pa.binary())])
+IMAGE_SCHEMA = pa.schema([("shard", pa.string()), ("hash", pa.string()), ("data", pa.binary()), ("ext", pa.string()), ("label", pa.int64())])
+_CHUNK_CHARS = 4_000_000  # characters of text per `encode_batch` call (big batches, bounded memory)
 
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: dict[tuple[str, str | None], Any] = {}
 
 
 def _tokenizer(ctx: dict[str, Any]):
-    """The job's tokenizer, built once per worker process (keyed by its sha256)."""
-    key = ctx["tokenizer_sha256"]
+    """The job's tokenizer, built once per worker process and job (a fresh BPE cache per job)."""
+    key = (ctx["tokenizer_sha256"], ctx.get("job_id"))
     if key not in _TOKENIZERS:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker = one core; Ray does the parallelism
         from tokenizers import Tokenizer
@@ -52,13 +57,13 @@ def route(h: str, ctx: dict[str, Any]) -> str:
     return f"{split}-{int(h[8:16], 16) % ctx['buckets'][split]:06d}"
 
 
-def _iter_clean_docs(batch: dict[str, np.ndarray], ctx: dict[str, Any], stats: Stats) -> Iterator[tuple[str, str]]:
-    """(hash, cleaned text) of every document in the batch's files; bad records go to `stats`."""
+def _iter_clean_docs(files: list[dict[str, Any]], ctx: dict[str, Any], stats: Stats) -> Iterator[tuple[str, str]]:
+    """(hash, cleaned text) of every document in `files` (entries); bad records go to `stats`."""
     clean_cfg = CleanConfig(**ctx["clean"])
     sources = [SourceConfig(**s) for s in ctx["sources"]]
-    for path, src_idx in zip(batch["path"], batch["source"]):
-        path = str(path)
-        for text, rule in iter_text_records(path, sources[int(src_idx)]):
+    for entry in files:
+        path = str(entry["path"])
+        for text, rule in iter_text_records(path, sources[int(entry["source"])]):
             if text is None:
                 stats.bad(path, rule)
                 continue
@@ -68,36 +73,42 @@ def _iter_clean_docs(batch: dict[str, np.ndarray], ctx: dict[str, Any], stats: S
                 yield doc_hash(cleaned), cleaned
 
 
-def _stats_table(schema: pa.Schema, stats: Stats) -> pa.Table:
-    row = {f.name: [""] if pa.types.is_string(f.type) else [b""] if pa.types.is_binary(f.type) else [0] for f in schema}
-    row["stats"] = [json.dumps(stats.to_dict(), sort_keys=True)]
-    return pa.table(row, schema=schema)
+def sample_texts(files: list[dict[str, Any]], ctx: dict[str, Any], estimate: bool = False) -> dict[str, Any]:
+    """Read stage of the tokenizer sample: cleaned texts by hash, no tokenization.
 
-
-def sample_docs(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[pa.Table]:
-    """Read stage of the tokenizer sample: cleaned texts, no tokenization."""
-    schema = pa.schema([("hash", pa.string()), ("text", pa.string()), ("stats", pa.string())])
+    With `estimate` (the tokenizer is already in `ctx`) the texts stay here: the task returns
+    only the shard bytes the real sample builder makes from them (to size the shards).
+    """
     stats = Stats()
-    rows = list(_iter_clean_docs(batch, ctx, stats))
-    yield pa.table({"hash": [h for h, _ in rows], "text": [t for _, t in rows], "stats": [""] * len(rows)}, schema=schema)
-    yield pa.table({"hash": [""], "text": [""], "stats": [json.dumps(stats.to_dict())]}, schema=schema)
+    docs = dict(_iter_clean_docs(files, ctx, stats))
+    shard_bytes = estimate_shard_bytes(docs, ctx, _tokenizer(ctx)) if estimate and docs else 0.0
+    return {"docs": {} if estimate else docs, "documents": len(docs), "shard_bytes": shard_bytes, "stats": stats.to_dict()}
 
 
 def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[list[bytes], list[bytes]]:
-    """Token bytes per document, and (BERT) the int32 token count of each of its sentences."""
+    """Token bytes per document, and (BERT) the int32 token count of each of its sentences.
+
+    One `encode_batch_fast` call for the whole list, then one flat numpy array built from all
+    ids at once and sliced per document (no per-token Python).
+    """
+    if kind == "bert_pairs":
+        sentences = [split_sentences(t) for t in texts]
+        pieces = [s for doc in sentences for s in doc]
+        per_doc = np.fromiter((len(doc) for doc in sentences), dtype=np.int64, count=len(sentences))
+    else:
+        pieces, per_doc = texts, np.ones(len(texts), dtype=np.int64)
+    ids = [e.ids for e in tok.encode_batch_fast(pieces, add_special_tokens=False)] if pieces else []
+    piece_len = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(piece_len.sum()))
+    piece_end = np.concatenate([[0], np.cumsum(piece_len)])
+    doc_end = np.concatenate([[0], np.cumsum(per_doc)])
+    tok_bounds = piece_end[doc_end].tolist()
+    tokens = [flat[a:b].tobytes() for a, b in zip(tok_bounds[:-1], tok_bounds[1:], strict=True)]
     if kind != "bert_pairs":
-        ids = [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
-        return [np.asarray(i, dtype=dtype).tobytes() for i in ids], [b""] * len(ids)
-    sentences = [split_sentences(t) for t in texts]
-    flat = [s for doc in sentences for s in doc]
-    ids = [e.ids for e in tok.encode_batch_fast(flat, add_special_tokens=False)] if flat else []
-    tokens, sents, k = [], [], 0
-    for doc in sentences:
-        doc_ids = ids[k : k + len(doc)]
-        k += len(doc)
-        tokens.append(np.fromiter((t for s in doc_ids for t in s), dtype=dtype).tobytes())
-        sents.append(np.array([len(s) for s in doc_ids], dtype="<i4").tobytes())
-    return tokens, sents
+        return tokens, [b""] * len(tokens)
+    lens = piece_len.astype("<i4")
+    bounds = doc_end.tolist()
+    return tokens, [lens[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def estimate_shard_bytes(docs: dict[str, str], ctx: dict[str, Any], tok) -> float:
@@ -105,48 +116,64 @@ def estimate_shard_bytes(docs: dict[str, str], ctx: dict[str, Any], tok) -> floa
     dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
     hashes = sorted(docs)
     tokens, sents = tokenize_docs([docs[h] for h in hashes], tok, dtype, ctx["kind"])
-    rows = [{"hash": h, "tokens": t, "sents": s} for h, t, s in zip(hashes, tokens, sents)]
+    rows = [{"hash": h, "tokens": t, "sents": s} for h, t, s in zip(hashes, tokens, sents, strict=True)]
     counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
     samples = _bert_samples(rows, ctx, "estimate", counts) if ctx["kind"] == "bert_pairs" else _packed_samples(rows, ctx, counts)
     return float(sum(512 + -(-len(v) // 512) * 512 for _, members in samples for v in members.values()))
 
 
-def prepare_text(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[pa.Table]:
-    """Read, clean, hash, route and tokenize documents (sentence by sentence for BERT pairs)."""
+def _by_group(columns: dict[str, list], schema: pa.Schema, ctx: dict[str, Any]) -> list[pa.Table]:
+    """One Arrow table per reduce group (`ctx["group_of"]` maps a shard name to its group)."""
+    group_of = ctx["group_of"]
+    rows_of: list[list[int]] = [[] for _ in range(ctx["groups"])]
+    for i, shard in enumerate(columns["shard"]):
+        rows_of[group_of[shard]].append(i)
+    return [pa.table({c: [columns[c][i] for i in rows] for c in schema.names}, schema=schema) for rows in rows_of]
+
+
+def map_text(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
+    """Map side of the shuffle: read, clean, hash, route and tokenize the documents of `files`.
+
+    Returns `[stats, table for group 0, table for group 1, ...]` (a Ray task with
+    `num_returns = groups + 1`). Texts are tokenized in big batches (`_CHUNK_CHARS`).
+    """
     tok = _tokenizer(ctx)
     dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
     near_dups = ctx.get("near_dups") or ()
     stats = Stats()
+    columns: dict[str, list] = {name: [] for name in TEXT_SCHEMA.names}
     pending: list[tuple[str, str]] = []
+    pending_chars = 0
 
-    def flush() -> pa.Table:
-        hashes = [h for h, _ in pending]
+    def flush() -> None:
         tokens, sents = tokenize_docs([t for _, t in pending], tok, dtype, ctx["kind"])
+        columns["hash"].extend(h for h, _ in pending)
+        columns["shard"].extend(route(h, ctx) for h, _ in pending)
+        columns["tokens"].extend(tokens)
+        columns["sents"].extend(sents)
         pending.clear()
-        return pa.table(
-            {"shard": [route(h, ctx) for h in hashes], "hash": hashes, "tokens": tokens, "sents": sents, "stats": [""] * len(hashes)},
-            schema=TEXT_SCHEMA,
-        )
 
-    for h, text in _iter_clean_docs(batch, ctx, stats):
+    for h, text in _iter_clean_docs(files, ctx, stats):
         if h in near_dups:
             stats.add("removed.near_duplicate")
             continue
         pending.append((h, text))
-        if len(pending) >= _CHUNK:
-            yield flush()
+        pending_chars += len(text)
+        if pending_chars >= _CHUNK_CHARS:
+            flush()
+            pending_chars = 0
     if pending:
-        yield flush()
-    yield _stats_table(TEXT_SCHEMA, stats)
+        flush()
+    return [stats.to_dict(), *_by_group(columns, TEXT_SCHEMA, ctx)]
 
 
-def prepare_images(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator[pa.Table]:
-    """Read, decode, resize and re-encode images; unreadable ones are counted per file."""
+def map_images(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
+    """Map side for images: read, decode, resize and re-encode; unreadable ones are counted per file."""
     cfg = ImageConfig(**ctx["images"])
     stats = Stats()
-    rows: dict[str, list] = {name: [] for name in IMAGE_SCHEMA.names}
-    for path, label in zip(batch["path"], batch["label"]):
-        path = str(path)
+    columns: dict[str, list] = {name: [] for name in IMAGE_SCHEMA.names}
+    for entry in files:
+        path = str(entry["path"])
         try:
             raw = Path(path).read_bytes()
             data, ext, _, _ = process_image(raw, cfg)
@@ -155,10 +182,9 @@ def prepare_images(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterato
             continue
         stats.add("documents_in")
         h = hashlib.sha256(raw).hexdigest()
-        for name, value in zip(IMAGE_SCHEMA.names, (route(h, ctx), h, data, ext, int(label), "")):
-            rows[name].append(value)
-    yield pa.table(rows, schema=IMAGE_SCHEMA)
-    yield _stats_table(IMAGE_SCHEMA, stats)
+        for name, value in zip(IMAGE_SCHEMA.names, (route(h, ctx), h, data, ext, int(entry["label"])), strict=True):
+            columns[name].append(value)
+    return [stats.to_dict(), *_by_group(columns, IMAGE_SCHEMA, ctx)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,7 +196,8 @@ def minhash_bands(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator
     c = ctx["clean"]
     rows: dict[str, list] = {"band": [], "hash": [], "sig": []}
     seen: set[str] = set()
-    for h, text in _iter_clean_docs(batch, ctx, Stats()):
+    files = [{"path": str(p), "source": int(s)} for p, s in zip(batch["path"], batch["source"], strict=True)]
+    for h, text in _iter_clean_docs(files, ctx, Stats()):
         if h in seen:
             continue
         seen.add(h)
@@ -184,7 +211,7 @@ def minhash_bands(batch: dict[str, np.ndarray], ctx: dict[str, Any]) -> Iterator
 
 def near_dup_group(group: dict[str, np.ndarray], ctx: dict[str, Any]) -> dict[str, list]:
     """Documents of one LSH bucket similar to the bucket's smallest hash (which is kept)."""
-    docs = dict(sorted({str(h): bytes(s) for h, s in zip(group["hash"], group["sig"])}.items()))
+    docs = dict(sorted({str(h): bytes(s) for h, s in zip(group["hash"], group["sig"], strict=True)}.items()))
     if len(docs) < 2:
         return {"hash": []}
     (keep_hash, keep_sig), *others = docs.items()
@@ -206,25 +233,27 @@ def _bert_samples(rows: list[dict[str, Any]], ctx: dict[str, Any], name: str, co
     dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
     ext = "input_ids.u16" if dtype.itemsize == 2 else "input_ids.u32"
     docs = []
-    for r in rows:
-        tokens = np.frombuffer(r["tokens"], dtype=dtype)
-        bounds = np.cumsum(np.frombuffer(r["sents"], dtype="<i4"))[:-1]
-        docs.append(np.split(tokens, bounds) if len(tokens) else [])
+    for r in rows:  # sentences as Python lists: the pair builder works on lists of ints
+        tokens = np.frombuffer(r["tokens"], dtype=dtype).tolist()
+        bounds = list(accumulate(np.frombuffer(r["sents"], dtype="<i4").tolist(), initial=0))
+        docs.append([tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
     rng = _rng(ctx, name)
     sp = ctx["special"]
     for _ in range(ctx["dupe_factor"]):
         for k, r in enumerate(rows):
             pairs = create_pairs(
                 docs, k, max_seq_len=ctx["seq_len"], cls_id=sp["cls"], sep_id=sp["sep"], rng=rng,
-                short_seq_prob=ctx["short_seq_prob"], random_next_prob=ctx["nsp_random_prob"],
+                short_seq_prob=ctx["short_seq_prob"], random_next_prob=ctx["nsp_random_prob"], dtype=dtype,
             )
+            prefix = r["hash"][:16]
             for ids, len_a, len_b, label in pairs:
-                key = f"{r['hash'][:16]}-{counts.setdefault(r['hash'], 0):06d}"
-                counts[r["hash"]] += 1
+                n = counts.get(r["hash"], 0)
+                counts[r["hash"]] = n + 1
                 counts["tokens"] += len(ids)
                 counts["nsp_random"] += label
-                meta = json.dumps({"len_a": len_a, "len_b": len_b, "next_sentence_label": label}, sort_keys=True)
-                yield key, {ext: ids.astype(dtype).tobytes(), "meta.json": meta.encode()}
+                # json.dumps(..., sort_keys=True) of the same dict, without its per-call overhead
+                meta = b'{"len_a": %d, "len_b": %d, "next_sentence_label": %d}' % (len_a, len_b, label)
+                yield f"{prefix}-{n:06d}", {ext: ids.tobytes(), "meta.json": meta}
 
 
 def _packed_samples(rows: list[dict[str, Any]], ctx: dict[str, Any], counts: dict[str, int]):
@@ -244,48 +273,70 @@ def _image_samples(rows: list[dict[str, Any]], counts: dict[str, int]):
         yield f"{r['hash'][:16]}-000000", {r["ext"]: r["data"], "cls": str(r["label"]).encode()}
 
 
-def build_shard(group: dict[str, np.ndarray], ctx: dict[str, Any]) -> dict[str, list]:
-    """Dedup one group (exact duplicates share a hash, hence a group) and write its shard."""
-    name = str(group["shard"][0])
-    if name == "":  # the group of per-batch statistics rows
-        total = Stats()
-        for s in group["stats"]:
-            if s:
-                total.merge(Stats.from_dict(json.loads(s)))
-        return {"shard": [""], "result": [json.dumps(total.to_dict())]}
-    columns = [c for c in group if c not in ("shard", "stats")]
-    order = np.argsort(np.asarray(group["hash"], dtype=str), kind="stable")
-    rows: list[dict[str, Any]] = []
+def reduce_group(ctx: dict[str, Any], names: list[str], *parts: pa.Table) -> list[dict[str, Any]]:
+    """Reduce side of the shuffle: the shards `names` from their tables of every map task.
+
+    Rows are sorted by (shard, hash), so exact duplicates (same content hash) are adjacent and a
+    shard's documents are in hash order whatever map task they came from. Each finished shard
+    is fsynced, renamed and recorded in a background thread while the next one is built.
+    """
+    tables = [t for t in parts if t.num_rows]
+    if not tables:
+        return []
+    table = pa.concat_tables(tables).sort_by([("shard", "ascending"), ("hash", "ascending")])
+    del tables, parts
+    shard_col = table.column("shard").to_pylist()
+    futures = []
+    with ThreadPoolExecutor(max_workers=1) as committer:
+        begin = 0
+        for end in range(1, len(shard_col) + 1):
+            if end == len(shard_col) or shard_col[end] != shard_col[begin]:
+                futures.append(build_shard(shard_col[begin], table.slice(begin, end - begin), ctx, committer))
+                begin = end
+    return [f.result() for f in futures]
+
+
+def build_shard(name: str, group: pa.Table, ctx: dict[str, Any], committer: Executor) -> Future:
+    """Dedup one shard's documents (sorted by hash: exact duplicates are adjacent) and write it.
+
+    Returns a future of the shard's record; `committer` makes the shard final and saves the record.
+    """
     stats = Stats()
-    for i in order:
-        row = {c: group[c][i] for c in columns}
-        row["hash"] = str(row["hash"])
-        if rows and rows[-1]["hash"] == row["hash"] and ctx["clean"]["dedup"]:
+    rows: list[dict[str, Any]] = []
+    dedup = ctx["clean"]["dedup"]
+    for row in group.drop_columns(["shard"]).to_pylist():
+        if dedup and rows and rows[-1]["hash"] == row["hash"]:
             stats.add("removed.exact_duplicate")
             continue
         rows.append(row)
     fingerprint = hashlib.sha256((ctx["fingerprint"] + name + "".join(r["hash"] for r in rows)).encode()).hexdigest()
     out_dir = ctx["output"]
     record = load_record(out_dir, f"{name}.tar", fingerprint)
-    if record is None:
-        counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
-        if ctx["kind"] == "bert_pairs":
-            samples = _bert_samples(rows, ctx, name, counts)
-        elif ctx["kind"] == "packed_lm":
-            samples = _packed_samples(rows, ctx, counts)
-        else:
-            samples = _image_samples(rows, counts)
-        info = write_shard(Path(out_dir) / f"{name}.tar", samples)
-        if info["samples"] == 0:  # every document was too short to make a sample: no empty shard
-            (Path(out_dir) / f"{name}.tar").unlink()
-        if ctx.get("slow_shards_s"):  # test hook: widen the window in which a kill lands mid-job
-            import time
+    if record is not None:
+        return committer.submit(lambda: record)
+    counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
+    if ctx["kind"] == "bert_pairs":
+        samples = _bert_samples(rows, ctx, name, counts)
+    elif ctx["kind"] == "packed_lm":
+        samples = _packed_samples(rows, ctx, counts)
+    else:
+        samples = _image_samples(rows, counts)
+    path = Path(out_dir) / f"{name}.tar"
+    tmp, info = write_shard_tmp(path, samples)
+    for key in ("nsp_random", "stream_tokens", "stream_tokens_kept"):
+        if key in counts:
+            stats.add(key, counts[key])
+    stats.add("documents_kept", len(rows))
+    record = {"name": f"{name}.tar", "fingerprint": fingerprint, "tokens": counts["tokens"], "stats": stats.to_dict(), **info}
 
+    def commit() -> dict[str, Any]:
+        if info["samples"] == 0:  # every document was too short to make a sample: no empty shard
+            tmp.unlink()
+        else:
+            commit_shard(tmp, path)
+        if ctx.get("slow_shards_s"):  # test hook: widen the window in which a kill lands mid-job
             time.sleep(ctx["slow_shards_s"])
-        for key in ("nsp_random", "stream_tokens", "stream_tokens_kept"):
-            if key in counts:
-                stats.add(key, counts[key])
-        stats.add("documents_kept", len(rows))
-        record = {"name": f"{name}.tar", "fingerprint": fingerprint, "tokens": counts["tokens"], "stats": stats.to_dict(), **info}
         save_record(out_dir, f"{name}.tar", record)
-    return {"shard": [name], "result": [json.dumps(record, sort_keys=True)]}
+        return record
+
+    return committer.submit(commit)

@@ -139,8 +139,7 @@ def load_tokenizer_dir(path: str | os.PathLike):
             f"`tokenizers`/`transformers` (save_pretrained), or leave it empty to train one."
         )
     tok = Tokenizer.from_file(str(file))
-    model_type = json.loads(tok.to_str())["model"]["type"]
-    return tok, ("wordpiece" if model_type == "WordPiece" else "bpe")
+    return tok, ("wordpiece" if type(tok.model).__name__ == "WordPiece" else "bpe")
 
 
 def install_tokenizer(src: str, dest_dir: str | os.PathLike) -> None:
@@ -158,10 +157,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def tokenizer_info(corpus_dir: str | os.PathLike, type_: str) -> dict[str, Any]:
-    """The manifest's `tokenizer` entry: relative path, sha256, vocab size, type, special ids."""
+def tokenizer_info(corpus_dir: str | os.PathLike, type_: str, tok=None) -> dict[str, Any]:
+    """The manifest's `tokenizer` entry: relative path, sha256, vocab size, type, special ids.
+
+    `tok`: the tokenizer already loaded from (or saved as) the corpus's tokenizer.json, if any.
+    """
     tdir = Path(corpus_dir) / "tokenizer"
-    tok, _ = load_tokenizer_dir(tdir)
+    if tok is None:
+        tok, _ = load_tokenizer_dir(tdir)
     specials: dict[str, int] = {}
     cfg_file = tdir / "special_tokens_map.json"
     names = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import tarfile
+import unicodedata
 
 import numpy as np
 import pytest
@@ -140,3 +141,58 @@ def test_config_is_strict(tmp_path):
         load_prep_config(str(cfg_file), ["seq_lenn=3"])
     with pytest.raises(ConfigError, match="image_folder"):
         PrepConfig(kind="images", output="o", sources=[SourceConfig(type="text", paths=["x"])])
+
+
+def test_shard_bytes_equal_tarfile(tmp_path):
+    """The hand-built tar headers are exactly what `tarfile` (USTAR, fixed metadata) writes."""
+    import io
+    import os
+
+    rng = random.Random(0)
+    samples = [(f"{rng.getrandbits(64):016x}-{i:06d}", {"input_ids.u16": os.urandom(rng.choice([0, 1, 511, 512, 513, 3000])), "meta.json": b"{}"})
+               for i in range(50)]
+    samples.append(("k" * 90, {"x": b"long name"}))
+    with open(tmp_path / "ref.tar", "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), 0, 0o644, 0, 0, "", ""
+                tar.addfile(info, io.BytesIO(data))
+    write_shard(tmp_path / "ours.tar", samples)
+    assert (tmp_path / "ours.tar").read_bytes() == (tmp_path / "ref.tar").read_bytes()
+
+
+def test_fast_cleaning_paths_match_the_regex_rules():
+    """ASCII/plain-whitespace fast paths give what the general regex rules give."""
+    from data_prep.clean import _BLANKS, _EDGE_SPACES, _SPACES, _normalize_whitespace, _strip_control
+
+    rng = random.Random(1)
+    alphabet = list("ab c\t\n\n  é\u200b\x00\x7f\x0b\u3000")
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert _normalize_whitespace(text) == _BLANKS.sub("\n\n", _EDGE_SPACES.sub("\n", _SPACES.sub(" ", text))).strip()
+        stripped, n = _strip_control(text)
+        expected = "".join(c for c in text if c in "\n\t" or not unicodedata.category(c).startswith("C") or unicodedata.category(c) == "Cn")
+        assert stripped == expected and n == len(text) - len(expected)
+
+
+def test_tasks_never_exceed_the_worker_count(ray_cluster):
+    """`num_workers=1` means one task at a time even on a 2-CPU cluster; chunks cover every file."""
+    import time
+
+    import ray
+
+    from data_prep.tasks import chunk_entries, run_limited
+
+    entries = [{"path": f"f{i}", "source": 0, "size": (i * 37) % 11 + 1} for i in range(23)]
+    chunks = chunk_entries(entries, 4)
+    assert sorted(e["path"] for c in chunks for e in c) == sorted(e["path"] for e in entries) and len(chunks) == 4
+
+    @ray.remote
+    def span(i):
+        start = time.time()
+        time.sleep(0.05)
+        return start, time.time()
+
+    spans = sorted(ray.get(run_limited(span, [(i,) for i in range(6)], workers=1)))
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
