@@ -1,10 +1,11 @@
 """Training-health policies: NaN/Inf handling, loss-spike detection, data-starvation warnings.
 
-The trainer asks ``check()`` after computing the loss and gradient norm and before stepping the
-optimizer, and obeys the answer: ``"ok"`` step, ``"skip"`` drop this step's gradients (zero them,
-do not step), ``"stop"`` end the run. Everything noteworthy becomes an
-event, sent through the ``RunLogger`` when one is given (so it lands in metrics.jsonl and on the
-console) and always kept in ``self.events``.
+The trainer never applies an update whose loss (agreed across ranks before the last backward) or
+gradient norm is non-finite; it then asks ``check()`` with the step's loss and gradient norm and
+obeys the answer: ``"ok"`` go on, ``"skip"`` the (already dropped) step is counted and training
+goes on, ``"stop"`` checkpoint the last good state and end the run. Everything noteworthy becomes
+an event, sent through the ``RunLogger`` when one is given (so it lands in metrics.jsonl and on
+the console) and always kept in ``self.events``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class HealthMonitor:
         self.logger = logger
         self.spike_min_history = spike_min_history
         self._losses: deque[float] = deque(maxlen=spike_window)
+        self._sum = self._sumsq = 0.0
+        self._appended = 0
         self._waits: deque[float] = deque(maxlen=starvation_window)
         self._starving = False
         self.consecutive_nan = 0
@@ -92,13 +95,13 @@ class HealthMonitor:
         what = " and ".join(bad)
         values = {"loss": _json_num(loss), "grad_norm": _json_num(grad)}
         if self.policy == "stop":
-            self._emit(step, "nan_stop", f"non-finite {what}; nan_policy=stop ends the run", **values)
+            self._emit(step, "nan_stop", f"non-finite {what} at step {step}; nan_policy=stop ends the run", **values)
             return "stop"
         if self.consecutive_nan >= self.max_consecutive_nan:
             self._emit(
                 step,
                 "nan_stop",
-                f"non-finite {what} for {self.consecutive_nan} steps in a row "
+                f"non-finite {what} at step {step}, {self.consecutive_nan} steps in a row "
                 f"(max_consecutive_nan={self.max_consecutive_nan}); stopping",
                 consecutive=self.consecutive_nan,
                 **values,
@@ -107,7 +110,8 @@ class HealthMonitor:
         self._emit(
             step,
             "nan_skip",
-            f"non-finite {what}; step skipped ({self.consecutive_nan} in a row, {self.nan_steps} in total)",
+            f"non-finite {what} at step {step}; update skipped, weights unchanged "
+            f"({self.consecutive_nan} in a row, {self.nan_steps} in total; stop after {self.max_consecutive_nan})",
             consecutive=self.consecutive_nan,
             total=self.nan_steps,
             **values,
@@ -119,8 +123,9 @@ class HealthMonitor:
             return
         history = self._losses
         if len(history) >= self.spike_min_history:
-            mean = sum(history) / len(history)
-            var = sum((x - mean) ** 2 for x in history) / (len(history) - 1)
+            n = len(history)
+            mean = self._sum / n
+            var = max(self._sumsq - self._sum * mean, 0.0) / (n - 1)
             # A floor on the spread stops a flat loss curve from calling every wiggle a spike.
             std = max(math.sqrt(var), 1e-3 * abs(mean), 1e-12)
             z = (loss - mean) / std
@@ -135,7 +140,23 @@ class HealthMonitor:
                     std=std,
                     zscore=z,
                 )
+        self._remember(loss)
+
+    def _remember(self, loss: float) -> None:
+        """Append to the window, keeping its sum and sum of squares running (O(1) per step); they
+        are recomputed exactly once per window length so rounding never accumulates."""
+        history = self._losses
+        if len(history) == history.maxlen:
+            old = history[0]
+            self._sum -= old
+            self._sumsq -= old * old
         history.append(loss)
+        self._sum += loss
+        self._sumsq += loss * loss
+        self._appended += 1
+        if self._appended % history.maxlen == 0:
+            self._sum = math.fsum(history)
+            self._sumsq = math.fsum(x * x for x in history)
 
     def observe_data_wait(self, step: int, share: float) -> dict[str, Any] | None:
         """Feed the step's data-wait share; warns once per episode of sustained starvation."""
@@ -170,7 +191,9 @@ class HealthMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._losses.clear()
-        self._losses.extend(float(x) for x in state.get("losses", []))
+        self._sum = self._sumsq = 0.0
+        for x in state.get("losses", []):
+            self._remember(float(x))
         self.consecutive_nan = int(state.get("consecutive_nan", 0))
         self.nan_steps = int(state.get("nan_steps", 0))
         self.spikes = int(state.get("spikes", 0))

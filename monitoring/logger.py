@@ -2,7 +2,8 @@
 
 Only rank 0 writes; on other ranks ``RunLogger`` is a no-op so the trainer can call it
 unconditionally. ``metrics.jsonl`` is the source of truth (reports are built from it): one strict
-JSON object per line, flushed and fsynced per call so a crash loses at most the line being written.
+JSON object per line, flushed per call so a crash of the process loses at most the line being
+written; fdatasync'ed for every event, on close and otherwise at most every ``SYNC_EVERY_S`` seconds.
 On resume the file is appended to; lines from the earlier session that lie past the resumed step
 are dropped (``truncate_after`` or automatically on the first overlapping ``log``) so no step is
 ever shown twice, and TensorBoard is told to purge the same steps.
@@ -84,6 +85,7 @@ def read_metrics_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 _sync = getattr(os, "fdatasync", os.fsync)  # the data is what matters; skip the metadata flush
+SYNC_EVERY_S = 10.0  # fdatasync metrics.jsonl at most this often, besides events and close (lines reach the OS at once)
 
 
 def _wait_for_later_second(tb_dir: Path) -> None:
@@ -132,21 +134,25 @@ class RunLogger:
         self.config_dict = config_dict or {}
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._fh = None
+        self._synced_at = float("-inf")
         self._tb = None
         self._tb_purge_step: int | None = None
         self._trackers: list[Any] = []
+        self._prometheus = None
         self._progress = None
         self._task = None
         self._eta_origin: tuple[int, float] | None = None
         self._closed = False
         if not self.enabled:
             return
+        if getattr(cfg, "prometheus_port", 0):  # first: a taken port fails before any file is opened
+            from monitoring.prometheus import PrometheusExporter
+
+            self._prometheus = PrometheusExporter(int(cfg.prometheus_port))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._prior_end, self._prior_max_step = self._repair_and_scan()
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
         self._trackers = self._open_trackers()
-        if getattr(cfg, "prometheus_port", 0):
-            log.warning("logging.prometheus_port is set but the Prometheus endpoint is not implemented yet; ignored.")
         self._use_bar = bool(cfg.progress) and sys.stdout.isatty()
         if self._use_bar:
             self._start_progress_bar()
@@ -165,10 +171,18 @@ class RunLogger:
         steps = [r["step"] for r in read_metrics_lines(self.metrics_path) if isinstance(r.get("step"), int)]
         return end, max(steps, default=-1)
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: dict[str, Any], durable: bool = False) -> None:
+        """Write one line and hand it to the OS (a crash of the process loses nothing written).
+
+        fdatasync (against a machine crash) costs ms on a busy disk, so it runs at most every
+        ``SYNC_EVERY_S`` seconds, for every event (rare, and what a post-mortem needs) and on close.
+        """
         self._fh.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
         self._fh.flush()
-        _sync(self._fh.fileno())
+        now = time.monotonic()
+        if durable or now - self._synced_at >= SYNC_EVERY_S:
+            _sync(self._fh.fileno())
+            self._synced_at = now
 
     def _rewrite(self, keep: Callable[[dict[str, Any]], bool], prior_only: bool) -> int:
         """Atomically rewrite metrics.jsonl without the records ``keep`` rejects; returns how many."""
@@ -371,6 +385,8 @@ class RunLogger:
             self._tb_scalars(scalars, step)
         if self._trackers:
             self._tracker_log(scalars, step)
+        if self._prometheus is not None:
+            self._prometheus.update(step, split, values)
         self._console(step, split, values)
 
     def log_histogram(self, step: int, tag: str, values: Any = None, *, counts: Any = None, edges: Any = None) -> None:
@@ -413,7 +429,9 @@ class RunLogger:
         step = int(step)
         self._guard_resume(step, inclusive=False)
         extra = {str(k): _plain(v) for k, v in fields.items() if k not in ("step", "event", "message")}
-        self._append({"step": step, "event": kind, "message": message, "time": time.time(), **extra})
+        self._append({"step": step, "event": kind, "message": message, "time": time.time(), **extra}, durable=True)
+        if self._prometheus is not None:
+            self._prometheus.event(kind)
         self._print(f"[step {step}] {kind}: {message}")
 
     def flush(self) -> None:
@@ -435,7 +453,11 @@ class RunLogger:
                 tracker.finish()
             except Exception as exc:
                 log.warning("Tracker %s did not finish cleanly: %s", getattr(tracker, "name", tracker), exc)
+        if self._prometheus is not None:
+            self._prometheus.close()
         if self._fh is not None:
+            self._fh.flush()
+            _sync(self._fh.fileno())
             self._fh.close()
 
     def __enter__(self) -> RunLogger:

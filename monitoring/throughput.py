@@ -215,10 +215,11 @@ class ThroughputMeter:
         self._clock = clock
         self.warmup_steps = int(warmup_steps)
         self.steps_seen = 0
-        self._window: deque[tuple[float, float, int, int]] = deque(maxlen=max(1, window))
+        self._window: deque[tuple[float, float, int, int, float]] = deque(maxlen=max(1, window))
         self._t_start: float | None = None
         self._t_data: float | None = None
-        host_rss_mb()  # pay psutil's import now, not inside the first timed step
+        self._sums, self._slides = [0.0] * 5, 0
+        self._rss, self._rss_at = host_rss_mb(), time.monotonic()  # pays psutil's import now, not in a timed step
         self.total_samples = 0
         self.total_tokens = 0
         self.last_step_time = float("nan")
@@ -236,8 +237,13 @@ class ThroughputMeter:
         """
         self._t_data = self._clock()
 
-    def end_step(self, samples: int, tokens: int) -> dict[str, float]:
-        """Close the step and return window-averaged rates, MFU and memory."""
+    def end_step(self, samples: int, tokens: int, peer_wait: float = 0.0) -> dict[str, float]:
+        """Close the step and return window-averaged rates, MFU and memory.
+
+        ``peer_wait``: seconds this rank spent blocked in the step's agreement collective waiting for
+        the other ranks. ``busy_time`` (step time minus that wait) is what tells a straggler apart:
+        every rank's plain step time is paced by the slowest one.
+        """
         now = self._clock()
         if self._t_start is None:
             raise RuntimeError("ThroughputMeter.end_step() called without start_step().")
@@ -247,15 +253,14 @@ class ThroughputMeter:
         self.last_step_time = step_time
         self.total_samples += int(samples)
         self.total_tokens += int(tokens)
-        self._window.append((step_time, wait, int(samples), int(tokens)))
-
-        t = sum(w[0] for w in self._window)
+        t, wait_sum, n_samples, n_tokens, peer_sum = self._slide((step_time, wait, int(samples), int(tokens), float(peer_wait)))
         n = len(self._window)
         out: dict[str, float] = {
             "step_time": t / n,
-            "data_wait_share": (sum(w[1] for w in self._window) / t) if t > 0 else 0.0,
-            "samples_per_s": (sum(w[2] for w in self._window) / t * self.world_size) if t > 0 else 0.0,
-            "tokens_per_s": (sum(w[3] for w in self._window) / t * self.world_size) if t > 0 else 0.0,
+            "busy_time": (t - peer_sum) / n,
+            "data_wait_share": wait_sum / t if t > 0 else 0.0,
+            "samples_per_s": n_samples / t * self.world_size if t > 0 else 0.0,
+            "tokens_per_s": n_tokens / t * self.world_size if t > 0 else 0.0,
         }
         out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
         if self.peak_flops > 0 and self.flops_per_sample > 0:
@@ -263,11 +268,32 @@ class ThroughputMeter:
             out["mfu"] = achieved / (self.peak_flops * self.world_size)
             out["tflops_per_device"] = achieved / self.world_size / 1e12
         out.update(_device_memory_mb())
-        out["host_rss_mb"] = host_rss_mb()
+        out["host_rss_mb"] = self._host_rss()
         self.steps_seen += 1
         if self.steps_seen <= self.warmup_steps:
             self._window.clear()  # first steps (loader start-up, allocator, compile) would skew averages
+            self._sums = [0.0] * 5
         return out
+
+    def _slide(self, entry: tuple[float, float, int, int, float]) -> list[float]:
+        """Add a step to the window and return the window's column sums (kept running: O(1) per
+        step; recomputed exactly once per window length so rounding never accumulates)."""
+        if len(self._window) == self._window.maxlen:
+            old = self._window[0]
+            self._sums = [a - b for a, b in zip(self._sums, old, strict=True)]
+        self._window.append(entry)
+        self._sums = [a + b for a, b in zip(self._sums, entry, strict=True)]
+        self._slides += 1
+        if self._slides % self._window.maxlen == 0:
+            self._sums = [float(sum(col)) for col in zip(*self._window, strict=True)]
+        return self._sums
+
+    def _host_rss(self) -> float:
+        """Host RSS, re-read at most once a second (a /proc read per step is most of the meter's cost)."""
+        now = time.monotonic()
+        if now - self._rss_at >= 1.0:
+            self._rss, self._rss_at = host_rss_mb(), now
+        return self._rss
 
     def state_dict(self) -> dict[str, int]:
         return {"total_samples": self.total_samples, "total_tokens": self.total_tokens}

@@ -182,7 +182,7 @@ class LoggingConfig:
     tensorboard: bool = option(True, help="Write TensorBoard event files under run_dir/tb.")
     wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
     mlflow: bool = option(False, help="Log to MLflow through accelerate.")
-    prometheus_port: int = option(0, help="Serve Prometheus metrics on this port on rank 0 (0 = off).")
+    prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")
@@ -190,6 +190,10 @@ class LoggingConfig:
     max_consecutive_nan: int = option(5, help="skip_step: stop after this many bad steps in a row.")
     spike_zscore: float = option(6.0, help="Log a loss-spike event above this z-score over the recent window.")
     starvation_share: float = option(0.10, help="Warn when data wait exceeds this share of step time.")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(f"logging.prometheus_port must be a TCP port (1-65535) or 0 for off, got {self.prometheus_port}.")
 
 
 @dataclass(kw_only=True)

@@ -205,6 +205,7 @@ class Engine:
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.device = accelerator.device
         self._micro = 0
+        self.fp16 = cfg.train.precision == "fp16"
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if (
             not self.deepspeed and cfg.train.precision == "bf16") else None
 
@@ -235,22 +236,57 @@ class Engine:
                 self.accelerator.backward(loss / self.grad_accum)
 
     def step(self) -> dict[str, float]:
-        """Finish the optimizer step after ``grad_accum`` backwards; returns grad_norm, lr, skipped."""
+        """Finish the optimizer step after ``grad_accum`` backwards; returns grad_norm, lr, skipped.
+
+        A step whose gradient norm is non-finite is not applied (``skipped``): DeepSpeed's ZeRO and
+        bf16/fp16 optimizers drop it themselves (their overflow check), the DDP path checks the norm
+        it computes for clipping (identical on every rank: the gradients are all-reduced).
+        """
         if self.deepspeed:
             norm = self.model.get_global_grad_norm()
             skipped = not self.model.was_step_applied()
+            if skipped and self.fp16:  # a loss-scale overflow: DeepSpeed lowers the scale and goes on
+                norm = None  # (routine under fp16, not a health alarm)
             if not skipped:  # accelerate hands DeepSpeed only its own scheduler types: we step ours
                 self.scheduler.step()
         else:
             params = [p for p in self.module.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-            self.optimizer.step()
-            self.scheduler.step()
+            skipped = not bool(torch.isfinite(norm))
+            if not skipped:
+                self.optimizer.step()
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            skipped = False
         lr = float(self.optimizer.param_groups[0]["lr"])
         # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
         return {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "skipped": skipped}
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, float]:
+        """End this optimizer step without an update (every rank calls it; a non-finite loss was seen).
+
+        Instead of the last micro-batch's backward: weights, optimizer state and LR schedule stay as
+        they were, the gradients accumulated by the earlier micro-batches are dropped, and the
+        micro-step bookkeeping stays aligned. DeepSpeed's ZeRO / bf16 / fp16 optimizers keep
+        accumulated gradients in their own partitioned buffers, so the step is handed to their
+        overflow path (the one fp16 loss scaling uses): a NaN gradient at the accumulation boundary
+        makes them clear every buffer, count a skipped step and leave parameters and moments alone.
+        """
+        if self.deepspeed and (self.model.zero_optimization() or self.model.bfloat16_enabled() or self.fp16):
+            self.backward(boundary_loss * float("nan"))
+            if self.model.was_step_applied():  # only if the user's JSON turned DeepSpeed's overflow check off
+                raise RuntimeError("DeepSpeed applied an optimizer step with NaN gradients (its overflow check is off: "
+                                   "zero_optimization.compute_grad_norm / bf16.check_grad_overflow). Re-enable it and "
+                                   "resume from the last checkpoint.")
+        elif self.deepspeed:  # ZeRO-0 fp32: plain gradients on the parameters, DeepSpeed counts micro-steps
+            self._micro += 1
+            self.model.zero_grad()
+            self.model.micro_steps += 1
+            self.model.global_steps += 1
+            self.model.skipped_steps += 1
+        else:
+            self._micro += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": None, "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": True}
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if torch.distributed.is_initialized() and self.world_size > 1:
@@ -288,8 +324,9 @@ class Engine:
             if loaded is None:
                 raise RuntimeError(f"DeepSpeed found no engine state under {e}; the checkpoint is incomplete.")
         else:
-            self.module.load_state_dict(torch.load(e / "model.pt", map_location=self.device, weights_only=True))
-            self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=self.device, weights_only=True))
+            where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
+            self.module.load_state_dict(torch.load(e / "model.pt", map_location=where, weights_only=True))
+            self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=where, weights_only=True))
         self.scheduler.load_state_dict(torch.load(e / "lr_scheduler.pt", weights_only=True))
 
 
@@ -355,6 +392,23 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
             pass
         if owns_group and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+            _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches process groups module-wide; once the group is destroyed the next in-process
+    run would broadcast over a dead one ("group is not registered")."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP", "mesh_device"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
 
 
 def barrier_if_initialized() -> None:

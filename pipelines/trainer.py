@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -104,6 +105,7 @@ class Trainer:
         self.is_main = self.engine.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
         self.step = self.tokens = 0
+        self.last_good_step = 0  # the newest step whose update was applied (or the resumed step)
         self.start_loss: float | None = None
         self.last_eval: dict[str, float] = {}
         self._signal: int | None = None
@@ -134,42 +136,54 @@ class Trainer:
         batches = self.train_data.batches()
         engine.train()
         while self.step < t.max_steps:
-            # -- one optimizer step: fetch grad_accum micro-batches, forward/backward each, step
+            # -- one optimizer step: fetch grad_accum micro-batches; forward each, backward all but the last
             meter.start_step()
             micro = [next(batches) for _ in range(t.grad_accum_steps)]
             meter.data_ready()
             loss_sum, tokens, bad, keys = 0.0, 0, 0, []
-            for batch in micro:
+            for i, batch in enumerate(micro):
                 keys.extend(batch.get("keys", []))
                 bad += int(batch.get("num_bad", 0))
                 tokens += self.task.tokens(batch)
-                out = self.task.forward(engine, self._to_device(batch))
-                engine.backward(out["loss"])
-                loss_sum += float(out["loss"].detach())
-            log_diagnostics(logger, engine, step=self.step + 1, cfg=cfg)  # gradients exist until engine.step()
-            result = engine.step()
-            self.step += 1
+                boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
+                loss_sum += float(boundary_loss.detach())
+                if i < len(micro) - 1:
+                    engine.backward(boundary_loss)
             local_loss = loss_sum / t.grad_accum_steps
-            # -- agree across ranks: mean loss, global tokens, bad samples, stop flags
+            # -- agree across ranks before the update: mean loss, global tokens, bad samples, stop flags
             time_up = t.max_time_minutes > 0 and (time.time() - started) / 60 >= t.max_time_minutes
+            arrived = time.perf_counter()
             agg = engine.all_reduce(torch.tensor([local_loss, float(tokens), float(bad), float(self._signal or 0), float(time_up)],
                                                  dtype=torch.float64), "sum")
+            peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived
             loss = agg[0].item() / engine.world_size
-            self.tokens += int(agg[1].item())
-            if self.start_loss is None:
+            # -- update, unless some rank's loss is NaN/Inf (the mean is then non-finite on every rank)
+            if math.isfinite(loss):
+                engine.backward(boundary_loss)  # the accumulation boundary: gradients are reduced here
+                log_diagnostics(logger, engine, step=self.step + 1, cfg=cfg)  # gradients exist until engine.step()
+                result = engine.step()  # skipped if the gradient norm is non-finite
+            else:
+                result = engine.skip_step(boundary_loss)  # weights, optimizer state and LR stay as they were
+            self.step += 1
+            if not result["skipped"]:
+                self.tokens += int(agg[1].item())
+                self.last_good_step = self.step
+            if self.start_loss is None and math.isfinite(loss):
                 self.start_loss = loss
             self.last_loss = loss
-            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens)
+            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens, peer_wait)
             if trace is not None:
                 trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
                 trace.flush()
             if agg[2].item() > 0:
                 logger.event(self.step, "bad_samples", f"{int(agg[2].item())} bad samples replaced this step (see worker logs for shard/key).")
+            # same inputs on every rank (all-reduced loss, global grad norm), so the same verdict everywhere
             verdict = health.check(self.step, loss, result["grad_norm"])
             health.observe_data_wait(self.step, rates.get("data_wait_share", 0.0))
             if engine.world_size > 1 and cfg.logging.skew_every and self.step % cfg.logging.skew_every == 0:
-                # every rank takes part in the gather; rank 0 logs which rank is slowest
-                skew = step_time_skew(rates["step_time"], engine.gather)
+                # every rank takes part in the gather; rank 0 logs which rank is slowest (busy time: the
+                # step time less the wait for the others, which paces every rank to the slowest)
+                skew = step_time_skew(rates["busy_time"], engine.gather)
                 logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
             if self.step % t.log_every == 0 or self.step == 1:
                 logger.log(self.step, {"loss": loss, "lr": result["lr"], "grad_norm": result["grad_norm"], "tokens": self.tokens,
@@ -189,7 +203,12 @@ class Trainer:
                 if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
                     stop_reason = "early_stopping"
             if stop_reason == "health":
-                logger.event(self.step, "stop", "Stopping: training health check failed; not checkpointing this state.")
+                failed_at = self.step
+                last_saved = self._save_last_good(health, meter, last_saved)
+                logger.event(failed_at, "stop", f"Stopped at step {failed_at}: non-finite loss or gradients "
+                             f"(logging.nan_policy={cfg.logging.nan_policy}). {last_saved} holds the last good state "
+                             f"(step {self.last_good_step}); its data position is past the failed batches.",
+                             checkpoint=str(last_saved), failed_step=failed_at, last_good_step=self.last_good_step)
                 break
             if stop_reason in ("max_tokens", "max_time"):  # a budget reached: finish like max_steps
                 logger.event(self.step, "stop", f"Budget reached ({stop_reason}) at step {self.step}.")
@@ -252,10 +271,21 @@ class Trainer:
                                     data_state=self.train_data.state_dict(), keep_last=self.cfg.train.keep_last,
                                     tokenizer_dir=self.tokenizer_dir)
 
+    def _save_last_good(self, health: Any, meter: Any, last_saved: Path | None) -> Path:
+        """The checkpoint a health stop leaves: the weights of ``last_good_step`` (bad steps are never
+        applied), saved under that step so a resume goes on from there, with the data position past
+        the failed batches. A checkpoint already written since that step holds the same weights."""
+        if last_saved is not None and int(last_saved.name.split("-")[1]) >= self.last_good_step:
+            return last_saved
+        self.step = self.last_good_step
+        health.consecutive_nan = 0  # the saved state is a good one: a resumed run starts a fresh count
+        return self.save(health, meter)
+
     def _restore(self, path: Path, health: Any, meter: Any) -> None:
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
         self.engine.load(path)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.last_good_step = self.step
         self.start_loss, self.last_eval = state.get("start_loss"), state.get("eval") or {}
         self.train_data.load_state_dict(data_state or state["data"])
         if state.get("health"):
