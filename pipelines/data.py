@@ -11,11 +11,13 @@ stores two integers and resume *seeks* instead of replaying the stream:
 3. Layout: rank r owns the contiguous range ``[r*nb*mb, (r+1)*nb*mb)``. Within it, DataLoader
    worker w serves rank batches ``b % W == w`` and owns a contiguous span of that range, so each
    worker reads ~1/(world*W) of the bytes. A resumed loader rotates worker ids so that its first
-   batch is the next one due.
+   batch is the next one due; one loader runs epoch after epoch (the rotation is re-derived per
+   epoch), so epoch boundaries cost no worker start-up.
 4. Shuffle: block shuffle. Each worker's span is cut into windows of ``shuffle_buffer`` samples,
    each permuted by ``rng(seed, epoch, window start)``. Seeking costs at most one window re-read;
    the trade-off against a rolling buffer is that samples only mix within a window (plus the
-   per-epoch shard permutation).
+   per-epoch shard permutation). A window is read at once but each sample is decoded only when
+   its batch is built, so a batch never waits for the whole window's decoding.
 
 Bad samples (undecodable, truncated shard) keep their slot: with ``on_bad_sample=skip`` they are
 replaced by another sample of the same window (deterministically), counted, and logged with the
@@ -25,14 +27,10 @@ shard and key, so counts stay equal and nothing hangs. Decoding uses numpy/json/
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import math
-import re
-import subprocess
-import tarfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipelines.config import ConfigError
+from pipelines.shard_io import decode_sample, read_samples
 
 __all__ = [
     "DataError",
@@ -60,7 +59,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 SCHEMA_MAJOR = 1
 KINDS = ("bert_pairs", "packed_lm", "images")
-_KEY_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 
 class DataError(ConfigError):
@@ -195,107 +193,6 @@ def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, ran
 
 
 # --------------------------------------------------------------------------------------------
-# Reading tar shards (local path or `pipe:` command) without decoding skipped samples
-# --------------------------------------------------------------------------------------------
-
-
-def _open_stream(url: str):
-    if url.startswith("pipe:"):
-        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
-        return proc.stdout, tarfile.open(fileobj=proc.stdout, mode="r|"), proc
-    fh = open(url, "rb")
-    return fh, tarfile.open(fileobj=fh, mode="r:"), None
-
-
-def _groups(url: str, skip: int) -> Iterator[tuple[str, dict[str, bytes] | None]]:
-    """Yield ``(key, {ext: bytes})`` per sample; the first ``skip`` samples are passed over unread (None)."""
-    fh, tf, proc = _open_stream(url)
-    try:
-        key, parts, seen = None, {}, 0
-        for member in tf:
-            if not member.isfile():
-                continue
-            match = _KEY_RE.match(member.name)
-            if not match:
-                continue
-            k, ext = match.group(1), match.group(2)
-            if k != key:
-                if key is not None:
-                    yield key, (parts if seen > skip else None)
-                key, parts, seen = k, {}, seen + 1
-            if seen > skip:
-                parts[ext] = tf.extractfile(member).read()
-        if key is not None:
-            yield key, (parts if seen > skip else None)
-    finally:
-        tf.close()
-        fh.close()
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-
-def read_samples(m: Manifest, shards: list[ShardInfo], start: int, length: int) -> Iterator[tuple[str, str, Any]]:
-    """``length`` raw samples from global position ``start`` of the concatenated ``shards``.
-
-    Yields ``(shard name, key, parts | error string)``; a truncated or unreadable shard yields error
-    entries for its missing samples so the count is always exactly ``length``.
-    """
-    offset = 0
-    remaining = length
-    for s in shards:
-        if remaining <= 0:
-            return
-        if start >= offset + s.samples:
-            offset += s.samples
-            continue  # whole shard skipped without opening it
-        skip = max(0, start - offset)
-        want = min(s.samples - skip, remaining)
-        got = 0
-        try:
-            for key, parts in _groups(m.url(s), skip):
-                if parts is None:
-                    continue
-                yield s.name, key, parts
-                got += 1
-                if got == want:
-                    break
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            log.warning("Shard %s is unreadable after %d samples: %s", s.name, skip + got, exc)
-        for i in range(got, want):
-            yield s.name, f"<missing #{skip + i}>", "truncated shard (fewer samples than the manifest lists)"
-        remaining -= want
-        offset += s.samples
-        start = offset
-
-
-def decode_sample(kind: str, key: str, parts: dict[str, bytes], token_dtype: str = "uint16") -> dict[str, Any]:
-    """Raw WebDataset parts -> python/numpy sample (no pickle). Raises ValueError on bad data."""
-    if kind in ("bert_pairs", "packed_lm"):
-        ext = {"uint16": "u16", "uint32": "u32"}[token_dtype]
-        raw = parts.get(f"input_ids.{ext}")
-        if raw is None or len(raw) % (2 if ext == "u16" else 4):
-            raise ValueError(f"missing or misaligned input_ids.{ext}")
-        ids = np.frombuffer(raw, dtype="<u2" if ext == "u16" else "<u4").astype(np.int64)
-        out: dict[str, Any] = {"key": key, "input_ids": ids}
-        if kind == "bert_pairs":
-            meta = json.loads(parts["meta.json"].decode("utf-8"))
-            out["len_a"], out["len_b"] = int(meta["len_a"]), int(meta["len_b"])
-            out["next_sentence_label"] = int(meta["next_sentence_label"])
-            if out["len_a"] + out["len_b"] + 3 != len(ids):
-                raise ValueError(f"len_a+len_b+3={out['len_a'] + out['len_b'] + 3} != {len(ids)} tokens")
-        return out
-    from PIL import Image
-
-    ext = next((e for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
-    if ext is None or "cls" not in parts:
-        raise ValueError("image sample needs an image (jpg/png/webp) and a .cls label")
-    img = Image.open(io.BytesIO(parts[ext]))
-    img.load()
-    return {"key": key, "image": img.convert("RGB"), "label": int(parts["cls"].decode("ascii").strip())}
-
-
-# --------------------------------------------------------------------------------------------
 # Epoch layout (pure functions of seed, epoch and topology)
 # --------------------------------------------------------------------------------------------
 
@@ -317,64 +214,102 @@ def _worker_batches_done(start_batch: int, w: int, workers: int) -> int:
     return max(0, math.ceil((start_batch - w) / workers))
 
 
-class _EpochStream(IterableDataset):
-    """One rank's batches of one epoch, from ``start_batch`` on; collated inside the worker."""
+class _Stream(IterableDataset):
+    """One rank's batches from ``(epoch, start_batch)`` on, epoch after epoch (``count`` of them, or
+    without end); collated inside the worker.
 
-    def __init__(self, src: StreamingSource, epoch: int, start_batch: int):
-        self.src, self.epoch, self.start_batch = src, epoch, start_batch
+    The loader's k-th batch comes from worker ``k % W`` (DataLoader polls workers in turn), so a
+    worker derives, per epoch, which logical worker's batches (``b % W == w``) are its own. One
+    loader (one set of worker processes) thus serves the whole run: workers run on into the next
+    epoch while the current one's last batches are consumed, so an epoch boundary costs no worker
+    start-up and no wait for the next epoch's first window.
+    """
+
+    def __init__(self, src: StreamingSource, epoch: int, start_batch: int, count: int | None):
+        self.src, self.epoch, self.start_batch, self.count = src, epoch, start_batch, count
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         src, W = self.src, max(1, self.src.num_workers)
         info = get_worker_info()
-        w = ((info.id if info else 0) + self.start_batch) % W  # rotate: first batch is the one due
-        order = [src.shards[i] for i in shard_order(len(src.shards), src.seed, self.epoch, src.shuffle)]
+        p = info.id if info else 0
+        epoch, start, base = self.epoch, self.start_batch, 0  # base: loader index of batch `start` of `epoch`
+        while self.count is None or base < self.count:
+            end = src.batches_per_epoch if self.count is None else min(src.batches_per_epoch, start + self.count - base)
+            yield from self._epoch(epoch, (p + start - base) % W, start, end)
+            base += src.batches_per_epoch - start
+            epoch, start = epoch + 1, 0
+
+    def _epoch(self, epoch: int, w: int, start: int, end: int) -> Iterator[dict[str, Any]]:
+        """Logical worker ``w``'s batches ``b`` of ``epoch`` with ``start <= b < end``."""
+        src, W = self.src, max(1, self.src.num_workers)
+        order = [src.shards[i] for i in shard_order(len(src.shards), src.seed, epoch, src.shuffle)]
         nb, per_worker = epoch_layout(src.total, src.world, W, src.mb)
         span_start = src.rank * nb * src.mb + src.mb * sum(per_worker[:w])
-        span_len = per_worker[w] * src.mb
-        pos = _worker_batches_done(self.start_batch, w, W) * src.mb
+        pos = _worker_batches_done(start, w, W) * src.mb
+        stop = _worker_batches_done(end, w, W) * src.mb
         window = src.window if src.shuffle and src.window > 1 else src.mb
         k = pos // window
         samples: list[dict[str, Any]] = []
-        while k * window < span_len:
-            lo, hi = k * window, min((k + 1) * window, span_len)
-            block = self._window(order, span_start + lo, hi - lo)
-            for sample in block[max(0, pos - lo):]:
-                samples.append(sample)
+        while k * window < stop:
+            lo = k * window
+            hi = min(lo + window, per_worker[w] * src.mb)  # the window's extent does not depend on where we stop
+            block = _Window(src, epoch, order, span_start + lo, hi - lo)
+            for j in range(max(0, pos - lo), min(hi, stop) - lo):
+                samples.append(block.sample(j))
                 if len(samples) == src.mb:
-                    yield src.collate(samples, epoch=self.epoch, train=src.train)
+                    yield src.collate(samples, epoch=epoch, train=src.train)
                     samples = []
             k += 1
 
-    def _window(self, order: list[ShardInfo], start: int, length: int) -> list[dict[str, Any]]:
+
+class _Window:
+    """One shuffle window: its raw samples are read at once (cheap), each is decoded when it is taken.
+
+    Decoding lazily means the first batch of a window waits for the tar read only, not for decoding
+    the whole window (PNG decode is most of an image loader's time). A bad sample keeps its slot and
+    is replaced by the next good sample of the window in read order (the first good one after the
+    end), counted via ``bad``; the result is the same whatever order the slots are taken in.
+    """
+
+    def __init__(self, src: StreamingSource, epoch: int, order: list[ShardInfo], start: int, length: int):
+        self.src, self.start = src, start
+        self.raw = list(read_samples(src.manifest, order, start, length))
+        self.perm = (np.random.default_rng([src.seed, epoch, start, 11]).permutation(length)
+                     if src.shuffle and length > 1 else np.arange(length))
+        self.decoded: dict[int, dict[str, Any] | None] = {}
+
+    def sample(self, j: int) -> dict[str, Any]:
+        """The sample in shuffled slot ``j``."""
+        i = int(self.perm[j])
+        got = self._decode(i)
+        if got is not None:
+            return got
+        n = len(self.raw)
+        for g in (*range(i + 1, n), *range(i)):
+            sub = self._decode(g)
+            if sub is not None:
+                return {**sub, "bad": True}
+        raise DataError(f"Every sample in a window of {n} at position {self.start} of {self.src.manifest.root} is bad.")
+
+    def _decode(self, i: int) -> dict[str, Any] | None:
+        if i in self.decoded:
+            return self.decoded[i]
         src = self.src
-        decoded: list[dict[str, Any] | None] = []
-        bad = 0
-        for shard, key, parts in read_samples(src.manifest, order, start, length):
-            try:
-                if isinstance(parts, str):
-                    raise ValueError(parts)
-                decoded.append(decode_sample(src.manifest.kind, key, parts, src.manifest.token_dtype))
-            except Exception as exc:  # noqa: BLE001 - any decode failure is a bad sample by policy
-                if src.on_bad_sample == "fail":
-                    raise DataError(
-                        f"Bad sample {key} in shard {shard} of {src.manifest.root}: {exc}. "
-                        f"Fix or drop the shard, or set data.on_bad_sample=skip."
-                    ) from None
-                log.warning("Skipping bad sample %s in shard %s: %s", key, shard, exc)
-                decoded.append(None)
-                bad += 1
-        good = [i for i, d in enumerate(decoded) if d is not None]
-        if bad and not good:
-            raise DataError(f"Every sample in a window of {length} at position {start} of {src.manifest.root} is bad.")
-        for i, d in enumerate(decoded):  # substitute: the next good sample of the window
-            if d is None:
-                sub = dict(decoded[next((g for g in good if g > i), good[0])])
-                sub["bad"] = True
-                decoded[i] = sub
-        if src.shuffle and length > 1:
-            perm = np.random.default_rng([src.seed, self.epoch, start, 11]).permutation(length)
-            decoded = [decoded[int(j)] for j in perm]
-        return decoded  # type: ignore[return-value]
+        shard, key, parts = self.raw[i]
+        try:
+            if isinstance(parts, str):
+                raise ValueError(parts)
+            out = decode_sample(src.manifest.kind, key, parts, src.manifest.token_dtype)
+        except Exception as exc:  # noqa: BLE001 - any decode failure is a bad sample by policy
+            if src.on_bad_sample == "fail":
+                raise DataError(
+                    f"Bad sample {key} in shard {shard} of {src.manifest.root}: {exc}. "
+                    f"Fix or drop the shard, or set data.on_bad_sample=skip."
+                ) from None
+            log.warning("Skipping bad sample %s in shard %s: %s", key, shard, exc)
+            out = None
+        self.decoded[i] = out
+        return out
 
 
 def _worker_init(_worker_id: int) -> None:
@@ -388,24 +323,25 @@ def _worker_init(_worker_id: int) -> None:
 class _PositionedSource:
     """Position bookkeeping shared by the sources: (epoch, batches consumed in it, samples seen)."""
 
-    epoch = batch_in_epoch = samples_seen = mb = 0
+    epoch = batch_in_epoch = samples_seen = mb = batches_per_epoch = 0
 
-    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
-        """The rest of the current epoch's batches, from ``batch_in_epoch`` on."""
+    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
+        """``count`` batches (None: without end) from batch ``start`` of ``epoch`` on, across epochs."""
         raise NotImplementedError
 
     def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
         """Batches from the current position; advances the position as they are consumed."""
-        produced = 0
+        produced, stream = 0, None
         while limit is None or produced < limit:
-            for batch in self._epoch_batches():
-                self.batch_in_epoch += 1
-                self.samples_seen += self.mb
-                produced += 1
-                yield batch
-                if limit is not None and produced >= limit:
-                    return
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            if self.batch_in_epoch >= self.batches_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            if stream is None:
+                stream = self._stream(self.epoch, self.batch_in_epoch, None if limit is None else limit - produced)
+            batch = next(stream)
+            self.batch_in_epoch += 1
+            self.samples_seen += self.mb
+            produced += 1
+            yield batch
 
     def rewind(self) -> None:
         """Back to the start of epoch 0 (evaluation reads the same batches every time)."""
@@ -452,19 +388,19 @@ class StreamingSource(_PositionedSource):
             )
         self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
 
-    def _loader(self, epoch: int, start: int) -> DataLoader:
+    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
+        return iter(self._loader(epoch, start, count))
+
+    def _loader(self, epoch: int, start: int, count: int | None = None) -> DataLoader:
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0:
             kwargs = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
         # Own generator: creating loaders never consumes the global torch RNG (exact resume).
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
         return DataLoader(
-            _EpochStream(self, epoch, start), batch_size=None, num_workers=self.num_workers,
+            _Stream(self, epoch, start, count), batch_size=None, num_workers=self.num_workers,
             pin_memory=self.pin_memory, generator=gen, worker_init_fn=_worker_init, **kwargs,
         )
-
-    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
-        return self._loader(self.epoch, self.batch_in_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         W = max(1, self.num_workers)
@@ -520,10 +456,15 @@ class MapStyleSource(_PositionedSource):
         used = order[: self.batches_per_epoch * self.world * self.mb]
         return [int(i) for i in used[self.rank:: self.world]]
 
-    def _epoch_batches(self) -> Iterable[dict[str, Any]]:
-        idx = self._indices(self.epoch)[self.batch_in_epoch * self.mb:]
+    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
+        while True:  # one loader per epoch
+            yield from self._epoch_loader(epoch, start)
+            epoch, start = epoch + 1, 0
+
+    def _epoch_loader(self, epoch: int, start: int) -> DataLoader:
+        idx = self._indices(epoch)[start * self.mb:]
         batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
-        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
         return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen, worker_init_fn=_worker_init,
                           collate_fn=lambda b: self.collate([self.dataset[i] for i in b]))
 

@@ -2,6 +2,8 @@
 
 Each job is launched the way users launch it (``python``, ``accelerate launch``, ``torchrun``,
 ``deepspeed``); the exported directories are loaded with ``transformers`` and used.
+Together with ``test_matrix_*`` every family trains with falling loss on 2 ranks under ZeRO-2 and
+ZeRO-3, and the same config also runs as 1 process.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import pytest
 from conftest import read_trace, run_pretrain, summary_of, train_losses
 
 pytestmark = pytest.mark.slow
+
+CONFIGS = {"bert": "configs/train/bert_tiny_cpu.yaml", "gpt": "configs/train/gpt_tiny_cpu.yaml", "vit": "configs/train/vit_tiny_cpu.yaml"}
+CORPORA = {"bert": "bert_corpus", "gpt": "gpt_corpus", "vit": "image_corpus"}
 
 COMMON = ["data.micro_batch_size=8", "data.num_workers=2", "data.shuffle_buffer=32", "train.log_every=1",
           "train.eval_every=0", "train.eval_batches=4", "optim.lr=3e-3", "schedule.warmup_steps=3", "train.checkpoint_every=0"]
@@ -110,3 +115,24 @@ def test_vit_two_ranks_zero3_deepspeed_launcher_and_classify(vit_run, image_corp
     clf = pipeline("image-classification", model=str(out))
     preds = clf(Image.new("RGB", (40, 40), (200, 40, 40)))
     assert preds and preds[0]["label"].startswith("class")
+
+
+# (family, ZeRO stage, steps, also as 1 process): the 2-rank cells the jobs above do not cover (those
+# are GPT ZeRO-2 and ViT ZeRO-3; BERT already runs as 1 process above). BERT's MLM+NSP loss needs a
+# few more steps to fall clearly than GPT's or ViT's.
+MATRIX = [("bert", 2, 20, False), ("bert", 3, 20, False), ("gpt", 3, 12, True), ("vit", 2, 12, True)]
+
+
+@pytest.mark.parametrize(("family", "stage", "steps", "single"), MATRIX, ids=[f"{f}-zero{z}" for f, z, _, _ in MATRIX])
+def test_matrix_two_ranks_loss_falls_and_same_config_runs_as_one_process(family, stage, steps, single, request, tmp_path):
+    corpus = request.getfixturevalue(CORPORA[family])
+    overrides = [f"data.corpus={corpus}", f"train.max_steps={steps}", f"distributed.zero_stage={stage}", *COMMON]
+    runs = [(2, tmp_path / "two")] + ([(1, tmp_path / "one")] if single else [])
+    for processes, run in runs:
+        proc = run_pretrain(CONFIGS[family], [*overrides, f"train.run_dir={run}"], processes=processes,
+                            launcher="accelerate" if processes > 1 else "python")
+        summary = summary_of(proc)
+        assert summary["world_size"] == processes and summary["steps"] == steps
+        state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+        assert state["engine"] == "deepspeed" and state["zero_stage"] == stage
+        _falls(run)
