@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,10 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
         raise ConfigError("distributed.backend=nccl needs GPUs; use auto or gloo on CPU.")
     if cfg.data.micro_batch_size < 1:
         raise ConfigError(f"data.micro_batch_size must be >= 1, got {cfg.data.micro_batch_size}.")
+    if cfg.optim.name == "lamb" and d.engine == "deepspeed" and d.zero_stage >= 1:
+        warnings.warn("optim.name=lamb with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat fp32 partitions, "
+                      "so LAMB's trust ratio is computed per (parameter group, rank partition), not per layer as in "
+                      "You et al. 2020. Use zero_stage=0 (or engine=ddp) for the per-layer ratio.", stacklevel=2)
     if d.deepspeed_config:
         ds = deepspeed_config(cfg, env.world_size)  # raises on disagreement with the base JSON
         tb = ds.get("train_batch_size")

@@ -337,3 +337,20 @@ def test_zero2_offload_three_steps(ds_world, name):
         assert torch.isfinite(got[n]).all()
         if name != "lamb":  # DeepSpeedCPUAdam computes the same update as torch Adam/AdamW
             torch.testing.assert_close(got[n].detach(), p.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_lamb_under_zero_partitions_is_flagged_before_training(stage):
+    """DeepSpeed hands LAMB flat partitions under ZeRO >= 1: the user is told the trust ratio is not per layer."""
+    import warnings
+
+    from pipelines.config import RunConfig
+    from pipelines.distributed import DistEnv, validate
+
+    cfg = RunConfig()
+    cfg.optim.name, cfg.distributed.engine, cfg.distributed.zero_stage = "lamb", "deepspeed", stage
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(cfg, DistEnv(rank=0, world_size=2, local_rank=0, launcher="torchrun", device="cpu"))
+    flagged = [w for w in caught if "trust ratio" in str(w.message)]
+    assert bool(flagged) == (stage >= 1)
