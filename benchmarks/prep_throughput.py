@@ -12,7 +12,8 @@ how many Ray worker processes ran tasks, the most tasks running at once (must eq
 corpus in fresh driver processes and reports their peak driver RSS.
 
 Each contender runs `--repeat` times, interleaved, and its fastest run counts (the same rule
-for ours and the baseline: on a shared machine the fastest run is the least disturbed one).
+for ours and the baseline: on a shared machine the fastest run is the least disturbed one); the
+ratios of the medians are printed too, as a check that the fastest runs are not flukes.
 
     python benchmarks/prep_throughput.py [--mb 3] [--seq-len 128] [--repeat 3]
 """
@@ -24,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -211,7 +213,10 @@ def main() -> None:
                 runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len))
             o2, o1, b = (min(runs[name], key=lambda x: x["seconds"]) for name in ("ours_2w", "ours_1w", "baseline"))
             r = {name: round(x["tokens"] / x["seconds"]) for name, x in (("ours_2w", o2), ("ours_1w", o1), ("baseline", b))}
+            med = {name: statistics.median(x["seconds"] for x in xs) for name, xs in runs.items()}
             r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2), speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),
+                     median_ratio_vs_baseline=round((o2["tokens"] / med["ours_2w"]) / (b["tokens"] / med["baseline"]), 2),
+                     median_speedup_1_to_2=round(med["ours_1w"] / med["ours_2w"], 2),
                      tokens_ours=o2["tokens"], tokens_baseline=b["tokens"],
                      seconds_all_runs={name: [round(x["seconds"], 2) for x in xs] for name, xs in runs.items()})
             # CPU cost per token (min over runs): far less sensitive to other load than wall time

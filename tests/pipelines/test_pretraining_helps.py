@@ -1,0 +1,109 @@
+"""Is a checkpoint pretrained by our pipeline worth anything downstream? Same architecture, data and
+fine-tuning recipe; only the initial encoder weights differ (`init=pretrained` vs `init=random`).
+
+The checkpoint is made the way a user makes one: the demo corpus (Python's own documentation,
+with the classification task's validation docstrings held out) prepared by the Ray job, tiny BERT
+pretrained with MLM + NSP by `python -m pipelines.pretrain` (one process; 900 steps, about two
+minutes: the demo's 300 steps end before MLM leaves the unigram plateau, see docs/finetune.md),
+then exported to a transformers directory.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_qa import cloze_examples, topic_paragraphs
+
+from pipelines.config import load_config
+from pipelines.finetune import FinetuneConfig, run_finetune
+from pipelines.qa import write_squad
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+PRETRAIN_STEPS = 900
+pytestmark = pytest.mark.slow  # about 5 minutes for the module, most of it the pretraining
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    from data_prep.config import PrepConfig
+    from data_prep.job import run_prepare
+    from pipelines.demo_data import write_classification_task, write_pretraining_corpus
+    from pipelines.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("pretrained")
+    raw, corpus, run_dir, release = root / "raw", root / "corpus", root / "run", root / "release"
+    write_pretraining_corpus(raw)
+    task = write_classification_task(root / "task")
+    run_prepare(load_config(CONFIGS / "demo/prepare_bert.yaml",
+                            [f"output={corpus}", f"sources=[{{type: text, paths: ['{raw}'], text_mode: file}}]"], cls=PrepConfig))
+    overrides = [f"data.corpus={corpus}", f"train.run_dir={run_dir}", f"train.max_steps={PRETRAIN_STEPS}", "optim.lr=2e-3",
+                 "schedule.warmup_steps=60", "distributed.engine=ddp", f"train.eval_every={PRETRAIN_STEPS}",
+                 f"train.checkpoint_every={PRETRAIN_STEPS}", "train.log_every=100", "logging.tensorboard=false"]
+    proc = subprocess.run([sys.executable, "-m", "pipelines.pretrain", str(CONFIGS / "demo/pretrain_bert.yaml"), *overrides],
+                          capture_output=True, text=True, cwd=REPO, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[len("SUMMARY "):])
+    export_checkpoint(run_dir, release)
+    return {"root": root, "release": release, "task": root / "task", "majority": task["majority_baseline"], "eval": summary["eval"]}
+
+
+def test_pretraining_left_the_unigram_plateau(pretrained):
+    """The precondition of the comparisons below: MLM uses context (the unigram guess scores ~0.05)."""
+    assert pretrained["eval"]["mlm_accuracy"] > 0.12, pretrained["eval"]
+
+
+def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
+    """Which stdlib package is this docstring from (5 classes, 848 train / 201 held-out docstrings).
+
+    Four epochs at lr 1e-3, seeds 0-2. Pretraining buys speed at this scale: the pretrained encoder
+    is ahead after every epoch, and both end near 0.91 given 10 epochs. Measured on the 2-core dev
+    machine (2 threads), held-out accuracy after 4 epochs pretrained 0.701 / 0.811 / 0.751 vs random
+    init 0.677 / 0.741 / 0.547; mean over the 4 epochs 0.594 / 0.662 / 0.659 vs 0.485 / 0.568 / 0.445.
+    Single runs of the random-init side move by +-0.1 with the thread count, hence three seeds.
+    """
+    task = pretrained["task"]
+    final: dict[str, list[float]] = {"pretrained": [], "random": []}
+    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
+    for seed in (0, 1, 2):
+        for init in final:
+            cfg = load_config(CONFIGS / "demo/finetune_docstrings.yaml", [
+                f"checkpoint={pretrained['release']}", f"data.train={task / 'train.tsv'}", f"data.validation={task / 'validation.tsv'}",
+                f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}", f"train.seed={seed}", "optim.lr=1e-3", "epochs=4",
+                "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
+            result = run_finetune(cfg)
+            final[init].append(result["metrics"]["accuracy"])
+            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    print("held-out accuracy after 4 epochs:", final, "mean over epochs:", curve, "majority class:", round(pretrained["majority"], 3))
+    assert min(final["pretrained"]) > pretrained["majority"] + 0.2, final
+    assert statistics.mean(final["pretrained"]) > statistics.mean(final["random"]) + 0.03, final
+    assert statistics.mean(curve["pretrained"]) > statistics.mean(curve["random"]) + 0.05, curve
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "Not met yet at this scale: the cloze task rewards aligning the question with its sentence in the "
+    "paragraph, which random init learns as fast. Measured with this checkpoint (900 steps, MLM accuracy 0.16), "
+    "3 epochs: dev EM/F1 pretrained 23.4/23.4 vs random 23.4/23.8 (F1 20.7 vs 24.8 in another run); on docstring cloze 28.6/28.7 vs 27.1/27.3. "
+    "Kept running so a stronger pretraining recipe shows up as XPASS."))
+def test_qa_cloze_pretrained_beats_random_init(pretrained, tmp_path):
+    """Cloze QA on the pydoc topics (like SQuAD on Wikipedia, the paragraphs are part of the pretraining
+    text, the questions and answers are not); train and dev questions come from different topics."""
+    paragraphs = topic_paragraphs()
+    dev_topics = set(sorted({t for t, _ in paragraphs})[::5])
+    train = write_squad(tmp_path / "train.json", cloze_examples([p for p in paragraphs if p[0] not in dev_topics], prefix="tr"))
+    dev = write_squad(tmp_path / "dev.json", cloze_examples([p for p in paragraphs if p[0] in dev_topics], prefix="dv"))
+    f1 = {}
+    for init in ("pretrained", "random"):
+        overrides = {"checkpoint": pretrained["release"], "data.train": train, "data.validation": dev, "train.run_dir": tmp_path / init,
+                     "init": init, "epochs": 3, "data.max_seq_len": 96, "qa.doc_stride": 24, "qa.max_query_len": 48,
+                     "qa.max_answer_len": 8, "data.micro_batch_size": 16, "optim.lr": 1e-3, "schedule.warmup_steps": 10,
+                     "train.log_every": 1000, "logging.tensorboard": False}
+        cfg = load_config(CONFIGS / "finetune/qa.yaml", [f"{k}={v}" for k, v in overrides.items()], cls=FinetuneConfig)
+        f1[init] = run_finetune(cfg)["metrics"]["f1"]
+    print("dev F1:", f1)
+    assert f1["pretrained"] > f1["random"] + 5.0, f1
