@@ -422,6 +422,18 @@ def barrier_if_initialized() -> None:
         torch.distributed.barrier()
 
 
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def fresh_world_env() -> dict[str, str]:
+    """This process' environment minus the rendezvous variables of a world it is or was part of.
+
+    `init_env()` writes them into os.environ for in-process runs; a job started from here is a new
+    world and must not inherit them (the old MASTER_PORT may still be bound by this process).
+    """
+    return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
+
+
 def launch(config_path: str, overrides: list[str], num_processes: int, *, launcher: str = "accelerate",
            accelerate_config: str | None = None, extra_env: dict[str, str] | None = None,
            module: str = "pipelines.pretrain") -> int:
@@ -450,7 +462,7 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
         cmd = [sys.executable, *target]
     else:
         raise ConfigError(f"Unknown launcher {launcher!r}: choose accelerate, torchrun, deepspeed or python.")
-    env = dict(os.environ)
+    env = fresh_world_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_processes))))
     env.update(extra_env or {})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,9 +151,9 @@ def test_two_ranks_name_the_straggler_and_agree_on_a_one_rank_nan(tmp_path, engi
     run_dir = tmp_path / "run"
     spec = {"run_dir": str(run_dir), "steps": 15, "engine": engine, "grad_accum": 2,
             "slow_rank": 1, "slow_forward_s": 0.05, "skew_every": 5, "nan_at": [[1, 7, 1]]}
-    from pipelines.distributed import free_port
+    from pipelines.distributed import free_port, fresh_world_env
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+    env = fresh_world_env()
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(Path(__file__).with_name("trainer_job.py")), json.dumps(spec)],

@@ -3,7 +3,7 @@ fine-tuning recipe; only the initial encoder weights differ (`init=pretrained` v
 
 The checkpoint is made the way a user makes one: the demo corpus (Python's own documentation,
 with the classification task's validation docstrings held out) prepared by the Ray job, tiny BERT
-pretrained with MLM + NSP by `python -m pipelines.pretrain` (one process; 900 steps, about two
+pretrained with MLM + NSP by `pipelines.distributed.launch` (one `python -m pipelines.pretrain`; 900 steps, about two
 minutes: the demo's 300 steps end before MLM leaves the unigram plateau, see docs/finetune.md),
 then exported to a transformers directory.
 """
@@ -11,14 +11,12 @@ then exported to a transformers directory.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_qa import cloze_examples, topic_paragraphs
+from test_qa_finetune import qa_config, split_by_topic
 
 from pipelines.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
@@ -35,6 +33,7 @@ def pretrained(tmp_path_factory):
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
     from pipelines.demo_data import write_classification_task, write_pretraining_corpus
+    from pipelines.distributed import launch
     from pipelines.export import export_checkpoint
 
     root = tmp_path_factory.mktemp("pretrained")
@@ -46,14 +45,11 @@ def pretrained(tmp_path_factory):
     overrides = [f"data.corpus={corpus}", f"train.run_dir={run_dir}", f"train.max_steps={PRETRAIN_STEPS}", "optim.lr=2e-3",
                  "schedule.warmup_steps=60", "distributed.engine=ddp", f"train.eval_every={PRETRAIN_STEPS}",
                  f"train.checkpoint_every={PRETRAIN_STEPS}", "train.log_every=100", "logging.tensorboard=false"]
-    # a fresh single-process job: no rendezvous settings left in this process' environment by in-process runs
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "pipelines.pretrain", str(CONFIGS / "demo/pretrain_bert.yaml"), *overrides],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SUMMARY "))[len("SUMMARY "):])
+    assert launch(str(CONFIGS / "demo/pretrain_bert.yaml"), overrides, 1, launcher="python") == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final_eval = [r for r in lines if r.get("split") == "eval"][-1]
     export_checkpoint(run_dir, release)
-    return {"root": root, "release": release, "task": root / "task", "majority": task["majority_baseline"], "eval": summary["eval"]}
+    return {"root": root, "release": release, "task": root / "task", "majority": task["majority_baseline"], "eval": final_eval}
 
 
 def test_pretraining_left_the_unigram_plateau(pretrained):
@@ -97,17 +93,12 @@ def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
 def test_qa_cloze_pretrained_beats_random_init(pretrained, tmp_path):
     """Cloze QA on the pydoc topics (like SQuAD on Wikipedia, the paragraphs are part of the pretraining
     text, the questions and answers are not); train and dev questions come from different topics."""
-    paragraphs = topic_paragraphs()
-    dev_topics = set(sorted({t for t, _ in paragraphs})[::5])
-    train = write_squad(tmp_path / "train.json", cloze_examples([p for p in paragraphs if p[0] not in dev_topics], prefix="tr"))
-    dev = write_squad(tmp_path / "dev.json", cloze_examples([p for p in paragraphs if p[0] in dev_topics], prefix="dv"))
+    train_p, dev_p = split_by_topic(topic_paragraphs())
+    train = write_squad(tmp_path / "train.json", cloze_examples(train_p, prefix="tr"))
+    dev = write_squad(tmp_path / "dev.json", cloze_examples(dev_p, prefix="dv"))
     f1 = {}
     for init in ("pretrained", "random"):
-        overrides = {"checkpoint": pretrained["release"], "data.train": train, "data.validation": dev, "train.run_dir": tmp_path / init,
-                     "init": init, "epochs": 3, "data.max_seq_len": 96, "qa.doc_stride": 24, "qa.max_query_len": 48,
-                     "qa.max_answer_len": 8, "data.micro_batch_size": 16, "optim.lr": 1e-3, "schedule.warmup_steps": 10,
-                     "train.log_every": 1000, "logging.tensorboard": False}
-        cfg = load_config(CONFIGS / "finetune/qa.yaml", [f"{k}={v}" for k, v in overrides.items()], cls=FinetuneConfig)
+        cfg = qa_config(pretrained["release"], tmp_path / init, train, dev, init=init, epochs=3)
         f1[init] = run_finetune(cfg)["metrics"]["f1"]
     print("dev F1:", f1)
     assert f1["pretrained"] > f1["random"] + 5.0, f1

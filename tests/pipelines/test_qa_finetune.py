@@ -27,7 +27,7 @@ def _dev_topics(paragraphs) -> set[str]:
     return set(sorted({t for t, _ in paragraphs})[::5])
 
 
-def _split(paragraphs):
+def split_by_topic(paragraphs):
     dev = _dev_topics(paragraphs)
     return [p for p in paragraphs if p[0] not in dev], [p for p in paragraphs if p[0] in dev]
 
@@ -36,7 +36,7 @@ def _split(paragraphs):
 def cloze(tmp_path_factory):
     root = tmp_path_factory.mktemp("qa-cloze")
     tokenizer = make_tokenizer(root / "tokenizer")
-    train_p, dev_p = _split(topic_paragraphs())
+    train_p, dev_p = split_by_topic(topic_paragraphs())
     train, dev = cloze_examples(train_p, prefix="tr"), cloze_examples(dev_p, prefix="dv")
     write_squad(root / "train.json", train)
     write_squad(root / "dev.json", dev)
@@ -56,7 +56,7 @@ def hf_base(cloze):
     return base
 
 
-def _config(release: Path, run_dir: Path, train: Path, dev: Path, **over) -> FinetuneConfig:
+def qa_config(release: Path, run_dir: Path, train: Path, dev: Path, **over) -> FinetuneConfig:
     overrides = {"checkpoint": release, "data.train": train, "data.validation": dev, "train.run_dir": run_dir,
                  "data.max_seq_len": 96, "qa.doc_stride": 24, "qa.max_query_len": 48, "qa.max_answer_len": 8,
                  "data.micro_batch_size": 16, "optim.lr": 1e-3, "schedule.warmup_steps": 10, "train.log_every": 1000,
@@ -80,11 +80,11 @@ def test_finetune_from_a_transformers_checkpoint_v2_and_release_loads_back(cloze
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
     base = hf_base
-    train_p, dev_p = _split(cloze["paragraphs"])
+    train_p, dev_p = split_by_topic(cloze["paragraphs"])
     train = write_squad(tmp_path / "train.json", _unanswerable(cloze["train"][:160], train_p, 4), version_2=True)
     dev_ex = _unanswerable(cloze["dev"][:30], dev_p, 3)
     dev = write_squad(tmp_path / "dev.json", dev_ex, version_2=True)
-    cfg = _config(base, tmp_path / "run", train, dev, epochs=1, **{"qa.version_2": True})
+    cfg = qa_config(base, tmp_path / "run", train, dev, epochs=1, **{"qa.version_2": True})
     result = run_finetune(cfg)
     run = tmp_path / "run"
     metrics = json.loads((run / "metrics.json").read_text())["metrics"]
@@ -112,7 +112,7 @@ def test_bad_training_file_fails_with_file_and_question_id(cloze, hf_base, tmp_p
     examples = [QAExample(e.qid, e.question, e.context, [{**e.answers[0], "answer_start": e.answers[0]["answer_start"] + 1}]
                           if i % 10 == 0 else e.answers, False, e.where) for i, e in enumerate(cloze["train"][:100])]
     bad = write_squad(tmp_path / "bad.json", examples)
-    cfg = _config(hf_base, tmp_path / "run", bad, bad)
+    cfg = qa_config(hf_base, tmp_path / "run", bad, bad)
     with pytest.raises(FinetuneError, match=r"bad\.json.*question id tr-0-0.*over the limit of 1\.0%"):
         run_finetune(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()  # it failed before training
