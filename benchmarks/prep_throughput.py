@@ -54,7 +54,7 @@ def build_corpus(root: Path, mb: float, copies: int = 1) -> Path:
         chosen.append((name, text))
         budget -= len(text.encode())
     for c in range(copies):
-        for k, (name, text) in enumerate(chosen):
+        for k, (_name, text) in enumerate(chosen):
             body = text if c == 0 else "\n\n".join(f"Copy {c}. {p}" for p in text.split("\n\n"))
             (root / f"{c:02d}-{k:04d}.txt").write_text(body, encoding="utf-8")
     return root
@@ -166,10 +166,10 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
 
 def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, address: str) -> float:
     code = (
-        "import resource, sys; sys.path.insert(0, %r); from benchmarks.prep_throughput import ours; "
-        "ours(%r, __import__('pathlib').Path(%r), __import__('pathlib').Path(%r), %r, %d, 2); "
-        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-    ) % (str(REPO), kind, str(corpus), str(out), tokenizer, seq_len)
+        f"import resource, sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks.prep_throughput import ours; "
+        f"ours({kind!r}, __import__('pathlib').Path({str(corpus)!r}), __import__('pathlib').Path({str(out)!r}), "
+        f"{tokenizer!r}, {seq_len:d}, 2); print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
     env = {**os.environ, "RAY_ADDRESS": address, "TOKENIZERS_PARALLELISM": "false"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
     line = [x for x in res.stdout.splitlines() if x.startswith("RSS")]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.config import atomic_write_text
-from pipelines.demo_data import write_classification_task, write_pretraining_corpus
+from pipelines.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -81,6 +81,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     t = _stage("1/5 Writing the corpus from Python's own documentation")
     text_stats = write_pretraining_corpus(raw, max_chars=400_000 if opts.small else None)
     task_stats = write_classification_task(task)
+    write_package_qa_task(out / "qa")  # for configs/demo/finetune_package_qa.yaml (not run by the demo)
     print(f"{text_stats['files']} files, {text_stats['chars'] / 1e6:.2f} MB of text; "
           f"task: {task_stats['train']} train / {task_stats['validation']} validation docstrings "
           f"from {', '.join(task_stats['labels'])} ({time.perf_counter() - t:.0f}s)")

@@ -5,7 +5,8 @@ Two sources, both read from the running interpreter, so the demo needs no networ
 - docstrings of the standard library's own source files, read with `ast` (never imported, so no
   module runs any code), ~1.5 MB.
 
-The fine-tuning task asks which standard-library package a docstring comes from. Its validation
+The fine-tuning tasks ask which standard-library package a docstring comes from, once as
+classification and once as extractive QA with the options in the context. Their validation
 docstrings are held out of the pretraining corpus so the comparison with the majority class is fair.
 """
 
@@ -98,9 +99,8 @@ def write_pretraining_corpus(out_dir: str | Path, *, max_chars: int | None = Non
     return {"files": written, "chars": total}
 
 
-def write_classification_task(out_dir: str | Path, *, max_per_class: int | None = None) -> dict[str, object]:
-    """`train.tsv` / `validation.tsv` (columns `text`, `label`): which package is this docstring from?"""
-    out = Path(out_dir)
+def task_docstrings(*, max_per_class: int | None = None) -> dict[str, list[tuple[str, str]]]:
+    """(text on one line, package) of the `TASK_PACKAGES` docstrings, by split ("train", "validation")."""
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "validation": []}
     seen: Counter[tuple[str, str]] = Counter()
     for doc in stdlib_docstrings():
@@ -112,16 +112,67 @@ def write_classification_task(out_dir: str | Path, *, max_per_class: int | None 
         seen[(split, doc.package)] += 1
         # One line per example: the label must come from the content, not from layout.
         rows[split].append((" ".join(doc.text.split()), doc.package))
+    return rows
+
+
+def _majority_share(labels: list[str]) -> float:
+    counts = Counter(labels)
+    return max(counts.values()) / max(1, sum(counts.values()))
+
+
+def write_classification_task(out_dir: str | Path, *, max_per_class: int | None = None) -> dict[str, object]:
+    """`train.tsv` / `validation.tsv` (columns `text`, `label`): which package is this docstring from?"""
+    out = Path(out_dir)
+    rows = task_docstrings(max_per_class=max_per_class)
     for split, items in rows.items():
         buf = io.StringIO()
         writer = csv.writer(buf, delimiter="\t", lineterminator="\n")
         writer.writerows([("text", "label"), *items])
         atomic_write_text(out / f"{split}.tsv", buf.getvalue())
-    val_labels = Counter(label for _, label in rows["validation"])
-    majority = max(val_labels.values()) / max(1, sum(val_labels.values()))
     return {
         "train": len(rows["train"]),
         "validation": len(rows["validation"]),
         "labels": sorted(TASK_PACKAGES),
-        "majority_baseline": majority,
+        "majority_baseline": _majority_share([label for _, label in rows["validation"]]),
+    }
+
+
+PACKAGE_QUESTION = "Which package is this docstring from?"
+
+
+def write_package_qa_task(out_dir: str | Path, *, context_words: int = 50, seed: int = 0) -> dict[str, object]:
+    """`train.json` / `dev.json` (SQuAD v1.1): the docstring task as reading comprehension with options.
+
+    The context is "Packages: <the five names, shuffled per question>. <the docstring's first
+    ``context_words`` words>"; the answer is the span naming the docstring's package. The answer
+    moves from one question to the next, so the span head has to read the list, and the encoder has
+    to know what the docstring is about. (Cloze questions, which the span head can only answer by
+    aligning positions, are learned by neither a pretrained nor a random tiny BERT at demo scale:
+    docs/finetune.md.) Same split as `write_classification_task`; dev docstrings are held out of the
+    pretraining corpus.
+    """
+    import random
+
+    from pipelines.qa import QAExample, write_squad
+
+    out, rng = Path(out_dir), random.Random(seed)
+    rows = task_docstrings()
+    for split, name in (("train", "train.json"), ("validation", "dev.json")):
+        examples = []
+        for i, (text, package) in enumerate(rows[split]):
+            options = list(TASK_PACKAGES)
+            rng.shuffle(options)
+            context, answer_start = "Packages: ", -1
+            for k, option in enumerate(options):
+                if option == package:
+                    answer_start = len(context)
+                context += option + (", " if k < len(options) - 1 else ". ")
+            context += " ".join(text.split()[:context_words])
+            examples.append(QAExample(f"{split}-{i}", PACKAGE_QUESTION, context,
+                                      [{"text": package, "answer_start": answer_start}], False, package))
+        write_squad(out / name, examples, title=f"stdlib-packages-{split}")
+    return {
+        "train": len(rows["train"]),
+        "validation": len(rows["validation"]),
+        "majority_baseline": _majority_share([label for _, label in rows["validation"]]),
     }

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.config import atomic_write_text
 from pipelines.finetune_data import FinetuneError, ReadReport
 
 __all__ = [
@@ -141,7 +142,7 @@ def write_squad(path: str | Path, examples: list[QAExample], *, version_2: bool 
     doc = {"version": "v2.0" if version_2 else "1.1",
            "data": [{"title": title, "paragraphs": [{"context": c, "qas": q} for c, q in paragraphs.items()]}]}
     path = Path(path)
-    path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    atomic_write_text(path, json.dumps(doc, ensure_ascii=False))
     return path
 
 

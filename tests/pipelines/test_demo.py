@@ -38,3 +38,25 @@ def test_demo_end_to_end(tmp_path):
     clf = AutoModelForSequenceClassification.from_pretrained(summary["finetuned_release_dir"])
     assert sorted(clf.config.id2label.values()) == ["asyncio", "email", "logging", "tkinter", "xml"]
 
+
+
+def test_package_qa_task_reads_back_as_valid_squad_with_the_answer_moving(tmp_path):
+    """The QA form of the docstring task: every answer span names its package, no question is dropped,
+    and the options are shuffled per question (a span head cannot learn a fixed position)."""
+    from pipelines.demo_data import TASK_PACKAGES, task_docstrings, write_package_qa_task
+    from pipelines.qa import read_squad
+
+    stats = write_package_qa_task(tmp_path)
+    rows = task_docstrings()
+    for name, split in (("train.json", "train"), ("dev.json", "validation")):
+        examples, report = read_squad(tmp_path / name)
+        assert len(examples) == len(rows[split]) == stats[split] and not report.bad
+        for ex in examples:
+            text, package = rows[split][int(ex.qid.rsplit("-", 1)[1])]
+            (answer,) = ex.answers
+            assert answer["text"] == package == ex.context[answer["answer_start"]:][: len(package)]
+            assert ex.context.endswith(" ".join(text.split()[:50]))
+        options = [ex.context.split(".")[0].removeprefix("Packages: ").split(", ") for ex in examples]
+        assert all(sorted(o) == sorted(TASK_PACKAGES) for o in options)
+        assert {o.index(ex.answers[0]["text"]) for o, ex in zip(options, examples, strict=True)} == set(range(len(TASK_PACKAGES)))
+        assert len({tuple(o) for o in options}) > 50  # many of the 120 orders

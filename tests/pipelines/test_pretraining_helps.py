@@ -5,7 +5,8 @@ The checkpoint is made the way a user makes one: the demo corpus (Python's own d
 with the classification task's validation docstrings held out) prepared by the Ray job, tiny BERT
 pretrained with MLM + NSP by `pipelines.distributed.launch` (one `python -m pipelines.pretrain`; 900 steps, about two
 minutes: the demo's 300 steps end before MLM leaves the unigram plateau, see docs/finetune.md),
-then exported to a transformers directory.
+then exported to a transformers directory. Both downstream forms of the docstring task are
+compared: classification, and extractive QA with the options in the context.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from pipelines.qa import write_squad
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 PRETRAIN_STEPS = 900
-pytestmark = pytest.mark.slow  # about 5 minutes for the module, most of it the pretraining
+pytestmark = pytest.mark.slow  # about 6 minutes for the module: pretraining ~2, 15 fine-tuning runs ~3
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.demo_data import write_classification_task, write_pretraining_corpus
+    from pipelines.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
     from pipelines.distributed import launch
     from pipelines.export import export_checkpoint
 
@@ -40,6 +41,7 @@ def pretrained(tmp_path_factory):
     raw, corpus, run_dir, release = root / "raw", root / "corpus", root / "run", root / "release"
     write_pretraining_corpus(raw)
     task = write_classification_task(root / "task")
+    write_package_qa_task(root / "qa")
     run_prepare(load_config(CONFIGS / "demo/prepare_bert.yaml",
                             [f"output={corpus}", f"sources=[{{type: text, paths: ['{raw}'], text_mode: file}}]"], cls=PrepConfig))
     overrides = [f"data.corpus={corpus}", f"train.run_dir={run_dir}", f"train.max_steps={PRETRAIN_STEPS}", "optim.lr=2e-3",
@@ -49,7 +51,8 @@ def pretrained(tmp_path_factory):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final_eval = [r for r in lines if r.get("split") == "eval"][-1]
     export_checkpoint(run_dir, release)
-    return {"root": root, "release": release, "task": root / "task", "majority": task["majority_baseline"], "eval": final_eval}
+    return {"root": root, "release": release, "task": root / "task", "qa": root / "qa", "majority": task["majority_baseline"],
+            "eval": final_eval}
 
 
 def test_pretraining_left_the_unigram_plateau(pretrained):
@@ -58,7 +61,7 @@ def test_pretraining_left_the_unigram_plateau(pretrained):
 
 
 def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
-    """Which stdlib package is this docstring from (5 classes, 848 train / 201 held-out docstrings).
+    """Which stdlib package is this docstring from (5 classes, 847 train / 201 held-out docstrings).
 
     Four epochs at lr 1e-3, seeds 0-2. Pretraining buys speed at this scale: the pretrained encoder
     is ahead after every epoch, and both end near 0.91 given 10 epochs. Measured on the 2-core dev
@@ -85,10 +88,40 @@ def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
     assert statistics.mean(curve["pretrained"]) > statistics.mean(curve["random"]) + 0.05, curve
 
 
+def test_qa_with_options_pretrained_beats_random_init(pretrained, tmp_path):
+    """Extractive QA on the same docstrings: "Packages: <the five names, shuffled per question>.
+    <docstring>" -> the span that names its package (configs/demo/finetune_package_qa.yaml: 4 epochs,
+    lr 1e-3, seeds 0-2). The answer's position changes with every question, so the span head must read
+    the options; which one is right depends on what the encoder knows about the text.
+
+    Measured on the 2-core dev machine: dev EM after 4 epochs pretrained 77.1 / 84.6 / 77.1 vs random
+    init 68.2 / 68.7 / 65.7; mean over the 4 epochs of the dev windows with start and end right 0.622
+    vs 0.529 (0.574 vs 0.513 from another 900-step checkpoint); the majority package scores 31.3.
+    """
+    qa = pretrained["qa"]
+    em: dict[str, list[float]] = {"pretrained": [], "random": []}
+    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
+    for seed in (0, 1, 2):
+        for init in em:
+            cfg = load_config(CONFIGS / "demo/finetune_package_qa.yaml", [
+                f"checkpoint={pretrained['release']}", f"data.train={qa / 'train.json'}", f"data.validation={qa / 'dev.json'}",
+                f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}", f"train.seed={seed}",
+                "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
+            result = run_finetune(cfg)
+            em[init].append(result["metrics"]["exact_match"])
+            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    print("dev EM after 4 epochs:", em, "mean window accuracy over epochs:", curve)
+    assert min(em["pretrained"]) > 100 * pretrained["majority"] + 20, em
+    assert statistics.mean(em["pretrained"]) > statistics.mean(em["random"]) + 3.0, em
+    assert statistics.mean(curve["pretrained"]) > statistics.mean(curve["random"]) + 0.03, curve
+
+
 @pytest.mark.xfail(strict=False, reason=(
-    "Not met yet at this scale: the cloze task rewards aligning the question with its sentence in the "
-    "paragraph, which random init learns as fast. Measured with this checkpoint (900 steps, MLM accuracy 0.16), "
-    "3 epochs: dev EM/F1 pretrained 23.4/23.4 vs random 23.4/23.8 (F1 20.7 vs 24.8 in another run); on docstring cloze 28.6/28.7 vs 27.1/27.3. "
+    "Not met at this scale, by either init: a cloze answer sits one position away from the words that "
+    "match the question, and a 2-layer, 128-wide encoder does not learn that alignment from a few hundred "
+    "fine-tuning steps (docs/finetune.md). Measured with this checkpoint (900 steps, MLM accuracy 0.16), "
+    "3 epochs: dev EM/F1 pretrained 23.4/23.4 vs random 23.4/23.8 (F1 20.7 vs 24.8 in another run), which is "
+    "the 'pick the longest word' prior: with a random word blanked both score 4-10 EM. "
     "Kept running so a stronger pretraining recipe shows up as XPASS."))
 def test_qa_cloze_pretrained_beats_random_init(pretrained, tmp_path):
     """Cloze QA on the pydoc topics (like SQuAD on Wikipedia, the paragraphs are part of the pretraining

@@ -271,7 +271,7 @@ def test_v2_null_answer_and_threshold(qa_tokenizer):
     feats = prepare_features([ex], qa_tokenizer, max_seq_len=320, doc_stride=32, max_query_len=16)
     k = next(k for k, o in enumerate(feats[1]["offsets"]) if o is not None and o[0] == ex.answers[0]["answer_start"])
     starts, ends = _peak_logits(feats, {1: (k, k, 3.0)})
-    for s, e in zip(starts, ends):  # null (CLS) score 2 * 2.5 = 5 in every window vs best span 6
+    for s, e in zip(starts, ends, strict=True):  # null (CLS) score 2 * 2.5 = 5 in every window vs best span 6
         s[0] = e[0] = 2.5
     common = dict(n_best=5, max_answer_len=10, version_2=True)
     preds, odds = decode_predictions([ex], feats, starts, ends, **common)
