@@ -55,6 +55,22 @@ def pretrained(tmp_path_factory):
             "eval": final_eval}
 
 
+def finetune_both_inits(config: str, release: Path, tmp_path: Path, metric: str, overrides: list[str]):
+    """Seeds 0-2, each from `init=pretrained` and from `init=random`: per init, the final dev `metric`
+    and the mean over the epochs of the dev `accuracy` (the learning curve)."""
+    final: dict[str, list[float]] = {"pretrained": [], "random": []}
+    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
+    for seed in (0, 1, 2):
+        for init in final:
+            cfg = load_config(CONFIGS / config, [
+                f"checkpoint={release}", *overrides, f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}",
+                f"train.seed={seed}", "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
+            result = run_finetune(cfg)
+            final[init].append(result["metrics"][metric])
+            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    return final, curve
+
+
 def test_pretraining_left_the_unigram_plateau(pretrained):
     """The precondition of the comparisons below: MLM uses context (the unigram guess scores ~0.05)."""
     assert pretrained["eval"]["mlm_accuracy"] > 0.12, pretrained["eval"]
@@ -71,17 +87,8 @@ def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
     Single runs of the random-init side move by +-0.1 with the thread count, hence three seeds.
     """
     task = pretrained["task"]
-    final: dict[str, list[float]] = {"pretrained": [], "random": []}
-    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
-    for seed in (0, 1, 2):
-        for init in final:
-            cfg = load_config(CONFIGS / "demo/finetune_docstrings.yaml", [
-                f"checkpoint={pretrained['release']}", f"data.train={task / 'train.tsv'}", f"data.validation={task / 'validation.tsv'}",
-                f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}", f"train.seed={seed}", "optim.lr=1e-3", "epochs=4",
-                "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
-            result = run_finetune(cfg)
-            final[init].append(result["metrics"]["accuracy"])
-            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    final, curve = finetune_both_inits("demo/finetune_docstrings.yaml", pretrained["release"], tmp_path, "accuracy", [
+        f"data.train={task / 'train.tsv'}", f"data.validation={task / 'validation.tsv'}", "optim.lr=1e-3", "epochs=4"])
     print("held-out accuracy after 4 epochs:", final, "mean over epochs:", curve, "majority class:", round(pretrained["majority"], 3))
     assert min(final["pretrained"]) > pretrained["majority"] + 0.2, final
     assert statistics.mean(final["pretrained"]) > statistics.mean(final["random"]) + 0.03, final
@@ -99,17 +106,8 @@ def test_qa_with_options_pretrained_beats_random_init(pretrained, tmp_path):
     vs 0.529 (0.574 vs 0.513 from another 900-step checkpoint); the majority package scores 31.3.
     """
     qa = pretrained["qa"]
-    em: dict[str, list[float]] = {"pretrained": [], "random": []}
-    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
-    for seed in (0, 1, 2):
-        for init in em:
-            cfg = load_config(CONFIGS / "demo/finetune_package_qa.yaml", [
-                f"checkpoint={pretrained['release']}", f"data.train={qa / 'train.json'}", f"data.validation={qa / 'dev.json'}",
-                f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}", f"train.seed={seed}",
-                "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
-            result = run_finetune(cfg)
-            em[init].append(result["metrics"]["exact_match"])
-            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    em, curve = finetune_both_inits("demo/finetune_package_qa.yaml", pretrained["release"], tmp_path, "exact_match", [
+        f"data.train={qa / 'train.json'}", f"data.validation={qa / 'dev.json'}"])
     print("dev EM after 4 epochs:", em, "mean window accuracy over epochs:", curve)
     assert min(em["pretrained"]) > 100 * pretrained["majority"] + 20, em
     assert statistics.mean(em["pretrained"]) > statistics.mean(em["random"]) + 3.0, em
