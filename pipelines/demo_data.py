@@ -16,6 +16,7 @@ import ast
 import csv
 import hashlib
 import io
+import random
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
@@ -151,8 +152,6 @@ def write_package_qa_task(out_dir: str | Path, *, context_words: int = 50, seed:
     docs/finetune.md.) Same split as `write_classification_task`; dev docstrings are held out of the
     pretraining corpus.
     """
-    import random
-
     from pipelines.qa import QAExample, write_squad
 
     out, rng = Path(out_dir), random.Random(seed)
