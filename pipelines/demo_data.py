@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 import hashlib
 import io
 import random
@@ -49,7 +50,13 @@ class Docstring:
 
 def stdlib_docstrings(stdlib_dir: str | Path | None = None) -> Iterator[Docstring]:
     """Module, class and function docstrings of the standard library, in a stable order."""
-    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    yield from _parse_docstrings(Path(stdlib_dir or sysconfig.get_paths()["stdlib"]))
+
+
+@functools.cache
+def _parse_docstrings(root: Path) -> tuple[Docstring, ...]:
+    """Parsed once per process (~3 s): the corpus and both task writers read the same docstrings."""
+    found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if rel.parts[0] in _SKIP_TOP_LEVEL or "tests" in rel.parts or "test" in rel.parts:
@@ -63,7 +70,8 @@ def stdlib_docstrings(stdlib_dir: str | Path | None = None) -> Iterator[Docstrin
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= MIN_DOCSTRING_CHARS:
-                    yield Docstring(package, str(rel), doc.strip())
+                    found.append(Docstring(package, str(rel), doc.strip()))
+    return tuple(found)
 
 
 def pydoc_topics() -> dict[str, str]:
