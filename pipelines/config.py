@@ -72,6 +72,9 @@ class DataConfig:
     num_workers: int = option(2, help="DataLoader worker processes per rank (0 = load in the main process).")
     shuffle_buffer: int = option(1000, help="Samples held in the per-worker shuffle buffer.")
     prefetch_factor: int = option(2, help="Batches prefetched per DataLoader worker.")
+    worker_start_method: Literal["forkserver", "spawn", "fork"] = option(
+        "forkserver", help="How DataLoader workers start: forkserver (safe, ~0.1 s each), spawn (~2 s each), or fork, "
+                           "which can deadlock a worker of a multi-threaded trainer (see pipelines/workers.py).")
     mlm_probability: float = option(0.15, help="Share of non-special tokens selected for MLM (BERT: 0.15).")
     whole_word_masking: bool = option(False, help="Mask all WordPiece pieces of a selected word together.")
     image_size: int = option(224, help="Training crop size for image tasks.")

@@ -26,6 +26,7 @@ shard and key, so counts stay equal and nothing hangs. Decoding uses numpy/json/
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipelines.config import ConfigError
 from pipelines.shard_io import decode_sample, read_samples
+from pipelines.workers import loader_kwargs, worker_context
 
 __all__ = [
     "DataError",
@@ -312,14 +314,6 @@ class _Window:
         return out
 
 
-def _worker_init(_worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGUSR1 (SLURM sends them to every process) to the rank, which checkpoints."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-
-
 class _PositionedSource:
     """Position bookkeeping shared by the sources: (epoch, batches consumed in it, samples seen)."""
 
@@ -372,6 +366,7 @@ class StreamingSource(_PositionedSource):
         on_bad_sample: str = "skip",
         train: bool = True,
         pin_memory: bool = False,
+        start_method: str = "forkserver",
     ):
         self.manifest, self.split, self.collate = manifest, split, collate
         self.shards = manifest.shards(split)
@@ -380,6 +375,9 @@ class StreamingSource(_PositionedSource):
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.window, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.on_bad_sample, self.train, self.pin_memory = on_bad_sample, train, pin_memory
+        self.start_method = start_method
+        if num_workers > 0:
+            worker_context(start_method)  # the forkserver starts now, while the model is being built
         self.batches_per_epoch = self.total // (world * micro_batch_size)
         if self.batches_per_epoch == 0:
             raise DataError(
@@ -392,14 +390,14 @@ class StreamingSource(_PositionedSource):
         return iter(self._loader(epoch, start, count))
 
     def _loader(self, epoch: int, start: int, count: int | None = None) -> DataLoader:
-        kwargs: dict[str, Any] = {}
+        kwargs = loader_kwargs(self.num_workers, self.start_method)
         if self.num_workers > 0:
-            kwargs = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
+            kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
         # Own generator: creating loaders never consumes the global torch RNG (exact resume).
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
         return DataLoader(
             _Stream(self, epoch, start, count), batch_size=None, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, generator=gen, worker_init_fn=_worker_init, **kwargs,
+            pin_memory=self.pin_memory, generator=gen, **kwargs,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -442,9 +440,11 @@ class MapStyleSource(_PositionedSource):
     """
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, micro_batch_size: int,
-                 rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True, num_workers: int = 0):
+                 rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
+                 start_method: str = "forkserver"):
         self.dataset, self.collate, self.mb = dataset, collate, micro_batch_size
         self.rank, self.world, self.seed, self.shuffle, self.num_workers = rank, world, seed, shuffle, num_workers
+        self.start_method = start_method
         self.batches_per_epoch = len(dataset) // (world * micro_batch_size)
         if self.batches_per_epoch == 0:
             raise DataError(f"The dataset has {len(dataset)} items, fewer than one batch per rank ({world} x {micro_batch_size}).")
@@ -465,8 +465,9 @@ class MapStyleSource(_PositionedSource):
         idx = self._indices(epoch)[start * self.mb:]
         batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-        return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen, worker_init_fn=_worker_init,
-                          collate_fn=lambda b: self.collate([self.dataset[i] for i in b]))
+        return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
+                          collate_fn=functools.partial(_collate_items, self.dataset, self.collate),
+                          **loader_kwargs(self.num_workers, self.start_method))
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples_seen": self.samples_seen,
@@ -475,3 +476,8 @@ class MapStyleSource(_PositionedSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self.samples_seen = int(state.get("samples_seen", 0))
+
+
+def _collate_items(dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], indices: list[int]) -> dict[str, Any]:
+    """One batch of a map-style dataset (a module-level function: workers may be started by pickling)."""
+    return collate([dataset[i] for i in indices])

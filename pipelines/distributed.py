@@ -375,6 +375,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     count, creates accelerate's process-wide state and a process group. The demo, sweeps, notebooks
     and tests run several jobs in one process, so all of that is undone afterwards.
     """
+    import faulthandler
     import signal
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -387,6 +388,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        faulthandler.unregister(signal.SIGUSR2)  # the run's stack dump on SIGUSR2 (pipelines.workers)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(num_threads)
         try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)

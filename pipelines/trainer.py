@@ -311,10 +311,14 @@ class Trainer:
             return 0.0
 
     def _install_signal_handlers(self) -> None:
-        """SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint at the next step boundary, then stop."""
+        """SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint at the next step boundary, then stop.
+        SIGUSR2: print every thread's stack (where is a hung job?)."""
+        from pipelines.workers import register_stack_dump
 
         def handler(signum: int, _frame: Any) -> None:
             self._signal = signum
+
+        register_stack_dump()
 
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
@@ -348,7 +352,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     model, build = build_model(cfg, task)
     d = cfg.data
     common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers, seed=cfg.train.seed,
-                  prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda")
+                  prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
+                  start_method=d.worker_start_method)
     train_src = data_mod.StreamingSource(manifest, "train", task.collate, micro_batch_size=d.micro_batch_size,
                                          shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)
     eval_src = None

@@ -53,11 +53,14 @@ def wait_job(job_id: str, timeout: float, *, logs: Path | None = None, until=Non
         if info.get("JobState") in TERMINAL and until is None:
             return info
         time.sleep(1)
+    # a hung job: its trainers and data workers print their Python stacks into the node logs first
+    subprocess.run(["scancel", "--signal=USR2", job_id], capture_output=True)
+    time.sleep(3)
     subprocess.run(["scancel", job_id], capture_output=True)
     pytest.fail(f"job {job_id} did not finish in {timeout:.0f} s: {info.get('JobState')}\n{dump_logs(logs)}")
 
 
-def dump_logs(log_dir: Path | None, tail: int = 3000) -> str:
+def dump_logs(log_dir: Path | None, tail: int = 6000) -> str:
     if log_dir is None or not log_dir.is_dir():
         return "(no logs)"
     return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(log_dir.glob("*.log"))

@@ -1,0 +1,128 @@
+"""How DataLoader worker processes start, and how they treat the job's signals.
+
+Why not plain ``fork`` (torch's default on Linux): a trainer is multi-threaded (gloo, DeepSpeed,
+each loader's queue feeder thread), and ``fork()`` copies a process whose other threads may hold
+locks at that instant. We caught CPython 3.11 doing exactly this: an evaluation loader's worker
+stuck for good in ``PyOS_AfterFork_Child`` -> ``_PyThreadState_DeleteExcept`` (a thread of the
+previous loader was exiting while we forked), its rank waiting on it and the other rank waiting
+in the all-reduce — a finished run that never exits. Python 3.14 made ``forkserver`` the POSIX
+default for this reason. The forkserver is a clean single-threaded process, started once per
+trainer (it imports torch and our data modules once, ~1.5 s, overlapping model set-up); every
+worker is forked from it, which costs about what a fork of the trainer does (~0.08 s). ``spawn``
+starts a fresh interpreter per worker (~2 s each); ``fork`` stays available for scripts that
+cannot guard their entry point with ``if __name__ == "__main__":``.
+
+Signals: SLURM delivers the pre-emption warning (USR1) and SIGTERM to *every* process of the job
+step; the trainer checkpoints on them, its workers and the forkserver must just survive. SIGUSR2
+makes every process print its Python stacks (``scancel --signal=USR2 JOB`` on a job that seems
+hung).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import multiprocessing
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+START_METHODS = ("forkserver", "spawn", "fork")
+# Modules a worker needs; the forkserver imports them once so that each worker starts in ~0.1 s.
+_PRELOAD = ["pipelines.data", "pipelines.tasks"]
+_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+
+
+def worker_context(method: str) -> Any:
+    """The multiprocessing context to pass as ``DataLoader(multiprocessing_context=...)``."""
+    if method not in START_METHODS:
+        from pipelines.config import ConfigError
+
+        raise ConfigError(f"data.worker_start_method={method!r}: choose one of {', '.join(START_METHODS)}.")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        _ensure_forkserver(ctx)
+    return ctx
+
+
+def loader_kwargs(num_workers: int, method: str) -> dict[str, Any]:
+    """``DataLoader`` arguments for ``num_workers`` workers started by ``method`` (none for 0)."""
+    if num_workers <= 0:
+        return {}
+    return {"multiprocessing_context": worker_context(method),
+            "worker_init_fn": functools.partial(worker_init, owner_pid=os.getpid())}
+
+
+def _ensure_forkserver(ctx: Any) -> None:
+    """Start this process's forkserver (idempotent) with the job's signals blocked in it.
+
+    A blocked signal stays blocked across fork and exec, so the forkserver, the resource tracker
+    and every worker forked later never act on them; in this process they are only held back for
+    the few milliseconds of the spawn (blocked, not ignored: one arriving meanwhile is delivered
+    right after, never lost).
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    ctx.set_forkserver_preload(_PRELOAD)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
+    try:
+        resource_tracker.ensure_running()  # starts first; it unblocks SIGINT/SIGTERM here when it does
+        signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def worker_init(_worker_id: int, owner_pid: int | None = None) -> None:
+    """Workers leave SIGTERM/SIGUSR1 to their rank (which checkpoints), dump stacks on SIGUSR2, and
+    exit when ``owner_pid`` (the rank that made the loader) does. Bind it with functools.partial."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    register_stack_dump()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)  # blocked since the forkserver's start
+    if owner_pid is not None and owner_pid != os.getppid():
+        _exit_with(owner_pid)
+
+
+def _exit_with(owner_pid: int) -> None:
+    """torch's workers watch their parent, which is the forkserver here, and the forkserver lives as
+    long as any worker does: a rank killed with SIGKILL (OOM killer, a dead node's launcher) would
+    leave its workers and the forkserver running forever, holding the job's stdout open. So each
+    worker watches its rank itself."""
+    try:
+        fd = os.pidfd_open(owner_pid)  # Linux >= 5.3: readable once the process has exited, no pid reuse
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(owner_pid):
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watchdog", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def register_stack_dump() -> None:
+    """SIGUSR2 prints every thread's Python stack to stderr (the job's per-node log)."""
+    try:
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError):  # no SIGUSR2 (Windows) or stderr has no fd
+        pass
