@@ -83,7 +83,7 @@ SLOW_WORKER = textwrap.dedent("""
         def __iter__(self):
             open(sys.argv[1], "w").write(str(os.getpid()))
             yield 0
-            time.sleep(3)  # where the worker is when asked
+            time.sleep(5)  # where the worker is when asked
             yield 1
 
     if __name__ == "__main__":
@@ -93,6 +93,7 @@ SLOW_WORKER = textwrap.dedent("""
         next(it)
         time.sleep(1)
         os.kill(int(open(sys.argv[1]).read()), signal.SIGUSR2)
+        time.sleep(0.5)  # one process at a time: both write to the same stderr
         os.kill(os.getpid(), signal.SIGUSR2)
         print("got", list(it))
 """)
