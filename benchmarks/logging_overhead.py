@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from monitoring import HealthMonitor, RunLogger, ThroughputMeter
-from pipelines.config import LoggingConfig, TrainConfig
+from pipelines.engine.config import LoggingConfig, TrainConfig
 
 
 def measure(tmp_path: Path, steps: int) -> float:

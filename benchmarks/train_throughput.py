@@ -79,11 +79,12 @@ def hf_worker(args: argparse.Namespace) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import models
-    from pipelines import data, tasks
-    from pipelines.config import load_config
-    from pipelines.trainer import build_model
+    from pipelines.engine import objectives as tasks
+    from pipelines.engine.config import load_run_config
+    from pipelines.engine.trainer import build_model
+    from pipelines.loading import loader as data
 
-    cfg = load_config(REPO / CONFIGS[args.hf_worker], [f"data.corpus={args.corpus}"])
+    cfg = load_run_config(REPO / CONFIGS[args.hf_worker], [f"data.corpus={args.corpus}"])
     kind = {"bert": "bert_pairs", "gpt": "packed_lm", "vit": "images"}[args.hf_worker]
     m = data.load_manifest(args.corpus, kind=kind)
     task = tasks.build_task(cfg, m)
@@ -145,9 +146,10 @@ def main() -> None:
 
     import models
     from monitoring.throughput import cpu_peak_flops
-    from pipelines import data, tasks
-    from pipelines.config import load_config
-    from pipelines.trainer import build_model
+    from pipelines.engine import objectives as tasks
+    from pipelines.engine.config import load_run_config
+    from pipelines.engine.trainer import build_model
+    from pipelines.loading import loader as data
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,7 +159,7 @@ def main() -> None:
         for kind in args.models.split(","):
             corpus = make_corpus(kind, Path(tmp) / kind / "corpus", args.seq_len, max(512, args.batch * 16))
             m = data.load_manifest(corpus)
-            cfg = load_config(REPO / CONFIGS[kind], [f"data.corpus={corpus}"])
+            cfg = load_run_config(REPO / CONFIGS[kind], [f"data.corpus={corpus}"])
             model, _ = build_model(cfg, tasks.build_task(cfg, m))
             flops = models.flops.training_flops_per_sample(model.config, m.seq_len or None)
             split = m.raw["splits"]["train"]

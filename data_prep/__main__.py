@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.config import ConfigError
 from data_prep.errors import PrepError
-from pipelines.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Typed configuration of a data-preparation job (`PrepConfig`), loaded like every other config.
 
-`load_prep_config(path, overrides)` is `pipelines.config.load_config(..., cls=PrepConfig)`: YAML
+`load_prep_config(path, overrides)` is `pipelines.engine.config.load_config(..., cls=PrepConfig)`: YAML
 with `extends:`, dotted `key=value` overrides and strict checking, so a typo fails with the
 closest valid key instead of being silently ignored.
 """
@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipelines.config import ConfigError, load_config, option, to_dict
+from core.config import ConfigError, load_config, option, to_dict
 
 __all__ = [
     "SourceConfig",

@@ -24,13 +24,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from core.config import to_dict
+from core.corpus import SCHEMA_VERSION, write_manifest
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.errors import PrepError
-from data_prep.shards import SCHEMA_VERSION, STATE_DIR, write_manifest
+from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
-from data_prep.tasks import chunk_entries, run_limited
-from pipelines.config import to_dict
+from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
 

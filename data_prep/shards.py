@@ -1,4 +1,4 @@
-"""WebDataset shard writing and reading, checksums, the manifest and per-shard completion records.
+"""WebDataset shard writing and per-shard completion records (the format itself is ``core.corpus``).
 
 Tar files are written byte-reproducibly (fixed mtime/owner/mode, members in sample order) to a
 temporary name in the corpus directory and renamed when complete, so a crash never leaves a
@@ -13,33 +13,15 @@ import hashlib
 import json
 import os
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from data_prep.errors import PrepError
-from pipelines.config import atomic_write_text
+from core.files import atomic_write_text, sha256_file
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "write_shard",
-    "write_shard_tmp",
-    "commit_shard",
-    "read_shard",
-    "sha256_file",
-    "shard_name",
-    "load_record",
-    "save_record",
-    "write_manifest",
-    "read_manifest",
-]
+__all__ = ["STATE_DIR", "write_shard", "write_shard_tmp", "commit_shard", "load_record", "save_record"]
 
-SCHEMA_VERSION = "1.0"
 STATE_DIR = ".state"
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:06d}.tar"
 
 
 _BLOCK = 512
@@ -143,33 +125,6 @@ def commit_shard(tmp: Path, path: str | os.PathLike) -> None:
         raise
 
 
-def read_shard(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Samples of a shard in file order, members grouped by key (what WebDataset does)."""
-    key: str | None = None
-    members: dict[str, bytes] = {}
-    with tarfile.open(path, mode="r") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            base = os.path.basename(info.name)
-            k, _, ext = base.partition(".")
-            if k != key and key is not None:
-                yield key, members
-                members = {}
-            key = k
-            members[ext] = tar.extractfile(info).read()  # type: ignore[union-attr]
-    if key is not None:
-        yield key, members
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def _record_path(corpus: str | os.PathLike, name: str) -> Path:
     return Path(corpus) / STATE_DIR / f"{name}.json"
 
@@ -191,22 +146,3 @@ def load_record(corpus: str | os.PathLike, name: str, fingerprint: str) -> dict[
 
 def save_record(corpus: str | os.PathLike, name: str, record: dict[str, Any]) -> None:
     atomic_write_text(_record_path(corpus, name), json.dumps(record, sort_keys=True))
-
-
-def write_manifest(corpus: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    atomic_write_text(Path(corpus) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def read_manifest(corpus: str | os.PathLike) -> dict[str, Any]:
-    """Load and version-check a corpus manifest."""
-    path = Path(corpus) / "manifest.json"
-    if not path.is_file():
-        raise PrepError(f"{corpus} has no manifest.json: it is not a finished corpus. Run `pretrain prepare CONFIG` to (re)build it.")
-    manifest = json.loads(path.read_text())
-    major = str(manifest.get("schema_version", "0")).split(".")[0]
-    if major != SCHEMA_VERSION.split(".")[0]:
-        raise PrepError(
-            f"{path} has schema_version {manifest.get('schema_version')!r}; this code reads {SCHEMA_VERSION}. "
-            f"Re-run data preparation with this version of pretrain."
-        )
-    return manifest

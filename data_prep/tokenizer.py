@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from core.files import atomic_write_text
 from data_prep.config import TokenizerConfig
 from data_prep.errors import PrepError
-from pipelines.config import atomic_write_text
 
 __all__ = ["train_tokenizer", "save_tokenizer", "load_tokenizer_dir", "tokenizer_info", "BERT_SPECIALS", "GPT_EOS"]
 

@@ -23,7 +23,7 @@ Quantities (``t`` = Adam step count, from the state's ``step`` or else the ``ste
   adaptive step size 1 / (sqrt(v^) + eps), the quantity whose early variance motivates warmup
   (Liu et al. 2020, arXiv:1908.03265, sec. 3; Ma & Yarats 2019, arXiv:1910.04209, sec. 4).
 - ``radam/rho_t``, ``radam/rectified`` (1/0) and, when rectified, ``radam/r_t``
-  (``pipelines.optim.radam_rectification``), for every Adam-family optimizer: the rectification
+  (``core.optim_math.radam_rectification``), for every Adam-family optimizer: the rectification
   is the implicit warmup the study compares against.
 - ``lamb/trust_ratio_mean`` / ``_min`` / ``_max`` when the state holds LAMB trust ratios.
 """
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.optim import radam_rectification
+from core.optim_math import radam_rectification
 
 __all__ = [
     "layer_group",
@@ -319,7 +319,7 @@ def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int 
     """Log gradient/optimizer diagnostics for update ``step`` when ``diagnostics_due`` says so.
 
     Call it on **every rank** between the last ``engine.backward`` and ``engine.step()`` (the
-    gradients still exist there); ``engine`` is ``pipelines.distributed.Engine``, ``cfg`` the
+    gradients still exist there); ``engine`` is ``pipelines.engine.distributed.Engine``, ``cfg`` the
     ``RunConfig``. Writes, under ``step``:
 
     - split ``diag`` (``RunLogger.log``): everything ``collect_diagnostics`` returns (Adam statistics

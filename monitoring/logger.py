@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import atomic_write_text
+from core.files import atomic_write_text
 
 __all__ = ["RunLogger", "read_metrics_lines"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config import ConfigError
+from core.config import ConfigError
 
 __all__ = ["PrometheusExporter"]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.files import atomic_write_text
 from monitoring.logger import read_metrics_lines
-from pipelines.config import atomic_write_text
 
 __all__ = ["Run", "load_run", "render_report", "main"]
 

@@ -13,7 +13,8 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
-from pipelines.config import ConfigError
+from core.config import ConfigError
+from pipelines.engine.config import load_run_config
 
 EXIT_CONFIG = 2
 EXIT_FAILURE = 1
@@ -24,7 +25,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [FileNotFoundError]
     for module, name in (
         ("data_prep.errors", "PrepError"),
-        ("pipelines.finetune_data", "FinetuneError"),
+        ("pipelines.finetune.data", "FinetuneError"),
     ):
         mod = sys.modules.get(module)
         cls = getattr(mod, name, None) if mod else None
@@ -39,7 +40,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipelines.demo import DemoOptions, run_demo
+    from pipelines.ops.demo import DemoOptions, run_demo
 
     opts = DemoOptions(out_dir=args.out, pretrain_steps=args.steps, num_processes=args.nproc, small=args.small)
     run_demo(opts)
@@ -47,9 +48,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from core.config import load_config
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.config import load_config
 
     cfg = load_config(args.config, args.overrides, cls=PrepConfig)
     run_prepare(cfg)
@@ -57,33 +58,32 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from data_prep.inspect import inspect_corpus
+    from data_prep.inspect_corpus import inspect_corpus
 
     print(inspect_corpus(args.path, n=args.n))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.config import load_config
 
-    cfg = load_config(args.config, args.overrides)  # validate before any process starts
+    cfg = load_run_config(args.config, args.overrides)  # validate before any process starts
     if args.nproc > 1:
-        from pipelines.distributed import launch
+        from pipelines.engine.distributed import launch
 
         return launch(args.config, args.overrides, args.nproc, launcher=args.launcher)
-    from pipelines.trainer import train
+    from pipelines.engine.trainer import train
 
     train(cfg)
     return 0
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from pipelines.config import load_config
+    from core.config import load_config
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     if args.nproc > 1:
-        from pipelines.distributed import launch
+        from pipelines.engine.distributed import launch
 
         return launch(args.config, args.overrides, args.nproc, launcher=args.launcher, module="pipelines.finetune")
     run_finetune(cfg)
@@ -91,7 +91,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"Exported {args.checkpoint} -> {out}")
@@ -99,7 +99,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pipelines.sweep import load_sweep, run_local, submit_slurm
+    from pipelines.study.sweep import load_sweep, run_local, submit_slurm
 
     sweep = load_sweep(args.sweep, args.overrides)
     if args.slurm:
@@ -113,7 +113,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from monitoring.report import render_report
 
     if len(args.run_dirs) == 1:  # a sweep dir gets the optimizer x warmup study report
-        from monitoring.study import is_sweep_dir, render_study
+        from pipelines.study.analysis import is_sweep_dir, render_study
 
         if is_sweep_dir(args.run_dirs[0]):
             out = args.out if args.out != "report" else None  # default: SWEEP_DIR/study
@@ -125,7 +125,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from pipelines.submit import SubmitOptions, describe_submitted, render_job, submit_job
+    from pipelines.ops.submit import SubmitOptions, describe_submitted, render_job, submit_job
 
     opts = SubmitOptions(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time,

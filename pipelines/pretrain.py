@@ -1,7 +1,7 @@
 """``python -m pipelines.pretrain CONFIG [key=value ...]``: one rank of a pretraining job.
 
 Runs unchanged under ``accelerate launch``, ``torchrun``, ``deepspeed`` and ``srun`` (and as a plain
-single process); ``pipelines.distributed`` works out which. Config and corpus problems print one
+single process); ``pipelines.engine.distributed`` works out which. Config and corpus problems print one
 paragraph and exit with code 2, before any process group starts.
 """
 
@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from pipelines.config import ConfigError, RunConfig, describe, load_config
+from core.config import ConfigError, describe
+from pipelines.engine.config import RunConfig, load_run_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        from pipelines.trainer import train
+        cfg = load_run_config(args.config, args.overrides)
+        from pipelines.engine.trainer import train
 
         summary = train(cfg)
     except ConfigError as exc:

@@ -77,8 +77,8 @@ pretrain_job_env() {
 # Validate KIND (pretrain | finetune) CONFIG [k=v ...] before any srun and learn where the run writes.
 pretrain_resolve_run() {
   local out
-  out=$("$PRETRAIN_PYTHON" -m pipelines.submit resolve "$@") || _pretrain_die "the run config is invalid (message above)"
-  eval "$out"  # RUN_DIR=... MAX_STEPS=... RESUME=... (shell-quoted by pipelines.submit)
+  out=$("$PRETRAIN_PYTHON" -m pipelines.ops.submit resolve "$@") || _pretrain_die "the run config is invalid (message above)"
+  eval "$out"  # RUN_DIR=... MAX_STEPS=... RESUME=... (shell-quoted by pipelines.ops.submit)
   export RUN_DIR MAX_STEPS RESUME LOG_DIR=$RUN_DIR/logs
   mkdir -p "$LOG_DIR"
 }

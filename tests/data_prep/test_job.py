@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import yaml
 
+from core.corpus import read_shard
 from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
-from data_prep.inspect import inspect_corpus
+from data_prep.inspect_corpus import inspect_corpus
 from data_prep.job import run_prepare
-from data_prep.shards import read_shard
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

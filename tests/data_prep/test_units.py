@@ -10,12 +10,14 @@ import unicodedata
 import numpy as np
 import pytest
 
+from core.config import ConfigError
+from core.corpus import read_shard
+from core.files import sha256_file
 from data_prep.bert_pairs import create_pairs, split_sentences
 from data_prep.clean import Stats, band_keys, clean_text, lsh_params, minhash_signature
 from data_prep.config import CleanConfig, PrepConfig, SourceConfig, TokenizerConfig, load_prep_config
 from data_prep.packing import pack_windows
-from data_prep.shards import load_record, read_shard, save_record, sha256_file, write_shard
-from pipelines.config import ConfigError
+from data_prep.shards import load_record, save_record, write_shard
 
 
 def test_clean_rules_are_counted():
@@ -182,7 +184,7 @@ def test_tasks_never_exceed_the_worker_count(ray_cluster):
 
     import ray
 
-    from data_prep.tasks import chunk_entries, run_limited
+    from data_prep.task_pool import chunk_entries, run_limited
 
     entries = [{"path": f"f{i}", "source": 0, "size": (i * 37) % 11 + 1} for i in range(23)]
     chunks = chunk_entries(entries, 4)

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from pipelines.config import LoggingConfig, RunConfig, save_config, to_dict
+from core.config import save_config, to_dict
+from pipelines.engine.config import LoggingConfig, RunConfig
 
 
 def run_tiny_loop(

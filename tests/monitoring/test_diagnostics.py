@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from core.optim_math import radam_rectification
 from monitoring.diagnostics import collect_diagnostics, gradient_histogram, layer_group
-from pipelines.optim import Lamb, radam_rectification
+from pipelines.engine.optim import Lamb
 
 
 def test_layer_group():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from monitoring import HealthMonitor
-from pipelines.config import LoggingConfig
+from pipelines.engine.config import LoggingConfig
 
 
 def _events(run_dir: Path, prefix: str = "") -> list[dict]:

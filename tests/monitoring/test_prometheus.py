@@ -9,8 +9,9 @@ import urllib.request
 
 import pytest
 
+from core.config import ConfigError
 from monitoring import RunLogger
-from pipelines.config import ConfigError, LoggingConfig, load_config
+from pipelines.engine.config import LoggingConfig, load_run_config
 
 pytest.importorskip("prometheus_client")
 
@@ -75,7 +76,7 @@ def test_taken_port_and_bad_values_fail_clearly(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("logging:\n  prometheus_port: 70000\n")
     with pytest.raises(ConfigError, match="prometheus_port"):
-        load_config(cfg_file)
+        load_run_config(cfg_file)
 
 
 def test_missing_package_fails_clearly(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from monitoring import RunLogger
-from pipelines.config import LoggingConfig
+from pipelines.engine.config import LoggingConfig
 
 
 def _lines(run_dir: Path) -> list[dict]:

@@ -13,11 +13,12 @@ import torch
 import yaml
 from torch import nn
 
+from core.config import save_config, to_dict
+from core.optim_math import radam_rectification
 from monitoring.diagnostics import adam_update, diagnostics_due, log_diagnostics
 from monitoring.logger import RunLogger, read_metrics_lines
-from monitoring.study import FIGURES, _arms, _hist_steps, load_study, render_study, summarize
-from pipelines.config import LoggingConfig, RunConfig, save_config, to_dict
-from pipelines.optim import radam_rectification
+from pipelines.engine.config import LoggingConfig, RunConfig
+from pipelines.study.analysis import FIGURES, _arms, _hist_steps, load_study, render_study, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,8 +90,8 @@ def run_cfg(optimizer: str = "radam", every: int = 2, warmup: str = "none", step
 
 def tiny_run(run_dir: Path, cfg: RunConfig, *, seed: int = 0, nan_at: int | None = None) -> None:
     """A real loop the way the trainer calls log_diagnostics (between backward and step), with train/eval logs."""
-    from pipelines.optim import build_optimizer
-    from pipelines.schedules import build_schedule
+    from pipelines.engine.optim import build_optimizer
+    from pipelines.engine.schedules import build_schedule
 
     torch.manual_seed(seed)
     model = Tiny()
@@ -155,7 +156,7 @@ def test_log_diagnostics_is_silent_when_off_or_not_due(tmp_path):
 
 @pytest.fixture(scope="module")
 def synthetic_sweep(tmp_path_factory) -> Path:
-    """2 arms x 2 seeds written the way pipelines.sweep lays them out; adam-none seed 1 diverges at step 6."""
+    """2 arms x 2 seeds written the way pipelines.study.sweep lays them out; adam-none seed 1 diverges at step 6."""
     root = tmp_path_factory.mktemp("sweep")
     runs = []
     for seed in (0, 1):
@@ -200,7 +201,7 @@ def test_render_study_writes_every_figure_and_the_table(synthetic_sweep, tmp_pat
 def test_summary_numbers_from_known_curves(tmp_path):
     """Final loss = mean of the last 3 train logs; steps to target on the 3-point trailing mean; best val."""
     from monitoring.report import load_run
-    from monitoring.study import StudyRun
+    from pipelines.study.analysis import StudyRun
 
     curves = {"a-s0": [4, 3, 2, 1, 1, 1], "a-s1": [4, 3, 3, 3, 3, 3], "b-s0": [5, 5, 5, 5, 5, 5]}
     runs = []
@@ -233,15 +234,15 @@ def test_cli_report_renders_the_study_for_a_sweep_dir(synthetic_sweep, capsys):
 
 
 def _trainer_logs_diagnostics() -> bool:
-    return "log_diagnostics" in (REPO / "pipelines" / "trainer.py").read_text()
+    return "log_diagnostics" in (REPO / "pipelines" / "engine" / "trainer.py").read_text()
 
 
 def test_render_study_on_a_real_2x2_sweep(tmp_path):
-    """adam/radam x none/linear, ~10 real steps each through pipelines.sweep and the trainer."""
+    """adam/radam x none/linear, ~10 real steps each through pipelines.study.sweep and the trainer."""
     sys.path.insert(0, str(REPO / "tests" / "pipelines"))
     import corpus_fixtures as cf
 
-    from pipelines.sweep import load_sweep, run_local
+    from pipelines.study.sweep import load_sweep, run_local
 
     corpus = cf.make_bert_corpus(tmp_path / "corpus")
     spec = {
@@ -282,7 +283,7 @@ def test_render_study_on_a_real_2x2_sweep(tmp_path):
     assert all(a["ok"] == 1 and a["final_loss"] is not None and a["best_val_loss"] is not None for a in summary["arms"])
     if not _trainer_logs_diagnostics():
         pytest.skip(
-            "pipelines/trainer.py does not call monitoring.diagnostics.log_diagnostics yet: histogram and "
+            "pipelines/engine/trainer.py does not call monitoring.diagnostics.log_diagnostics yet: histogram and "
             "Adam-variance figures hold a 'no diagnostics' note (figures + table checked above)"
         )
     _, runs = load_study(tmp_path / "sw")

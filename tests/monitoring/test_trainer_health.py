@@ -22,7 +22,7 @@ ENGINES = ["ddp", "deepspeed"]
 
 def _world_of_one(mp: pytest.MonkeyPatch) -> None:
     """The in-process job reads the torch.distributed variables; monkeypatch keeps them out of later tests."""
-    from pipelines.distributed import free_port
+    from pipelines.engine.distributed import free_port
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
@@ -151,7 +151,7 @@ def test_two_ranks_name_the_straggler_and_agree_on_a_one_rank_nan(tmp_path, engi
     run_dir = tmp_path / "run"
     spec = {"run_dir": str(run_dir), "steps": 15, "engine": engine, "grad_accum": 2,
             "slow_rank": 1, "slow_forward_s": 0.05, "skew_every": 5, "nan_at": [[1, 7, 1]]}
-    from pipelines.distributed import free_port, fresh_world_env
+    from pipelines.engine.distributed import free_port, fresh_world_env
 
     env = fresh_world_env()
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

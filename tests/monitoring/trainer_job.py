@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from pipelines.config import RunConfig
-from pipelines.data import MapStyleSource
-from pipelines.tasks import Task
+from pipelines.engine.config import RunConfig
+from pipelines.engine.objectives import Task
+from pipelines.loading.loader import MapStyleSource
 
 FEATURES = 8
 
@@ -147,8 +147,8 @@ def build_config(spec: dict[str, Any]) -> RunConfig:
 
 
 def build_trainer(spec: dict[str, Any]):
-    from pipelines import distributed as dist
-    from pipelines.trainer import Trainer
+    from pipelines.engine import distributed as dist
+    from pipelines.engine.trainer import Trainer
 
     cfg = build_config(spec)
     env = dist.init_env()
@@ -168,7 +168,7 @@ def build_trainer(spec: dict[str, Any]):
 
 def run_job(spec: dict[str, Any]) -> tuple[dict[str, Any], RegressionTask]:
     """Train in this process (a world of one); returns (summary, task with its weight record)."""
-    from pipelines.distributed import in_process_run
+    from pipelines.engine.distributed import in_process_run
 
     with in_process_run():
         trainer = build_trainer(spec)

@@ -9,15 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    describe,
-    load_config,
-    load_yaml,
-    save_config,
-)
+from core.config import ConfigError, apply_overrides, describe, load_config, load_yaml, save_config
+from pipelines.engine.config import RunConfig, load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +21,7 @@ def write(path: Path, data: dict | str) -> Path:
 
 
 def test_defaults_are_valid():
-    cfg = load_config(None)
+    cfg = load_run_config(None)
     assert isinstance(cfg, RunConfig)
     assert cfg.train.task == "mlm_nsp"
 
@@ -36,7 +29,7 @@ def test_defaults_are_valid():
 def test_unknown_key_suggests_closest(tmp_path):
     path = write(tmp_path / "run.yaml", {"optim": {"learning_rat": 1e-3}})
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        load_run_config(path)
     msg = str(err.value)
     assert "optim.learning_rat" in msg and str(path) in msg
     assert "Valid keys here:" in msg and " lr," in msg  # too far for a suggestion: the listing names it
@@ -45,13 +38,13 @@ def test_unknown_key_suggests_closest(tmp_path):
 def test_unknown_section_suggests_closest(tmp_path):
     path = write(tmp_path / "run.yaml", {"optimm": {"lr": 1e-3}})
     with pytest.raises(ConfigError, match=r"unknown key `optimm`\. Did you mean `optim`\?"):
-        load_config(path)
+        load_run_config(path)
 
 
 def test_misspelt_field_suggests_field(tmp_path):
     path = write(tmp_path / "run.yaml", {"train": {"max_step": 10}})
     with pytest.raises(ConfigError, match=r"Did you mean `train.max_steps`\?"):
-        load_config(path)
+        load_run_config(path)
 
 
 @pytest.mark.parametrize(
@@ -65,21 +58,21 @@ def test_misspelt_field_suggests_field(tmp_path):
 )
 def test_wrong_type_names_key_type_and_value(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_run_config(None, [override])
     assert expected in str(err.value)
 
 
 def test_value_checks():
     with pytest.raises(ConfigError, match="zero_stage"):
-        load_config(None, ["distributed.zero_stage=4"])
+        load_run_config(None, ["distributed.zero_stage=4"])
     with pytest.raises(ConfigError, match="offload_params needs zero_stage=3"):
-        load_config(None, ["distributed.offload_params=true", "distributed.zero_stage=2"])
+        load_run_config(None, ["distributed.offload_params=true", "distributed.zero_stage=2"])
 
 
 def test_extends_and_overrides(tmp_path):
     write(tmp_path / "base.yaml", {"optim": {"lr": 1e-4, "weight_decay": 0.1}, "train": {"max_steps": 7}})
     child = write(tmp_path / "child.yaml", {"extends": "base.yaml", "optim": {"lr": 5e-4}})
-    cfg = load_config(child, ["train.max_steps=11", "optim.betas=[0.9, 0.98]", "model.overrides.num_layers=4"])
+    cfg = load_run_config(child, ["train.max_steps=11", "optim.betas=[0.9, 0.98]", "model.overrides.num_layers=4"])
     assert cfg.optim.lr == 5e-4  # child wins over parent
     assert cfg.optim.weight_decay == 0.1  # inherited
     assert cfg.train.max_steps == 11  # command line wins over files
@@ -89,7 +82,7 @@ def test_extends_and_overrides(tmp_path):
 
 def test_yaml_exponent_without_dot_is_a_float(tmp_path):
     path = write(tmp_path / "run.yaml", "optim:\n  lr: 1e-3\n")  # YAML 1.1 reads this as a string
-    assert load_config(path).optim.lr == pytest.approx(1e-3)
+    assert load_run_config(path).optim.lr == pytest.approx(1e-3)
 
 
 def test_extends_cycle_is_reported(tmp_path):
@@ -101,10 +94,10 @@ def test_extends_cycle_is_reported(tmp_path):
 
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "nope.yaml")
+        load_run_config(tmp_path / "nope.yaml")
     bad = write(tmp_path / "bad.yaml", "optim: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        load_config(bad)
+        load_run_config(bad)
 
 
 def test_malformed_override():
@@ -113,9 +106,9 @@ def test_malformed_override():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["optim.lr=2e-4", "model.name=gpt-tiny", "train.task=causal_lm"])
+    cfg = load_run_config(None, ["optim.lr=2e-4", "model.name=gpt-tiny", "train.task=causal_lm"])
     save_config(cfg, tmp_path / "config.yaml")
-    assert load_config(tmp_path / "config.yaml") == cfg
+    assert load_run_config(tmp_path / "config.yaml") == cfg
 
 
 def test_every_field_is_documented():
@@ -137,7 +130,7 @@ def _config_class_for(path: Path):
 
         return FinetuneConfig
     if kind == "sweeps":
-        from pipelines.sweep import SweepConfig
+        from pipelines.study.sweep import SweepConfig
 
         return SweepConfig
     if kind == "train":

@@ -10,9 +10,11 @@ import corpus_fixtures as cf
 import numpy as np
 import pytest
 
-from pipelines import data, tasks
-from pipelines.config import RunConfig
-from pipelines.data import DataError, StreamingSource, load_manifest
+from core.corpus import DataError, load_manifest
+from pipelines.engine import objectives as tasks
+from pipelines.engine.config import RunConfig
+from pipelines.loading import loader as data
+from pipelines.loading.loader import StreamingSource
 
 
 def _src(m, task, *, rank=0, world=1, workers=0, mb=4, buf=16, **kw):

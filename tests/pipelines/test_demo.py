@@ -43,8 +43,8 @@ def test_demo_end_to_end(tmp_path):
 def test_package_qa_task_reads_back_as_valid_squad_with_the_answer_moving(tmp_path):
     """The QA form of the docstring task: every answer span names its package, no question is dropped,
     and the options are shuffled per question (a span head cannot learn a fixed position)."""
-    from pipelines.demo_data import TASK_PACKAGES, task_docstrings, write_package_qa_task
-    from pipelines.qa import read_squad
+    from pipelines.finetune.squad import read_squad
+    from pipelines.ops.demo_data import TASK_PACKAGES, task_docstrings, write_package_qa_task
 
     stats = write_package_qa_task(tmp_path)
     rows = task_docstrings()

@@ -60,7 +60,7 @@ def vit_run(image_corpus, tmp_path_factory):
 def test_bert_single_process_trains_and_exports_fill_mask(bert_run, tmp_path):
     from transformers import BertForPreTraining, pipeline
 
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.export import export_checkpoint
 
     summary, run = bert_run
     assert summary["world_size"] == 1 and summary["steps"] == 40
@@ -80,7 +80,7 @@ def test_gpt_two_ranks_uneven_shards_equal_steps_and_generate(gpt_run, tmp_path)
     import torch
     from transformers import GPT2LMHeadModel
 
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.export import export_checkpoint
 
     summary, run, trace = gpt_run
     assert summary["world_size"] == 2 and summary["steps"] == 15
@@ -103,7 +103,7 @@ def test_vit_two_ranks_zero3_deepspeed_launcher_and_classify(vit_run, image_corp
     from PIL import Image
     from transformers import pipeline
 
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.export import export_checkpoint
 
     summary, run = vit_run
     assert summary["world_size"] == 2 and summary["steps"] == 12

@@ -9,9 +9,9 @@ import pytest
 import torch
 from finetune_fixtures import save_hf_bert_checkpoint, write_topic_task
 
-from pipelines.config import load_config
+from core.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
-from pipelines.finetune_data import FinetuneError
+from pipelines.finetune.data import FinetuneError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "finetune" / "classification.yaml"
@@ -76,7 +76,7 @@ def test_unknown_architecture_and_bad_labels_fail_clearly(hf_checkpoint, topic_t
 
 @pytest.mark.slow
 def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
-    from pipelines.distributed import launch
+    from pipelines.engine.distributed import launch
 
     run_dir = tmp_path / "ds"
     code = launch(str(CONFIG), overrides(hf_checkpoint, topic_task, run_dir, "epochs=8", "distributed.engine=deepspeed",

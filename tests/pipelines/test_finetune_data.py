@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipelines.finetune_data import FinetuneError, collate_classification, read_examples
+from pipelines.finetune.data import FinetuneError, collate_classification, read_examples
 
 
 def write_tsv(path, rows):

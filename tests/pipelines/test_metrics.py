@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipelines.metrics import accuracy, classification_metrics, macro_f1, matthews_corrcoef, pearson, spearman
+from pipelines.finetune.metrics import accuracy, classification_metrics, macro_f1, matthews_corrcoef, pearson, spearman
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 

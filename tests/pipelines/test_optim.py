@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines.config import ConfigError, OptimConfig, ScheduleConfig
-from pipelines.optim import (
+from core.config import ConfigError
+from core.optim_math import radam_rectification
+from pipelines.engine.config import OptimConfig, ScheduleConfig
+from pipelines.engine.optim import (
     Lamb,
     build_optimizer,
     deepspeed_optimizer_fields,
@@ -19,9 +21,8 @@ from pipelines.optim import (
     list_optimizers,
     no_weight_decay,
     param_groups,
-    radam_rectification,
 )
-from pipelines.schedules import build_schedule
+from pipelines.engine.schedules import build_schedule
 
 
 class Tiny(nn.Module):
@@ -305,7 +306,7 @@ def test_zero_engine_three_steps(ds_world, stage, name):
             torch.testing.assert_close(got[n].detach(), p.detach(), rtol=1e-5, atol=1e-6)
     assert moved
     # LAMB: ZeRO flattens each group into one partition, so the trust ratio is per group, not per tensor
-    # (documented in pipelines.optim); we only check it trains.
+    # (documented in pipelines.engine.optim); we only check it trains.
 
 
 @pytest.mark.slow  # JIT-builds DeepSpeed's cpu_adam op on first use (about a minute)
@@ -344,8 +345,8 @@ def test_lamb_under_zero_partitions_is_flagged_before_training(stage):
     """DeepSpeed hands LAMB flat partitions under ZeRO >= 1: the user is told the trust ratio is not per layer."""
     import warnings
 
-    from pipelines.config import RunConfig
-    from pipelines.distributed import DistEnv, validate
+    from pipelines.engine.config import RunConfig
+    from pipelines.engine.distributed import DistEnv, validate
 
     cfg = RunConfig()
     cfg.optim.name, cfg.distributed.engine, cfg.distributed.zero_stage = "lamb", "deepspeed", stage

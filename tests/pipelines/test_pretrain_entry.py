@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO, job_env
 
-from pipelines import checkpoint as ckpt
+from pipelines.engine import checkpoint as ckpt
 from pipelines.pretrain import main
 
 CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")

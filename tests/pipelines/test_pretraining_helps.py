@@ -3,7 +3,7 @@ fine-tuning recipe; only the initial encoder weights differ (`init=pretrained` v
 
 The checkpoint is made the way a user makes one: the demo corpus (Python's own documentation,
 with the classification task's validation docstrings held out) prepared by the Ray job, tiny BERT
-pretrained with MLM + NSP by `pipelines.distributed.launch` (one `python -m pipelines.pretrain`; 900 steps, about two
+pretrained with MLM + NSP by `pipelines.engine.distributed.launch` (one `python -m pipelines.pretrain`; 900 steps, about two
 minutes: the demo's 300 steps end before MLM leaves the unigram plateau, see docs/finetune.md),
 then exported to a transformers directory. Both downstream forms of the docstring task are
 compared: classification, and extractive QA with the options in the context.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config import load_config
+from core.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.slow  # about 6 minutes for the module: pretraining ~2-
 def pretrained(tmp_path_factory):
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
-    from pipelines.distributed import launch
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.distributed import launch
+    from pipelines.engine.export import export_checkpoint
+    from pipelines.ops.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
 
     root = tmp_path_factory.mktemp("pretrained")
     raw, corpus, run_dir, release = root / "raw", root / "corpus", root / "run", root / "release"

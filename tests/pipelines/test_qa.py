@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.finetune_data import FinetuneError
-from pipelines.qa import (
+from pipelines.finetune.data import FinetuneError
+from pipelines.finetune.squad import (
     QAExample,
     decode_predictions,
     exact_match_score,
@@ -213,7 +213,7 @@ def test_windows_cover_the_context_and_labels_map_back_to_the_answer(qa_tokenize
 
 
 def test_answer_longer_than_any_window_is_counted_bad(qa_tokenizer):
-    from pipelines.finetune_data import ReadReport
+    from pipelines.finetune.data import ReadReport
 
     ctx = " ".join(p for _, p in topic_paragraphs()[:3])
     ex = QAExample("huge", "what?", ctx, [{"text": ctx[:600], "answer_start": 0}], False, "f.json question id huge")

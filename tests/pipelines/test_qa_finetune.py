@@ -14,10 +14,10 @@ import pytest
 import torch
 from test_qa import cloze_examples, make_tokenizer, topic_paragraphs
 
-from pipelines.config import load_config
+from core.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
-from pipelines.finetune_data import FinetuneError
-from pipelines.qa import QAExample, read_squad, write_squad
+from pipelines.finetune.data import FinetuneError
+from pipelines.finetune.squad import QAExample, read_squad, write_squad
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,7 @@ def test_finetune_from_a_transformers_checkpoint_v2_and_release_loads_back(cloze
     out = hf(**enc)
     assert out.start_logits.shape == enc["input_ids"].shape and torch.isfinite(out.end_logits).all()
     # decoding with the exported model reproduces predictions.json
-    from pipelines.qa_run import predict_release
+    from pipelines.finetune.qa import predict_release
 
     again, _ = predict_release(Path(result["release_dir"]), read_squad(dev, version_2=True)[0], cfg)
     assert again == predictions

@@ -40,7 +40,7 @@ def _assert_same(ref_dir: Path, got_dir: Path, steps: int) -> None:
 
 
 def _launch_background(config: str, overrides: list[str], trace: Path) -> subprocess.Popen:
-    code = f"import sys; from pipelines.distributed import launch; sys.exit(launch({config!r}, {overrides!r}, 2))"
+    code = f"import sys; from pipelines.engine.distributed import launch; sys.exit(launch({config!r}, {overrides!r}, 2))"
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=job_env(trace), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

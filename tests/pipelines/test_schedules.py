@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pipelines.config import ConfigError, ScheduleConfig
-from pipelines.schedules import (
+from core.config import ConfigError
+from pipelines.engine.config import ScheduleConfig
+from pipelines.engine.schedules import (
     DECAYS,
     WARMUPS,
     build_schedule,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.config import ConfigError
 from monitoring.logger import read_metrics_lines
-from pipelines.config import ConfigError
-from pipelines.sweep import (
+from pipelines.study.sweep import (
     SweepConfig,
     _array_spec,
     expand,
@@ -230,6 +230,6 @@ def test_slurm_array_index_from_environment(mixed_sweep, monkeypatch, tmp_path):
 
 
 def test_sweep_config_is_documented():
-    from pipelines.config import describe
+    from core.config import describe
 
     assert all(help_text for _key, _default, help_text in describe(SweepConfig))

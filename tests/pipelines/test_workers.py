@@ -15,8 +15,10 @@ from pathlib import Path
 import corpus_fixtures as cf
 import pytest
 
-from pipelines import data, tasks
-from pipelines.config import ConfigError, RunConfig
+from core.config import ConfigError
+from pipelines.engine import objectives as tasks
+from pipelines.engine.config import RunConfig
+from pipelines.loading import loader as data
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +79,7 @@ def test_forkserver_and_workers_survive_the_preemption_signals(corpus):
 SLOW_WORKER = textwrap.dedent("""
     import os, signal, sys, time
     from torch.utils.data import DataLoader, IterableDataset
-    from pipelines.workers import register_stack_dump, worker_context, worker_init
+    from pipelines.loading.workers import register_stack_dump, worker_context, worker_init
 
     class SlowItems(IterableDataset):
         def __iter__(self):
@@ -114,9 +116,10 @@ def test_sigusr2_prints_the_stacks_of_the_trainer_and_its_workers(tmp_path):
 KILLED_OWNER = textwrap.dedent("""
     import os, signal, sys, time
     from torch.utils.data import DataLoader
-    from pipelines.data import StreamingSource, load_manifest
-    from pipelines.tasks import build_task
-    from pipelines.config import RunConfig
+    from core.corpus import load_manifest
+    from pipelines.loading.loader import StreamingSource
+    from pipelines.engine.objectives import build_task
+    from pipelines.engine.config import RunConfig
 
     if __name__ == "__main__":
         m = load_manifest(sys.argv[1], kind="bert_pairs")

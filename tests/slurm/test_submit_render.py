@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO, pretrain_cli
 
-from pipelines.config import ConfigError
-from pipelines.submit import SubmitOptions, parse_time, render_job
+from core.config import ConfigError
+from pipelines.ops.submit import SubmitOptions, parse_time, render_job
 
 CONFIG = REPO / "configs/train/bert_tiny_cpu.yaml"
 
@@ -89,7 +89,7 @@ def test_parse_time(value, seconds):
 
 
 def test_resolve_prints_shell_assignments(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pipelines.submit", "resolve", "pretrain", str(CONFIG),
+    proc = subprocess.run([sys.executable, "-m", "pipelines.ops.submit", "resolve", "pretrain", str(CONFIG),
                            f"train.run_dir={tmp_path}/a b", "train.max_steps=7"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"RUN_DIR='{tmp_path}/a b'", "MAX_STEPS=7", "RESUME=auto"]

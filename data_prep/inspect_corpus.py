@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from core.corpus import read_manifest, read_shard
 from data_prep.errors import PrepError
-from data_prep.shards import read_manifest, read_shard
 
 __all__ = ["inspect_corpus", "decode_sample"]
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m data_prep.inspect")
+    parser = argparse.ArgumentParser(prog="python -m data_prep.inspect_corpus")
     parser.add_argument("path")
     parser.add_argument("-n", type=int, default=3)
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ have an ``optimizer`` section.
 - ``adam``  Kingma & Ba 2015 (arXiv:1412.6980); weight decay is the classic L2 term added to g.
 - ``adamw`` Loshchilov & Hutter 2019 (arXiv:1711.05101); decoupled decay w <- w - lr*lambda*w.
 - ``radam`` Liu et al. 2020 (arXiv:1908.03265, Algorithm 2), ``torch.optim.RAdam``; L2 decay, or
-  decoupled with ``optim.decoupled_weight_decay``. ``radam_rectification`` gives rho_t and r_t.
+  decoupled with ``optim.decoupled_weight_decay``. ``core.optim_math.radam_rectification`` gives rho_t and r_t.
 - ``lamb``  You et al. 2020 (arXiv:1904.00962, Algorithm 2): DeepSpeed's ``FusedLamb`` on CUDA,
   our ``Lamb`` otherwise.
 
@@ -26,14 +26,14 @@ per (group, rank partition). Adam/AdamW/RAdam are element-wise and unaffected.
 from __future__ import annotations
 
 import difflib
-import math
 import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from pipelines.config import ConfigError, OptimConfig
+from core.config import ConfigError
+from pipelines.engine.config import OptimConfig
 
 __all__ = [
     "OPTIMIZERS",
@@ -43,7 +43,6 @@ __all__ = [
     "param_groups",
     "build_optimizer",
     "deepspeed_optimizer_fields",
-    "radam_rectification",
     "lamb_trust_ratio",
     "Lamb",
 ]
@@ -114,25 +113,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 # RAdam rectification and the LAMB trust ratio (pure functions, shared with diagnostics)
 # --------------------------------------------------------------------------------------------
-
-
-def radam_rectification(step: int, beta2: float) -> tuple[float, float | None]:
-    """RAdam's (rho_t, r_t) after ``step`` updates (Liu et al. 2020, arXiv:1908.03265, eqs. 5-6 and Alg. 2).
-
-    rho_inf = 2 / (1 - beta2) - 1,  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t),
-    r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t)) when rho_t > 5
-    (torch.optim.RAdam's threshold; the paper uses 4), else None: the update is then un-adapted
-    SGD with momentum. ``step`` is t >= 1 (the update being taken).
-    """
-    if step < 1:
-        raise ValueError(f"radam_rectification needs step >= 1, got {step}")
-    rho_inf = 2.0 / (1.0 - beta2) - 1.0
-    beta2_t = beta2**step
-    rho_t = rho_inf - 2.0 * step * beta2_t / (1.0 - beta2_t)
-    if rho_t <= 5.0:
-        return rho_t, None
-    r_t = math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
-    return rho_t, r_t
 
 
 def lamb_trust_ratio(w_norm: float, u_norm: float, *, min_ratio: float = 0.01, max_ratio: float = 10.0) -> float:

@@ -53,7 +53,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipelines.config import ConfigError, ScheduleConfig
+from core.config import ConfigError
+from pipelines.engine.config import ScheduleConfig
 
 __all__ = [
     "ScheduleContext",

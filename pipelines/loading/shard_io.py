@@ -1,6 +1,6 @@
 """Reading WebDataset shards: raw samples from a global position of a shard sequence, and decoding.
 
-Split from ``pipelines.data`` (which re-exports ``read_samples`` and ``decode_sample``): plain tar
+Plain tar
 reading over local paths or ``pipe:`` URLs (object stores), skipping whole shards and the consumed
 head of a shard without decoding, and the numpy/json/PIL decoders (no pickle).
 """
@@ -10,51 +10,32 @@ from __future__ import annotations
 import io
 import json
 import logging
-import re
 import subprocess
 import tarfile
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pipelines.data import Manifest, ShardInfo
+from core.corpus import Manifest, ShardInfo, iter_tar_samples
 
 __all__ = ["read_samples", "decode_sample"]
 
-log = logging.getLogger("pipelines.data")
-_KEY_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
-
-
-def _open_stream(url: str):
-    if url.startswith("pipe:"):
-        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
-        return proc.stdout, tarfile.open(fileobj=proc.stdout, mode="r|"), proc
-    fh = open(url, "rb")
-    return fh, tarfile.open(fileobj=fh, mode="r:"), None
+log = logging.getLogger("pipelines.loading.loader")
 
 
 def _groups(url: str, skip: int) -> Iterator[tuple[str, dict[str, bytes] | None]]:
     """Yield ``(key, {ext: bytes})`` per sample; the first ``skip`` samples are passed over unread (None)."""
-    fh, tf, proc = _open_stream(url)
+    proc = None
+    if url.startswith("pipe:"):
+        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
+        fh = proc.stdout
+        tf = tarfile.open(fileobj=fh, mode="r|")
+    else:
+        fh = open(url, "rb")
+        tf = tarfile.open(fileobj=fh, mode="r:")
     try:
-        key, parts, seen = None, {}, 0
-        for member in tf:
-            if not member.isfile():
-                continue
-            match = _KEY_RE.match(member.name)
-            if not match:
-                continue
-            k, ext = match.group(1), match.group(2)
-            if k != key:
-                if key is not None:
-                    yield key, (parts if seen > skip else None)
-                key, parts, seen = k, {}, seen + 1
-            if seen > skip:
-                parts[ext] = tf.extractfile(member).read()
-        if key is not None:
-            yield key, (parts if seen > skip else None)
+        yield from iter_tar_samples(tf, skip)
     finally:
         tf.close()
         fh.close()

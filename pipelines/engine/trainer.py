@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from pipelines import checkpoint as ckpt
-from pipelines import distributed as dist
-from pipelines.config import ConfigError, RunConfig, save_config, to_dict
+from core.config import ConfigError, save_config, to_dict
+from pipelines.engine import checkpoint as ckpt
+from pipelines.engine import distributed as dist
+from pipelines.engine.config import RunConfig
 
 __all__ = ["Trainer", "train", "build_model"]
 
@@ -83,8 +84,8 @@ class Trainer:
                  env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
                  model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
                  should_stop: Any = None, config_to_save: Any = None):
-        from pipelines.optim import build_optimizer
-        from pipelines.schedules import build_schedule
+        from pipelines.engine.optim import build_optimizer
+        from pipelines.engine.schedules import build_schedule
 
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
         # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
@@ -313,7 +314,7 @@ class Trainer:
     def _install_signal_handlers(self) -> None:
         """SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint at the next step boundary, then stop.
         SIGUSR2: print every thread's stack (where is a hung job?)."""
-        from pipelines.workers import register_stack_dump
+        from pipelines.loading.workers import register_stack_dump
 
         def handler(signum: int, _frame: Any) -> None:
             self._signal = signum
@@ -336,8 +337,8 @@ class Trainer:
 
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
-    from pipelines import data as data_mod
-    from pipelines import tasks
+    from pipelines.engine import objectives as tasks
+    from pipelines.loading import loader as data_mod
 
     env = dist.init_env()
     dist.validate(cfg, env)

@@ -25,9 +25,9 @@ Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``int
 retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error).
 
 Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` and, for ``slurm/sweep_array.sbatch``,
-``python -m pipelines.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``.
+``python -m pipelines.study.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``.
 The study follows Liu et al. 2020 (RAdam, arXiv:1908.03265) and Ma & Yarats 2019 (untuned warmup,
-arXiv:1910.04209); ``monitoring.study.render_study`` turns SWEEP_DIR into figures and a table.
+arXiv:1910.04209); ``pipelines.study.analysis.render_study`` turns SWEEP_DIR into figures and a table.
 """
 
 from __future__ import annotations
@@ -47,18 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import (
-    ConfigError,
-    RunConfig,
-    _deep_merge,
-    apply_overrides,
-    atomic_write_text,
-    from_dict,
-    load_config,
-    load_yaml,
-    option,
-    save_config,
-)
+from core.config import ConfigError, apply_overrides, deep_merge, from_dict, load_config, load_yaml, option, save_config
+from core.files import atomic_write_text
+from pipelines.engine.config import RunConfig
 
 __all__ = [
     "SweepConfig",
@@ -72,7 +63,7 @@ __all__ = [
     "main",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DONE = "done"
 SWEEP_LOG = "sweep.jsonl"
 MANIFEST = "sweep.json"
@@ -181,7 +172,7 @@ def expand(sweep: SweepConfig) -> list[RunSpec]:
 def run_config(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The resolved, validated RunConfig of one grid point: base, then ``run``, grid overrides, ``extra``."""
     # deep copies: apply_overrides writes into nested dicts it shares with its input (runs may be concurrent)
-    data = copy.deepcopy(_deep_merge(load_yaml(sweep.base) if sweep.base else {}, sweep.run))
+    data = copy.deepcopy(deep_merge(load_yaml(sweep.base) if sweep.base else {}, sweep.run))
     data = apply_overrides(data, [*spec.overrides, *extra])
     return from_dict(RunConfig, data, source=f"sweep run {spec.name}")
 
@@ -202,7 +193,7 @@ def run_status(run_dir: str | os.PathLike, max_steps: int) -> dict[str, Any]:
     a non-finite last train loss) in metrics.jsonl. Otherwise ``interrupted`` (or ``missing``).
     """
     from monitoring.logger import read_metrics_lines
-    from pipelines.checkpoint import step_dir_name
+    from pipelines.engine.checkpoint import step_dir_name
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -244,7 +235,7 @@ def _append_log(sweep_dir: Path, record: dict[str, Any]) -> None:
 
 
 def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
-    """SWEEP_DIR/sweep.json: the resolved sweep and its runs (what ``monitoring.study`` groups by)."""
+    """SWEEP_DIR/sweep.json: the resolved sweep and its runs (what ``pipelines.study.analysis`` groups by)."""
     data = {
         "name": sweep.name,
         "base": sweep.base,
@@ -262,8 +253,8 @@ def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
 # --------------------------------------------------------------------------------------- run
 def _train_in_process(cfg: RunConfig, threads: int = 0) -> None:
     """``trainer.train(cfg)`` in this process, leaving its global state as it was for the next run."""
-    from pipelines.distributed import in_process_run
-    from pipelines.trainer import train
+    from pipelines.engine.distributed import in_process_run
+    from pipelines.engine.trainer import train
 
     with in_process_run(threads):
         train(cfg)
@@ -280,7 +271,7 @@ def run_one(
     """Run grid point ``spec`` unless it is complete; record the attempt; never raises for a failed run.
 
     In this process when ``num_processes == 1`` (unless ``subprocess_run`` or ``launcher: python``),
-    else through ``pipelines.distributed.launch`` with the resolved config.
+    else through ``pipelines.engine.distributed.launch`` with the resolved config.
     """
     sweep_dir = Path(sweep.out_dir)
     done = _done_record(spec.run_dir)
@@ -302,7 +293,7 @@ def run_one(
         if sweep.num_processes == 1 and sweep.launcher != "python" and not subprocess_run:
             _train_in_process(cfg, sweep.threads)
         else:
-            from pipelines.distributed import launch
+            from pipelines.engine.distributed import launch
 
             resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`
             save_config(cfg, resolved)
@@ -386,8 +377,8 @@ def submit_slurm(
 
 # ---------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipelines.sweep {run-one,list,local} SWEEP.yaml [key=value ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m pipelines.sweep", description=main.__doc__)
+    """``python -m pipelines.study.sweep {run-one,list,local} SWEEP.yaml [key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.study.sweep", description=main.__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("run-one", "list", "local"):
         p = sub.add_parser(name)

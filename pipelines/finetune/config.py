@@ -1,29 +1,12 @@
-"""Fine-tuning: a released checkpoint + a task head, trained with the pretraining `Trainer`.
-
-`pretrain finetune CONFIG` (or `python -m pipelines.finetune CONFIG k=v…` under a launcher) loads
-a release directory — ours or any Hugging Face BERT-architecture directory — through
-`models.hf.from_hf`, attaches a sequence-classification head, trains it with the same engine as
-pretraining (accelerate/DeepSpeed, mixed precision, accumulation), evaluates every epoch, keeps
-the best epoch by the dev metric (early stopping optional) and writes `metrics.json` plus a
-release directory that `AutoModelForSequenceClassification` loads.
-"""
+"""The fine-tuning configuration (``FinetuneConfig``) and the task registry (``FINETUNE_TASKS``)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from pipelines.config import (
-    ConfigError,
-    DistributedConfig,
-    LoggingConfig,
-    OptimConfig,
-    ScheduleConfig,
-    TrainConfig,
-    option,
-)
-from pipelines.finetune_data import FinetuneError  # noqa: F401  (re-exported for the CLI)
+from core.config import ConfigError, option
+from pipelines.engine.config import DistributedConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -88,40 +71,6 @@ class FinetuneConfig:
 
 #: train.task -> "module:function" running that kind of fine-tuning (imported on use).
 FINETUNE_TASKS = {
-    "classification": "pipelines.finetune_run:finetune_classification",
-    "qa": "pipelines.qa_run:finetune_qa",
+    "classification": "pipelines.finetune.classification:finetune_classification",
+    "qa": "pipelines.finetune.qa:finetune_qa",
 }
-
-
-def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Fine-tune and export; returns the dev metrics of the best epoch and the output paths."""
-    import importlib
-
-    from pipelines.distributed import in_process_run
-
-    module, func = FINETUNE_TASKS[cfg.train.task].split(":")
-    with in_process_run():
-        return getattr(importlib.import_module(module), func)(cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.finetune CONFIG [key=value…]` — the entry each launched process runs."""
-    import argparse
-
-    from pipelines.config import load_config
-
-    parser = argparse.ArgumentParser(prog="python -m pipelines.finetune", description=__doc__.splitlines()[0])
-    parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-        run_finetune(cfg)
-    except (ConfigError, FinetuneError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

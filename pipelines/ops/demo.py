@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.config import atomic_write_text
-from pipelines.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
+from core.files import atomic_write_text
+from pipelines.ops.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass
@@ -66,11 +66,11 @@ def unigram_mlm_baseline(corpus: Path, split: str = "validation") -> float:
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    from core.config import load_config
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.config import load_config
-    from pipelines.distributed import launch
-    from pipelines.export import export_checkpoint
+    from pipelines.engine.distributed import launch
+    from pipelines.engine.export import export_checkpoint
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     out = Path(opts.out_dir).resolve()

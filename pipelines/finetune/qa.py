@@ -1,6 +1,6 @@
 """Extractive QA fine-tuning on the pretraining engine (`train.task: qa`, see `pipelines.finetune`).
 
-The classification flow (`pipelines.finetune_run`) with spans instead of labels: resolve the
+The classification flow (`pipelines.finetune.classification`) with spans instead of labels: resolve the
 checkpoint → read SQuAD JSON (bad questions counted) → windows with `data.max_seq_len` /
 `qa.doc_stride` → our `QuestionAnswering` head on the release's encoder (or the same architecture
 from random init) → `Trainer` with one evaluation (span loss, start/end accuracy on the dev
@@ -18,13 +18,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines import distributed as dist
-from pipelines.config import atomic_write_text
+from core.files import atomic_write_text
+from pipelines.engine import distributed as dist
+from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune_data import FinetuneError, ReadReport
-from pipelines.finetune_run import _best_epoch, _early_stopping, epoch_run_config, load_tokenizer, resolve_release
-from pipelines.qa import QAExample, check_bad_share, decode_predictions, prepare_features, read_squad, squad_metrics
-from pipelines.tasks import Task
+from pipelines.finetune.classification import (
+    _best_epoch,
+    _early_stopping,
+    epoch_run_config,
+    load_tokenizer,
+    resolve_release,
+)
+from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.squad import (
+    QAExample,
+    check_bad_share,
+    decode_predictions,
+    prepare_features,
+    read_squad,
+    squad_metrics,
+)
 
 __all__ = ["QATask", "collate_qa", "build_qa_model", "finetune_qa", "predict_release"]
 
@@ -133,8 +146,8 @@ def _read(path: str, cfg: FinetuneConfig, tokenizer: Any, *, labels_report: bool
 
 def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune a span head, export the best epoch, decode the dev set with the export; returns metrics + paths."""
-    from pipelines.data import MapStyleSource
-    from pipelines.trainer import Trainer
+    from pipelines.engine.trainer import Trainer
+    from pipelines.loading.loader import MapStyleSource
 
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
@@ -185,8 +198,8 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg: FinetuneConfig) -> Path:
     import models
-    from pipelines.checkpoint import step_dir_name
-    from pipelines.export import consolidated_state_dict, write_release
+    from pipelines.engine.checkpoint import step_dir_name
+    from pipelines.engine.export import consolidated_state_dict, write_release
 
     model.load_state_dict(consolidated_state_dict(checkpoints / step_dir_name(step)))
     hf = models.hf.to_hf(model.float().eval())

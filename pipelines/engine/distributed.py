@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from pipelines.config import ConfigError, RunConfig
+from core.config import ConfigError
+from pipelines.engine.config import RunConfig
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "build_engine", "Engine", "launch", "trace_dir", "free_port"]
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -132,7 +133,7 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON for this run: our fields, on top of ``distributed.deepspeed_config`` if given."""
-    from pipelines.optim import deepspeed_optimizer_fields
+    from pipelines.engine.optim import deepspeed_optimizer_fields
 
     d, t = cfg.distributed, cfg.train
     zero: dict[str, Any] = {"stage": d.zero_stage, "contiguous_gradients": True, "overlap_comm": torch.cuda.is_available()}
@@ -388,7 +389,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        faulthandler.unregister(signal.SIGUSR2)  # the run's stack dump on SIGUSR2 (pipelines.workers)
+        faulthandler.unregister(signal.SIGUSR2)  # the run's stack dump on SIGUSR2 (pipelines.loading.workers)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(num_threads)
         try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)

@@ -18,17 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines import distributed as dist
-from pipelines.config import DataConfig, ModelConfig, RunConfig, atomic_write_text
+from core.files import atomic_write_text
+from pipelines.engine import distributed as dist
+from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
+from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune_data import (
+from pipelines.finetune.data import (
     FinetuneError,
     collate_classification,
     encode_examples,
     read_examples,
 )
-from pipelines.metrics import classification_metrics, metrics_from_confusion, regression_metrics
-from pipelines.tasks import Task
+from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 _LOWER_IS_BETTER = {"loss", "mse"}
@@ -131,7 +132,7 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     if (path / "config.json").is_file():
         return path
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
-        from pipelines.export import export_checkpoint
+        from pipelines.engine.export import export_checkpoint
 
         target = run_dir / "base-release"
         if env.rank == 0:
@@ -180,8 +181,8 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
 
 
 def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
-    from pipelines.data import MapStyleSource
-    from pipelines.trainer import Trainer
+    from pipelines.engine.trainer import Trainer
+    from pipelines.loading.loader import MapStyleSource
 
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
@@ -264,8 +265,8 @@ def _best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, 
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool) -> Path:
     import models
-    from pipelines.checkpoint import step_dir_name
-    from pipelines.export import consolidated_state_dict, write_release
+    from pipelines.engine.checkpoint import step_dir_name
+    from pipelines.engine.export import consolidated_state_dict, write_release
 
     sd = consolidated_state_dict(checkpoints / step_dir_name(step))
     model.load_state_dict(sd)

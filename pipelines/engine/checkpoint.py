@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.config import atomic_write_text, save_config
+from core.config import save_config
+from core.files import atomic_write_text
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints", "step_dir_name"]
 
@@ -100,7 +101,7 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
     if resume != "auto":
         path = Path(resume)
         if not (path / "trainer_state.json").is_file():
-            from pipelines.config import ConfigError
+            from core.config import ConfigError
 
             raise ConfigError(f"train.resume={resume} is not a complete checkpoint (no trainer_state.json). Point it at a "
                               f"run_dir/checkpoints/step-NNNNNNNN directory, or use auto / never.")

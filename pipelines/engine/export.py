@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pipelines.config import ConfigError, atomic_write_text
+from core.config import ConfigError
+from core.files import atomic_write_text
 
 __all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release"]
 
@@ -28,7 +29,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     p = Path(path)
     if (p / "trainer_state.json").is_file():
         return p
-    from pipelines.checkpoint import find_resume
+    from pipelines.engine.checkpoint import find_resume
 
     found = find_resume(p, "auto") if (p / "checkpoints").is_dir() else None
     if found is None:
@@ -107,7 +108,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
     build = state.get("model_build") or {}
     if not build.get("name"):
-        raise ConfigError(f"{ckpt}/trainer_state.json has no model_build entry; it was not written by pipelines.trainer.")
+        raise ConfigError(f"{ckpt}/trainer_state.json has no model_build entry; it was not written by pipelines.engine.trainer.")
     model = models.create(build["name"], **build.get("overrides", {}))
     sd = consolidated_state_dict(ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.config import atomic_write_text
-from pipelines.finetune_data import FinetuneError, ReadReport
+from core.files import atomic_write_text
+from pipelines.finetune.data import FinetuneError, ReadReport
 
 __all__ = [
     "QAExample", "read_squad", "check_bad_share", "prepare_features", "decode_predictions",

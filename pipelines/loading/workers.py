@@ -32,14 +32,14 @@ from typing import Any
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # Modules a worker needs; the forkserver imports them once so that each worker starts in ~0.1 s.
-_PRELOAD = ["pipelines.data", "pipelines.tasks"]
+_PRELOAD = ["pipelines.loading.loader", "pipelines.engine.objectives"]
 _JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
 
 
 def worker_context(method: str) -> Any:
     """The multiprocessing context to pass as ``DataLoader(multiprocessing_context=...)``."""
     if method not in START_METHODS:
-        from pipelines.config import ConfigError
+        from core.config import ConfigError
 
         raise ConfigError(f"data.worker_start_method={method!r}: choose one of {', '.join(START_METHODS)}.")
     ctx = multiprocessing.get_context(method)

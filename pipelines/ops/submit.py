@@ -4,7 +4,7 @@
 :func:`submit_job`. The rendered script is our own ``#SBATCH`` lines + a few exported settings +
 the body of ``slurm/pretrain.sbatch`` (everything below its ``# ---- body`` marker), so a job
 submitted by hand (``sbatch slurm/pretrain.sbatch CONFIG``) and one submitted here run the same
-code. ``python -m pipelines.submit resolve KIND CONFIG k=v…`` is what the scripts call (through
+code. ``python -m pipelines.ops.submit resolve KIND CONFIG k=v…`` is what the scripts call (through
 ``slurm/common.sh``) to validate the config inside the job and learn its run directory.
 
 This module imports no torch: it runs on login nodes and in the batch shell in a fraction of a second.
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipelines.config import ConfigError, RunConfig, load_config
+from core.config import ConfigError, load_config
+from pipelines.engine.config import RunConfig
 
 __all__ = [
     "SubmitOptions",
@@ -38,7 +39,7 @@ __all__ = [
     "main",
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
 BODY_MARKER = "# ---- body"
 Kind = Literal["pretrain", "finetune"]
@@ -322,8 +323,8 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipelines.submit resolve KIND CONFIG k=v…`` (used by slurm/common.sh)."""
-    parser = argparse.ArgumentParser(prog="python -m pipelines.submit", description="Helpers for the slurm/ scripts.")
+    """``python -m pipelines.ops.submit resolve KIND CONFIG k=v…`` (used by slurm/common.sh)."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.ops.submit", description="Helpers for the slurm/ scripts.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("resolve", help="Check a run config and print RUN_DIR=, MAX_STEPS=, RESUME= for a shell.")
     p.add_argument("kind", choices=("pretrain", "finetune"))

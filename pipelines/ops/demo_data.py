@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config import atomic_write_text
+from core.files import atomic_write_text
 
 #: Packages whose docstrings form the classification task (the largest ones with distinct topics).
 TASK_PACKAGES = ("tkinter", "asyncio", "email", "logging", "xml")
@@ -160,7 +160,7 @@ def write_package_qa_task(out_dir: str | Path, *, context_words: int = 50, seed:
     docs/finetune.md.) Same split as `write_classification_task`; dev docstrings are held out of the
     pretraining corpus.
     """
-    from pipelines.qa import QAExample, write_squad
+    from pipelines.finetune.squad import QAExample, write_squad
 
     out, rng = Path(out_dir), random.Random(seed)
     rows = task_docstrings()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.config import ConfigError
+from core.config import ConfigError
 
 __all__ = ["Task", "TASKS", "register_task", "build_task", "list_tasks", "key_seed", "MLMNSPTask", "CausalLMTask", "ImageClsTask"]
 

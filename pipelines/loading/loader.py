@@ -27,22 +27,18 @@ shard and key, so counts stay equal and nothing hangs. Decoding uses numpy/json/
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipelines.config import ConfigError
-from pipelines.shard_io import decode_sample, read_samples
-from pipelines.workers import loader_kwargs, worker_context
+from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
+from pipelines.loading.shard_io import decode_sample, read_samples
+from pipelines.loading.workers import loader_kwargs, worker_context
 
 __all__ = [
     "DataError",
@@ -59,139 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-SCHEMA_MAJOR = 1
-KINDS = ("bert_pairs", "packed_lm", "images")
-
-
-class DataError(ConfigError):
-    """A corpus problem found before training (missing shard, checksum, schema); printed without traceback."""
-
-
-@dataclass
-class ShardInfo:
-    name: str
-    samples: int
-    sha256: str = ""
-    bytes: int = 0
-    url: str = ""  # optional `pipe:` or path override (object stores); default: corpus_dir/name
-
-
-@dataclass
-class Manifest:
-    """The parsed ``manifest.json`` of a corpus directory (see docs/interfaces.md)."""
-
-    root: Path
-    raw: dict[str, Any]
-    kind: str
-    seq_len: int
-    token_dtype: str
-    vocab_size: int
-    special_tokens: dict[str, int]
-    class_map: dict[str, int]
-    splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.root / str(self.raw.get("tokenizer", {}).get("path", "tokenizer"))
-
-    def shards(self, split: str) -> list[ShardInfo]:
-        if split not in self.splits:
-            raise DataError(
-                f"Corpus {self.root}/manifest.json has no split {split!r} (has: {', '.join(self.splits)}). "
-                f"Set data.eval_split to one of those or re-run `pretrain prepare` with that split."
-            )
-        return self.splits[split]
-
-    def url(self, shard: ShardInfo) -> str:
-        return shard.url or str(self.root / shard.name)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def tokenizer_sha256(tok_dir: Path) -> str:
-    """sha256 of ``tokenizer.json`` (the file that fixes the id <-> token mapping)."""
-    return _sha256_file(tok_dir / "tokenizer.json")
-
-
-def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenizer: bool = True) -> Manifest:
-    """Parse and validate ``CORPUS/manifest.json``; refuse an unknown schema, kind or tokenizer mismatch."""
-    root = Path(corpus)
-    path = root / "manifest.json"
-    if not str(corpus):
-        raise DataError("data.corpus is empty. Set it to a corpus directory written by `pretrain prepare`.")
-    if not path.is_file():
-        raise DataError(f"{path} does not exist. Point data.corpus at a directory written by `pretrain prepare`.")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}). Re-run `pretrain prepare` to rewrite it.") from None
-    version = str(raw.get("schema_version", ""))
-    if not version or version.split(".")[0] != str(SCHEMA_MAJOR):
-        raise DataError(
-            f"{path} has schema_version {version!r}; this reader understands {SCHEMA_MAJOR}.x. "
-            f"Re-run `pretrain prepare` with this version of the code."
-        )
-    if raw.get("kind") not in KINDS:
-        raise DataError(f"{path}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}.")
-    if kind is not None and raw["kind"] != kind:
-        raise DataError(
-            f"{path} holds a {raw['kind']!r} corpus but the task needs {kind!r}. "
-            f"Choose the matching train.task or a corpus prepared for it."
-        )
-    tok = raw.get("tokenizer") or {}
-    m = Manifest(
-        root=root,
-        raw=raw,
-        kind=raw["kind"],
-        seq_len=int(raw.get("seq_len") or 0),
-        token_dtype=str(raw.get("token_dtype", "uint16")),
-        vocab_size=int(tok.get("vocab_size") or 0),
-        special_tokens={str(k): int(v) for k, v in (tok.get("special_tokens") or {}).items()},
-        class_map={str(k): int(v) for k, v in (raw.get("class_map") or {}).items()},
-    )
-    for split, info in (raw.get("splits") or {}).items():
-        m.splits[split] = [
-            ShardInfo(str(s["name"]), int(s["samples"]), str(s.get("sha256", "")), int(s.get("bytes", 0)), str(s.get("url", "")))
-            for s in info.get("shards", [])
-        ]
-    if m.kind != "images" and check_tokenizer:
-        tdir = m.tokenizer_dir
-        if not (tdir / "tokenizer.json").is_file():
-            raise DataError(f"{tdir}/tokenizer.json is missing (manifest {path}). Re-run `pretrain prepare`.")
-        want = str(tok.get("sha256", ""))
-        if want and tokenizer_sha256(tdir) != want:
-            raise DataError(
-                f"{tdir}/tokenizer.json does not match the sha256 recorded in {path}: the token ids in the shards "
-                f"were made with another tokenizer. Restore the original tokenizer or re-run `pretrain prepare`."
-            )
-    return m
-
-
-def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, rank: int = 0, world: int = 1) -> None:
-    """Fail before training if a shard is missing, or (on this rank's share) its sha256 differs."""
-    for split in splits:
-        for i, s in enumerate(m.shards(split)):
-            url = m.url(s)
-            if url.startswith("pipe:"):
-                continue  # remote: cannot be checked without reading it
-            p = Path(url)
-            if not p.is_file():
-                raise DataError(
-                    f"Shard {p} listed in {m.root}/manifest.json (split {split}) is missing. "
-                    f"Restore it or re-run `pretrain prepare`."
-                )
-            if checksums and s.sha256 and i % world == rank and _sha256_file(p) != s.sha256:
-                raise DataError(
-                    f"Shard {p} has a different sha256 than {m.root}/manifest.json records: it is corrupt or was "
-                    f"replaced. Re-copy it or re-run `pretrain prepare` (or set data.verify_checksums=false to "
-                    f"train anyway with on_bad_sample handling)."
-                )
 
 
 # --------------------------------------------------------------------------------------------

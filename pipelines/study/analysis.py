@@ -1,11 +1,11 @@
 """The optimizer x warmup study report: PNG figures, a table and one static HTML page for a sweep dir.
 
-``render_study(SWEEP_DIR, OUT)`` reads what ``pipelines.sweep`` wrote (``sweep.json``, ``sweep.jsonl``,
+``render_study(SWEEP_DIR, OUT)`` reads what ``pipelines.study.sweep`` wrote (``sweep.json``, ``sweep.jsonl``,
 ``runs/NAME/{config.yaml,metrics.jsonl,done}``) and groups runs into *arms* (the run name without its
 ``-sSEED`` suffix); curves of several seeds are drawn as mean +- one standard deviation. Figures:
 
 - ``lr.png``: the learning rate of every arm's schedule over the run, computed from its config with
-  ``pipelines.schedules.build_schedule`` (Vaswani et al. 2017 eq. 3 for noam), and RAdam's effective
+  ``pipelines.engine.schedules.build_schedule`` (Vaswani et al. 2017 eq. 3 for noam), and RAdam's effective
   rate lr r_t (``radam_rectification``; 0 while rho_t <= 5), as in Liu et al. 2020 (arXiv:1908.03265),
   Fig. 3 / the seed thesis' Fig. 3.15; logged ``diag`` learning rates are overlaid as dots.
 - ``loss.png``: training and validation loss.
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.files import atomic_write_text
 from monitoring.logger import read_metrics_lines
 from monitoring.report import Run, load_run, save_figure
-from pipelines.config import atomic_write_text
 
 __all__ = ["StudyRun", "load_study", "render_study", "is_sweep_dir", "arm_of"]
 
@@ -66,7 +66,7 @@ class StudyRun:
 
 
 def is_sweep_dir(path: str | os.PathLike) -> bool:
-    """A directory ``pipelines.sweep`` wrote (``sweep.json``, or ``runs/*/metrics.jsonl`` without its own metrics)."""
+    """A directory ``pipelines.study.sweep`` wrote (``sweep.json``, or ``runs/*/metrics.jsonl`` without its own metrics)."""
     p = Path(path)
     if (p / "sweep.json").is_file():
         return True
@@ -233,9 +233,10 @@ def _empty(ax: Any, text: str) -> None:
 
 def _schedule_curve(cfg: dict[str, Any]) -> tuple[list[int], list[float], list[float] | None]:
     """(t, lr_t, lr_t r_t or None) for t = 1..max_steps from a resolved run config."""
-    from pipelines.config import ScheduleConfig, from_dict
-    from pipelines.optim import radam_rectification
-    from pipelines.schedules import build_schedule
+    from core.config import from_dict
+    from core.optim_math import radam_rectification
+    from pipelines.engine.config import ScheduleConfig
+    from pipelines.engine.schedules import build_schedule
 
     optim, train = cfg.get("optim", {}), cfg.get("train", {})
     total, base, beta2 = (

@@ -1,0 +1,248 @@
+"""Config primitives shared by every stage: typed dataclasses loaded strictly from YAML.
+
+A config is a keyword-only dataclass whose fields are made with ``option`` (a default plus the help
+text that ``describe`` lists). ``load_config(path, overrides, cls=...)`` reads a YAML file (which
+may ``extends:`` another, paths relative to the file) plus ``key=value`` overrides with dotted
+paths (``optim.lr=3e-4``). Loading is strict: an unknown key fails with the closest valid key
+suggested, a wrong type names the key, the expected type and the value.
+
+This is the bottom layer (``core``): no torch, no project imports, so ``data_prep``,
+``monitoring``, ``models`` and ``pipelines`` all build their configs on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from core.files import atomic_write_text
+
+__all__ = [
+    "ConfigError",
+    "option",
+    "load_config",
+    "load_yaml",
+    "apply_overrides",
+    "deep_merge",
+    "from_dict",
+    "to_dict",
+    "save_config",
+    "describe",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the CLI prints it and exits with code 2."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A dataclass field whose ``help`` text is its documentation (shown by ``describe``)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        kwargs["default_factory"] = lambda: type(value)(value)
+        default = dataclasses.MISSING
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: YAML with `extends:`, dotted overrides, strict typed conversion
+# --------------------------------------------------------------------------------------------
+
+
+def load_yaml(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML mapping, resolving ``extends:`` (a path or list, relative to the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist. Check the path (configs live under configs/).")
+    resolved = path.resolve()
+    if resolved in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, resolved))
+        raise ConfigError(f"Config {path} extends itself in a cycle: {chain}. Remove one `extends:`.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"Config file {path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping of sections, found {type(data).__name__}.")
+    parents = data.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = deep_merge(merged, load_yaml(path.parent / parent, (*_seen, resolved)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` merged into ``base`` recursively (nested mappings merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings; values are parsed as YAML scalars/lists (``lr=3e-4``, ``betas=[0.9,0.98]``)."""
+    out = copy.deepcopy(data)  # nested dicts of the input must not change
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"Override {item!r} is not of the form key=value (e.g. optim.lr=3e-4).")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
+    def bad() -> ConfigError:
+        return ConfigError(
+            f"{source}: `{where}` expects {_type_name(tp)}, got {value!r} ({type(value).__name__}). "
+            f"Set it to a value of that type."
+        )
+
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad()
+        return from_dict(tp, value, source=source, prefix=f"{where}.")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad()
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, where, source)
+            except ConfigError:
+                continue
+        raise bad()
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{where}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad()
+        _, val_tp = typing.get_args(tp) or (str, Any)
+        return {str(k): _convert(v, val_tp, f"{where}.{k}", source) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad()
+    raise bad()
+
+
+def from_dict(cls: type, data: dict[str, Any], *, source: str = "config", prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys with a did-you-mean."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
+            raise ConfigError(
+                f"{source}: unknown key `{prefix}{key}`.{hint} "
+                f"Valid keys here: {', '.join(sorted(fields))}."
+            )
+        kwargs[key] = _convert(value, hints[key], f"{prefix}{key}", source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = (), *, cls: type) -> Any:
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
+    data = load_yaml(path) if path is not None else {}
+    overrides = list(overrides)
+    source = str(path) if path is not None else "defaults"
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " + command-line overrides"
+    return from_dict(cls, data, source=source)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically); `load_config` reads it back identically."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every field, for `--help` listings and docs."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe(hint, f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("help", "")))
+    return rows

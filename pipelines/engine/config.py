@@ -1,0 +1,185 @@
+"""The run configuration: one keyword-only dataclass per concern (data, model, optim, schedule,
+train, distributed, logging), grouped in ``RunConfig``.
+
+A run is a YAML file plus ``key=value`` overrides (``load_run_config``); the resolved config is
+written to every run directory (``save_config``) and is enough to rebuild the run. The primitives
+(``option``, strict loading, ``ConfigError``) live in ``core.config``; this module imports no torch
+so that the CLI can validate a run before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from core.config import ConfigError, load_config, option
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "RunConfig",
+    "load_run_config",
+]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the training samples come from and how they are batched."""
+
+    corpus: str = option("", help="Corpus directory written by `pretrain prepare` (has manifest.json).")
+    micro_batch_size: int = option(32, help="Samples per process per forward pass.")
+    num_workers: int = option(2, help="DataLoader worker processes per rank (0 = load in the main process).")
+    shuffle_buffer: int = option(1000, help="Samples held in the per-worker shuffle buffer.")
+    prefetch_factor: int = option(2, help="Batches prefetched per DataLoader worker.")
+    worker_start_method: Literal["forkserver", "spawn", "fork"] = option(
+        "forkserver", help="How DataLoader workers start: forkserver (safe, ~0.1 s each), spawn (~2 s each), or fork, "
+                           "which can deadlock a worker of a multi-threaded trainer (see pipelines/loading/workers.py).")
+    mlm_probability: float = option(0.15, help="Share of non-special tokens selected for MLM (BERT: 0.15).")
+    whole_word_masking: bool = option(False, help="Mask all WordPiece pieces of a selected word together.")
+    image_size: int = option(224, help="Training crop size for image tasks.")
+    mixup_alpha: float = option(0.0, help="Mixup Beta(alpha, alpha) for image tasks; 0 disables.")
+    on_bad_sample: Literal["skip", "fail"] = option("skip", help="What to do with an undecodable sample.")
+    verify_checksums: bool = option(True, help="Check every shard's sha256 against the manifest before training.")
+    eval_split: str = option("validation", help="Manifest split used for periodic evaluation.")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which registered model to build (see `models.list_models()`)."""
+
+    name: str = option("bert-tiny", help="Registry name, e.g. bert-tiny, bert-base, gpt-tiny, gpt2-small, vit-tiny.")
+    overrides: dict[str, Any] = option({}, help="Fields of the model's own config to change, e.g. {num_layers: 4}.")
+    activation_checkpointing: bool = option(False, help="Recompute block activations in backward to save memory.")
+    compile: bool = option(False, help="Wrap the model with torch.compile.")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer (see `pipelines.engine.optim`)."""
+
+    name: Literal["adam", "adamw", "radam", "lamb"] = option("adamw", help="Optimizer registry name.")
+    lr: float = option(1e-3, help="Base (peak) learning rate; ignored by schedule.warmup=noam (Vaswani et al. eq. 3 sets it).")
+    betas: list[float] = option([0.9, 0.999], help="Adam-family (beta1, beta2).")
+    eps: float = option(1e-8, help="Adam-family epsilon.")
+    weight_decay: float = option(0.01, help="Weight decay; never applied to biases and norm weights.")
+    decoupled_weight_decay: bool = option(False, help="RAdam: decoupled (AdamW-style) weight decay.")
+    grad_clip: float = option(1.0, help="Clip the global gradient norm to this value; 0 disables.")
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}.")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be positive, got {self.lr}.")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Learning-rate warmup factor and decay (see `pipelines.engine.schedules`)."""
+
+    warmup: str = option(
+        "linear",
+        help="none | linear | exponential | untuned_linear | untuned_exponential | noam.",
+    )
+    warmup_steps: int = option(0, help="Warmup length tau (noam: w) in optimizer steps; ignored by untuned warmups.")
+    decay: str = option(
+        "linear", help="After warmup: constant | linear | cosine | inverse_sqrt | polynomial (use constant with noam)."
+    )
+    min_lr_ratio: float = option(0.0, help="Floor of the decay as a fraction of the base LR.")
+    power: float = option(1.0, help="Exponent of the polynomial decay.")
+    d_model: int = option(0, help="Noam: model width; 0 takes the model's hidden size.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop: objective, budget, precision, evaluation and checkpoint cadence."""
+
+    task: Literal["mlm_nsp", "causal_lm", "image_cls", "classification", "qa"] = option(
+        "mlm_nsp", help="Objective; must match the corpus kind."
+    )
+    run_dir: str = option("runs/default", help="Directory for config.yaml, metrics.jsonl, tb/ and checkpoints/.")
+    max_steps: int = option(1000, help="Optimizer steps to train; the run stops at the first budget reached.")
+    max_tokens: int = option(0, help="Token budget (0 = none).")
+    max_time_minutes: float = option(0.0, help="Wall-time budget in minutes (0 = none); checkpoints before stopping.")
+    grad_accum_steps: int = option(1, help="Micro-batches accumulated per optimizer step.")
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="fp16 uses dynamic loss scaling.")
+    seed: int = option(0, help="Seed for model init, masking and data order.")
+    deterministic: bool = option(False, help="Use deterministic kernels (bitwise-reproducible on CPU in fp32).")
+    eval_every: int = option(0, help="Evaluate every N steps (0 = only at the end).")
+    eval_batches: int = option(20, help="Batches per evaluation (0 = the whole split).")
+    checkpoint_every: int = option(0, help="Checkpoint every N steps (0 = only at the end and on signals).")
+    keep_last: int = option(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
+    resume: str = option("auto", help="auto (newest complete checkpoint in run_dir), never, or a checkpoint path.")
+    log_every: int = option(10, help="Log metrics every N steps.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    """How processes cooperate; only `pipelines.engine.distributed` reads the environment."""
+
+    engine: Literal["deepspeed", "ddp"] = option("deepspeed", help="deepspeed (ZeRO) or plain DDP through accelerate.")
+    zero_stage: int = option(2, help="DeepSpeed ZeRO stage 0, 1, 2 or 3.")
+    offload_optimizer: bool = option(False, help="ZeRO: keep optimizer state in CPU memory.")
+    offload_params: bool = option(False, help="ZeRO-3: keep parameters in CPU memory.")
+    deepspeed_config: str = option("", help="A DeepSpeed JSON to start from; our fields override its 'auto' values.")
+    backend: str = option("auto", help="Process-group backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
+    timeout_minutes: int = option(30, help="Collective timeout before a hung rank fails the job.")
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}.")
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError("distributed.offload_params needs zero_stage=3 (DeepSpeed offloads parameters only in ZeRO-3).")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go and which health policies apply (see `monitoring`)."""
+
+    progress: bool = option(True, help="Live console progress bar on rank 0.")
+    tensorboard: bool = option(True, help="Write TensorBoard event files under run_dir/tb.")
+    wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
+    mlflow: bool = option(False, help="Log to MLflow through accelerate.")
+    prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
+    peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
+    diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
+    skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")
+    nan_policy: Literal["skip_step", "stop"] = option("skip_step", help="On NaN/Inf loss or gradients.")
+    max_consecutive_nan: int = option(5, help="skip_step: stop after this many bad steps in a row.")
+    spike_zscore: float = option(6.0, help="Log a loss-spike event above this z-score over the recent window.")
+    starvation_share: float = option(0.10, help="Warn when data wait exceeds this share of step time.")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ConfigError(f"logging.prometheus_port must be a TCP port (1-65535) or 0 for off, got {self.prometheus_port}.")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a pretraining or fine-tuning run needs; saved as run_dir/config.yaml."""
+
+    data: DataConfig = option(help="Data.", default_factory=DataConfig)
+    model: ModelConfig = option(help="Model.", default_factory=ModelConfig)
+    optim: OptimConfig = option(help="Optimizer.", default_factory=OptimConfig)
+    schedule: ScheduleConfig = option(help="LR schedule.", default_factory=ScheduleConfig)
+    train: TrainConfig = option(help="Training loop.", default_factory=TrainConfig)
+    distributed: DistributedConfig = option(help="Distribution.", default_factory=DistributedConfig)
+    logging: LoggingConfig = option(help="Logging and health.", default_factory=LoggingConfig)
+
+
+
+
+def load_run_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = ()) -> RunConfig:
+    """A ``RunConfig`` from a YAML file (or the defaults when ``path`` is None) plus overrides."""
+    return load_config(path, overrides, cls=RunConfig)

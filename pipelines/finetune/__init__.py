@@ -1,0 +1,33 @@
+"""Fine-tuning: a released checkpoint + a task head, trained with the pretraining `Trainer`.
+
+`pretrain finetune CONFIG` (or `python -m pipelines.finetune CONFIG k=v…` under a launcher) loads
+a release directory — ours or any Hugging Face BERT-architecture directory — through
+`models.hf.from_hf`, attaches a classification or extractive-QA head, trains it with the same
+engine as pretraining (accelerate/DeepSpeed, mixed precision, accumulation), evaluates every
+epoch, keeps the best epoch by the dev metric and writes `metrics.json` plus a release directory
+that `transformers` loads.
+
+Owns: ``config`` (FinetuneConfig), ``data`` (classification files), ``squad`` (SQuAD reading,
+windowing, decoding, scoring), ``metrics``, and one runner per task (``classification``, ``qa``).
+May import ``pipelines.engine``, ``pipelines.loading``, ``models``, ``monitoring`` and ``core``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.finetune.config import FINETUNE_TASKS, FinetuneConfig
+from pipelines.finetune.data import FinetuneError
+
+__all__ = ["FinetuneConfig", "FinetuneError", "FINETUNE_TASKS", "run_finetune"]
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Fine-tune and export; returns the dev metrics of the best epoch and the output paths."""
+    import importlib
+
+    from pipelines.engine.distributed import in_process_run
+
+    module, func = FINETUNE_TASKS[cfg.train.task].split(":")
+    with in_process_run():
+        return getattr(importlib.import_module(module), func)(cfg)
