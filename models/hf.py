@@ -38,7 +38,11 @@ from .heads import QuestionAnswering, SequenceClassifier
 from .hf_keys import Spec, spec_for, vit_rename
 from .vit import ViT, ViTConfig
 
-__all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict"]
+__all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict", "set_special_ids", "SPECIAL_ID_NAMES"]
+
+#: The special-token ids a release's config (and generation config) carries, as the tokenizer defines them.
+SPECIAL_ID_NAMES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "mask_token_id",
+                    "cls_token_id", "sep_token_id")
 
 _HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 _FROM_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -107,7 +111,7 @@ def hf_config(model: nn.Module) -> transformers.PretrainedConfig:
             activation_function=_HF_ACT[cfg.activation], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
             attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
             initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
-            bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1,
+            bos_token_id=None, eos_token_id=None,  # the tokenizer's ids: set_special_ids
         )  # fmt: skip
     if isinstance(cfg, ViTConfig):
         labels = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
@@ -170,6 +174,26 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     if hasattr(hf, "tie_weights"):
         hf.tie_weights()
     return hf.eval()
+
+
+def set_special_ids(hf: transformers.PreTrainedModel, ids: dict[str, int | None]) -> None:
+    """Give ``hf``'s config and generation config the tokenizer's special ids (``SPECIAL_ID_NAMES``).
+
+    A release must stop ``generate()`` at the tokenizer's end of text and pad with its pad token;
+    ids the model cannot know (which token is ``<|endoftext|>``) come only from the tokenizer.
+    """
+    unknown = set(ids) - set(SPECIAL_ID_NAMES)
+    if unknown:
+        raise ValueError(f"Unknown special ids {sorted(unknown)}; expected some of {SPECIAL_ID_NAMES}.")
+    vocab = getattr(hf.config, "vocab_size", None)
+    for name, value in ids.items():
+        if value is not None and vocab is not None and not 0 <= value < vocab:
+            raise ValueError(f"{name}={value} is outside the model's vocabulary of {vocab}; the tokenizer "
+                             f"does not belong to this model.")
+        setattr(hf.config, name, value)
+        gen = getattr(hf, "generation_config", None)
+        if gen is not None and name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(gen, name, value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from core.config import ConfigError
 from core.files import atomic_write_text
 
-__all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release"]
+__all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release", "tokenizer_special_ids"]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -140,14 +140,33 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json")
 
 
+def tokenizer_special_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int | None] | None:
+    """``{bos,eos,pad,unk,mask,cls,sep}_token_id`` as the tokenizer in ``tokenizer_dir`` defines them (None: no tokenizer)."""
+    from models.hf import SPECIAL_ID_NAMES
+
+    d = Path(tokenizer_dir)
+    if not any((d / name).is_file() for name in ("tokenizer.json", "vocab.txt", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+    return {name: getattr(tok, name, None) for name in SPECIAL_ID_NAMES}
+
+
 def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
                   card: str = "", extra_files: dict[str, str] | None = None) -> Path:
     """Save a transformers model + tokenizer files + model card as ``out_dir``, atomically.
 
     Everything is written into a temporary sibling directory, fsynced, then renamed over ``out_dir``
-    (an existing release is replaced only once the new one is complete).
+    (an existing release is replaced only once the new one is complete). The config and generation
+    config take every special-token id from the tokenizer copied with it.
     """
+    import models
+
     out = Path(out_dir)
+    ids = tokenizer_special_ids(tokenizer_dir) if tokenizer_dir is not None and Path(tokenizer_dir).is_dir() else None
+    if ids is not None:
+        models.hf.set_special_ids(hf, ids)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -95,7 +95,7 @@ def test_gpt_two_ranks_uneven_shards_equal_steps_and_generate(gpt_run, tmp_path)
         assert len(set(k0)) == len(k0) == len(set(k1)) == 48 and not set(k0) & set(k1)
     out = export_checkpoint(run, tmp_path / "release")
     model = GPT2LMHeadModel.from_pretrained(out)
-    gen = model.generate(torch.tensor([[10, 11, 12]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    gen = model.generate(torch.tensor([[10, 11, 12]]), max_new_tokens=8, do_sample=False)  # ids from the tokenizer
     assert gen.shape == (1, 11)
 
 
