@@ -125,12 +125,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         hf.config.label2id = {k: int(v) for k, v in class_map.items()}
     extra = {}
     if getattr(model, "family", "") == "vit":
-        cfg = model.config
-        extra["preprocessor_config.json"] = json.dumps({
-            "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": cfg.image_size, "width": cfg.image_size},
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
-        }, indent=2)
+        from pipelines.engine.objectives import ImageClsTask
+
+        extra["preprocessor_config.json"] = json.dumps(ImageClsTask.eval_processor_config(model.config.image_size), indent=2)
     card = _model_card(state, ckpt, type(hf).__name__)
     return write_release(hf, out_dir, tokenizer_dir=ckpt / "tokenizer", card=card, extra_files=extra)
 

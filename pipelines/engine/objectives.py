@@ -276,6 +276,27 @@ class ImageClsTask(Task):
         side = min(w, h)  # fallback: central square
         return ((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2)
 
+    @staticmethod
+    def eval_resize(image_size: int) -> int:
+        """Shorter side before the eval centre crop: 256 for 224 (the ratio of ViT's and ResNet's evaluations)."""
+        return image_size * 256 // 224
+
+    @classmethod
+    def eval_processor_config(cls, image_size: int) -> dict[str, Any]:
+        """``preprocessor_config.json`` that makes ``transformers`` see the pixels our eval sees.
+
+        ``CLIPImageProcessor`` is the standard processor that resizes the shorter side and centre-crops
+        in every supported ``transformers`` version (``ViTImageProcessor`` squashes to a square);
+        with its PIL backend it gives the same tensor as ``transform(img, None)`` (tested).
+        """
+        return {
+            "image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
+            "do_resize": True, "size": {"shortest_edge": cls.eval_resize(image_size)}, "resample": 2,  # PIL bilinear
+            "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": [cls.mean] * 3, "image_std": [cls.std] * 3,
+        }  # fmt: skip
+
     def transform(self, img, rng: np.random.Generator | None) -> torch.Tensor:
         from PIL import Image
 
@@ -284,11 +305,11 @@ class ImageClsTask(Task):
             img = img.resize((S, S), Image.BILINEAR, box=self._random_resized_crop(img, rng))
             if rng.random() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        else:
+        else:  # the arithmetic of transformers' shortest_edge resize + center crop (see eval_processor_config)
             w, h = img.size
-            short = S * 256 // 224
-            scale = short / min(w, h)
-            img = img.resize((max(S, round(w * scale)), max(S, round(h * scale))), Image.BILINEAR)
+            short = self.eval_resize(S)
+            size = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+            img = img.resize(size, Image.BILINEAR)
             w, h = img.size
             left, top = (w - S) // 2, (h - S) // 2
             img = img.crop((left, top, left + S, top + S))

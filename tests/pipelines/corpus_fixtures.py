@@ -136,8 +136,9 @@ def make_gpt_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32
     return _manifest(root, "packed_lm", seq_len, tok_info, splits)
 
 
-def make_image_corpus(root: str | Path, *, train_sizes=(48, 40), val_sizes=(32,), size: int = 40, classes: int = 4, seed: int = 0) -> Path:
-    """``images`` corpus: PNGs whose dominant colour channel (or brightness) is the class."""
+def make_image_corpus(root: str | Path, *, train_sizes=(48, 40), val_sizes=(32,), size: int | tuple[int, int] = 40,
+                      classes: int = 4, seed: int = 0) -> Path:
+    """``images`` corpus: PNGs (``size`` square, or (width, height)) whose dominant colour channel (or brightness) is the class."""
     from PIL import Image
 
     root = Path(root)
@@ -148,7 +149,8 @@ def make_image_corpus(root: str | Path, *, train_sizes=(48, 40), val_sizes=(32,)
         def sample(i):
             rng = np.random.default_rng([seed, split_seed, i])
             label = i % classes
-            arr = np.clip(palette[label] + rng.normal(0, 40, (size, size, 3)), 0, 255).astype(np.uint8)
+            w, h = (size, size) if isinstance(size, int) else size
+            arr = np.clip(palette[label] + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
             buf = io.BytesIO()
             Image.fromarray(arr).save(buf, format="PNG")
             return {"png": buf.getvalue(), "cls": str(label).encode()}, 1

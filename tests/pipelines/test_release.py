@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 TEXT = "the cat sat on the mat."
@@ -63,3 +64,88 @@ def test_gpt_release_generate_stops_at_end_of_text_with_default_arguments(tmp_pa
         assert cfg.get(name) == getattr(tok, name), name
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(gen_cfg, name) == getattr(tok, name), name
+
+
+def _vit_checkpoint(root: Path, image_size: int = 32) -> tuple[Path, object]:
+    """A DDP-engine checkpoint of a tiny ViT (random init) with a 4-class map; returns (checkpoint, model)."""
+    import models
+
+    overrides = {"num_layers": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "patch_size": 8,
+                 "num_labels": 4, "image_size": image_size}
+    torch.manual_seed(0)
+    model = models.create("vit-tiny", **overrides).eval()
+    ckpt = root / "step-00000001"
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    state = {"step": 1, "task": "image_cls", "engine": "ddp", "zero_stage": 0,
+             "model_build": {"name": "vit-tiny", "overrides": overrides},
+             "data_info": {"class_map": {f"class{c}": c for c in range(4)}}}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    return ckpt, model
+
+
+def _eval_task(image_size: int):
+    from types import SimpleNamespace
+
+    from pipelines.engine.objectives import ImageClsTask
+
+    return ImageClsTask(SimpleNamespace(class_map={f"class{c}": c for c in range(4)}, root="."), seed=0, image_size=image_size)
+
+
+def test_vit_release_pipeline_sees_the_pixels_and_logits_of_our_eval_on_non_square_images(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt, ours = _vit_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    clf = pipeline("image-classification", model=str(out))
+    task = _eval_task(32)
+    rng = np.random.default_rng(0)
+    for w, h in [(53, 37), (37, 61), (120, 41), (32, 32), (300, 200)]:
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        theirs = clf.image_processor(img, return_tensors="pt")["pixel_values"]
+        mine = task.transform(img, None)[None]
+        assert theirs.shape == mine.shape == (1, 3, 32, 32)
+        torch.testing.assert_close(theirs, mine, atol=1e-6, rtol=0)  # the same pixels, not a squashed image
+        with torch.no_grad():
+            hf_logits = clf.model(pixel_values=theirs).logits
+            our_logits = ours(pixel_values=mine)["logits"]
+        torch.testing.assert_close(hf_logits, our_logits, atol=1e-5, rtol=1e-5)
+        top = clf(img, top_k=1)[0]
+        assert top["label"] == f"class{int(our_logits.argmax())}"
+
+
+@pytest.mark.slow
+def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
+    """A real run on non-square images: ``pipeline("image-classification")`` on the eval split scores the run's top1."""
+    import io
+
+    import corpus_fixtures as cf
+    from conftest import run_pretrain, summary_of
+    from PIL import Image
+    from transformers import pipeline
+
+    from core.corpus import read_shard
+    from pipelines.engine.export import export_checkpoint
+
+    corpus = cf.make_image_corpus(tmp_path / "corpus", size=(52, 36))
+    run = tmp_path / "run"
+    proc = run_pretrain("configs/train/vit_tiny_cpu.yaml", [
+        f"data.corpus={corpus}", f"train.run_dir={run}", "train.max_steps=8", "data.micro_batch_size=8",
+        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=4", "optim.lr=3e-3",
+        "schedule.warmup_steps=2", "train.checkpoint_every=0"], processes=1, launcher="python")
+    summary = summary_of(proc)
+    out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
+    clf = pipeline("image-classification", model=str(out))
+    images, labels = [], []
+    for shard in sorted(corpus.glob("validation-*.tar")):
+        for _, parts in read_shard(shard):
+            images.append(Image.open(io.BytesIO(parts["png"])).convert("RGB"))
+            labels.append(f"class{int(parts['cls'])}")
+    assert len(images) == 32 and images[0].size == (52, 36)
+    preds = [p[0]["label"] for p in clf(images, top_k=1)]
+    accuracy = sum(p == y for p, y in zip(preds, labels, strict=True)) / len(labels)
+    assert accuracy == pytest.approx(summary["eval"]["top1"], abs=1e-9), (accuracy, summary["eval"])
