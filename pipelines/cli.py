@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare",
         cmd_prepare,
         "Prepare a corpus as a Ray job: read, clean, dedup, tokenize, pair/pack, write WebDataset shards + manifest.",
-        "pretrain prepare configs/data/demo_bert.yaml input.paths=[docs/*.txt] output_dir=corpus",
+        "pretrain prepare configs/data/demo_bert.yaml output=corpus \"sources=[{type: text, paths: ['docs/*.md']}]\"",
     )
     _add_config_args(p, "data-preparation")
 
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         cmd_train,
         "Pretrain a model (BERT MLM+NSP, GPT causal LM, ViT) with DeepSpeed ZeRO through accelerate.",
-        "pretrain train configs/train/bert_tiny_demo.yaml data.corpus=demo_out/corpus --nproc 2",
+        "pretrain train configs/train/bert_tiny_cpu.yaml data.corpus=demo_out/corpus --nproc 2",
     )
     _add_config_args(p, "run")
     _add_launch_args(p)
