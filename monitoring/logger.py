@@ -28,6 +28,9 @@ __all__ = ["RunLogger", "read_metrics_lines"]
 
 log = logging.getLogger(__name__)
 
+#: File in the run dir holding the W&B run id, so every session of a run logs to one W&B run.
+WANDB_ID_FILE = "wandb_run_id"
+
 _TRAIN_KEYS = (
     ("loss", "loss", "{:.4f}"),
     ("lr", "lr", "{:.2e}"),
@@ -295,6 +298,21 @@ class RunLogger:
             log.warning("Could not start the %s tracker (%s); continuing without it.", name, exc)
             return []
 
+    def wandb_run_id(self) -> str:
+        """The W&B run id of this run dir: made once and kept in ``RUN_DIR/wandb_run_id``.
+
+        A requeued or resumed job reads it back and continues the same W&B run (``resume="allow"``)
+        instead of starting a new one per SLURM requeue.
+        """
+        path = self.run_dir / WANDB_ID_FILE
+        if path.is_file() and (run_id := path.read_text(encoding="utf-8").strip()):
+            return run_id
+        import uuid
+
+        run_id = uuid.uuid4().hex[:16]
+        atomic_write_text(path, run_id + "\n")
+        return run_id
+
     def _make_wandb(self) -> Any:
         from accelerate.tracking import WandBTracker
 
@@ -303,6 +321,8 @@ class RunLogger:
             name=self.run_dir.name,
             dir=str(self.run_dir),
             mode=os.environ.get("WANDB_MODE", "offline"),
+            id=self.wandb_run_id(),
+            resume="allow",
         )
 
     def _make_mlflow(self) -> Any:

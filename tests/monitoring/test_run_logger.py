@@ -191,3 +191,30 @@ def test_resume_event_keeps_earlier_lines(tmp_path: Path) -> None:
     lg.close()
     steps = [(r["step"], r.get("event")) for r in _lines(tmp_path)]
     assert steps == [(s, None) for s in range(1, 21)] + [(20, "resume"), (21, None)]
+
+
+@pytest.mark.slow  # wandb's service process takes ~10-50 s to start on 2 shared cores
+def test_resumed_run_logs_to_the_same_wandb_run(tmp_path: Path, monkeypatch) -> None:
+    """A requeued job (a second RunLogger on the same run dir) continues the W&B run of the first.
+
+    Uses the real ``wandb`` package in offline mode (``pip install pretrain[wandb]``).
+    """
+    pytest.importorskip("wandb")
+    from accelerate import PartialState
+
+    PartialState()  # as the trainer's Accelerator does; accelerate's trackers need it
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LoggingConfig(progress=False, tensorboard=False, wandb=True)
+    ids = []
+    for session, steps in enumerate(((1, 2), (3, 4))):
+        logger = RunLogger(tmp_path, cfg, is_main=True, total_steps=4, config_dict={"session": session})
+        (tracker,) = logger._trackers
+        ids.append(tracker.run.id)
+        for step in steps:
+            logger.log(step, {"loss": 1.0 / step})
+        logger.close()
+    assert ids[0] == ids[1], f"the requeued session started another W&B run: {ids}"
+    assert (tmp_path / "wandb_run_id").read_text().strip() == ids[0]
+    offline = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(ids[0]) for name in offline), offline
