@@ -169,7 +169,7 @@ def tiny_corpus(tmp_path_factory) -> Path:
     sys.path.insert(0, str(REPO / "tests" / "pipelines"))
     import corpus_fixtures
 
-    return corpus_fixtures.make_bert_corpus(tmp_path_factory.mktemp("examples") / "corpus", train_sizes=(200, 200))
+    return corpus_fixtures.make_bert_corpus(tmp_path_factory.mktemp("examples") / "corpus", train_sizes=(300, 300))
 
 
 def test_examples_found():

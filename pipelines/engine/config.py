@@ -58,6 +58,8 @@ class ModelConfig:
     overrides: dict[str, Any] = option({}, help="Fields of the model's own config to change, e.g. {num_layers: 4}.")
     activation_checkpointing: bool = option(False, help="Recompute block activations in backward to save memory.")
     compile: bool = option(False, help="Wrap the model with torch.compile.")
+    init_from: str = option("", help="Checkpoint (or run dir) whose weights start this run; optimizer, schedule and data "
+                                     "start fresh (e.g. BERT phase 2 at seq 512 from phase 1). Ignored when resuming.")
 
 
 @dataclass(kw_only=True)

@@ -36,6 +36,21 @@ __all__ = ["Trainer", "train", "build_model"]
 log = logging.getLogger(__name__)
 
 
+def _init_from(model: torch.nn.Module, path: str) -> None:
+    """Load a checkpoint's full weights into ``model`` (every key must match: same architecture)."""
+    from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+    tied = {k for k in missing if k.endswith(("decoder.weight", "lm_head.weight"))}
+    if set(missing) - tied or unexpected:
+        raise ConfigError(f"model.init_from={path}: the checkpoint's weights do not fit model.name (missing "
+                          f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}). Use the same "
+                          f"model.name and model.overrides as the run that wrote it.")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
 def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``models.create`` with the fields the data imposes (vocab, labels, image size); returns (model, build args)."""
     import models
@@ -59,6 +74,8 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
         model = models.create(cfg.model.name, **overrides)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model.overrides: {exc}") from None
+    if cfg.model.init_from:
+        _init_from(model, cfg.model.init_from)
     if task.family and getattr(model, "family", task.family) != task.family:
         raise ConfigError(f"train.task={task.name} needs a {task.family} model; model.name={cfg.model.name} is a {model.family} model.")
     seq_len = getattr(task, "seq_len", 0)
