@@ -98,37 +98,25 @@ def trace_dir() -> str | None:
 
 
 def validate(cfg: RunConfig, env: DistEnv) -> None:
-    """Refuse impossible settings before any process group starts (ConfigError names the fix)."""
+    """Refuse impossible settings before any process group starts (ConfigError names the fix).
+
+    ``check.check`` (torch-free, also run by the CLI and sweeps before launching) covers names,
+    the schedule and batch arithmetic; this adds what depends on the device.
+    """
+    from pipelines.engine.check import check
+
+    check(cfg, world_size=env.world_size)
     d, t = cfg.distributed, cfg.train
-    if d.engine == "ddp" and (d.offload_optimizer or d.offload_params):
-        raise ConfigError("distributed.offload_optimizer/offload_params need engine=deepspeed (ZeRO-Offload); plain DDP cannot offload.")
-    if d.engine == "deepspeed" and d.zero_stage == 3 and cfg.model.compile:
-        raise ConfigError(
-            "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
-            "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
-        )
-    if d.offload_params and d.zero_stage != 3:
-        raise ConfigError("distributed.offload_params needs distributed.zero_stage=3.")
-    if d.offload_optimizer and d.zero_stage == 0:
-        raise ConfigError("distributed.offload_optimizer needs distributed.zero_stage >= 1 (ZeRO-Offload partitions the optimizer).")
     if t.precision == "fp16" and env.device == "cpu":
         raise ConfigError("train.precision=fp16 needs a GPU (CPU kernels have no fp16 training path). Use bf16 or fp32 on CPU.")
     if d.backend == "nccl" and env.device == "cpu":
         raise ConfigError("distributed.backend=nccl needs GPUs; use auto or gloo on CPU.")
-    if cfg.data.micro_batch_size < 1:
-        raise ConfigError(f"data.micro_batch_size must be >= 1, got {cfg.data.micro_batch_size}.")
     if cfg.optim.name == "lamb" and d.engine == "deepspeed" and d.zero_stage >= 1:
         warnings.warn("optim.name=lamb with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat fp32 partitions, "
                       "so LAMB's trust ratio is computed per (parameter group, rank partition), not per layer as in "
                       "You et al. 2020. Use zero_stage=0 (or engine=ddp) for the per-layer ratio.", stacklevel=2)
     if d.deepspeed_config:
-        ds = deepspeed_config(cfg, env.world_size)  # raises on disagreement with the base JSON
-        tb = ds.get("train_batch_size")
-        if tb != cfg.data.micro_batch_size * t.grad_accum_steps * env.world_size:
-            raise ConfigError(
-                f"{d.deepspeed_config}: train_batch_size={tb} != micro_batch_size {cfg.data.micro_batch_size} x "
-                f"grad_accum_steps {t.grad_accum_steps} x world size {env.world_size}. Set it to \"auto\"."
-            )
+        deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:

@@ -84,8 +84,8 @@ class Trainer:
                  env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
                  model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
                  should_stop: Any = None, config_to_save: Any = None):
+        from pipelines.engine.check import run_schedule
         from pipelines.engine.optim import build_optimizer
-        from pipelines.engine.schedules import build_schedule
 
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
         # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
@@ -100,8 +100,7 @@ class Trainer:
         self.model_config = getattr(model, "config", None)
         offload = cfg.distributed.engine == "deepspeed" and cfg.distributed.offload_optimizer
         optimizer = build_optimizer(model, cfg.optim, offload=offload)
-        schedule = build_schedule(cfg.schedule, base_lr=cfg.optim.lr, total_steps=cfg.train.max_steps,
-                                  d_model=getattr(self.model_config, "hidden_size", 0), beta2=cfg.optim.betas[1])
+        schedule = run_schedule(cfg, d_model=getattr(self.model_config, "hidden_size", 0))
         self.engine = dist.build_engine(cfg, self.env, model, optimizer, schedule)
         self.is_main = self.engine.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
