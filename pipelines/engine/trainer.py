@@ -122,7 +122,7 @@ class Trainer:
         self.model_build = model_build or {"name": cfg.model.name, "overrides": dict(cfg.model.overrides)}
         self.model_config = getattr(model, "config", None)
         offload = cfg.distributed.engine == "deepspeed" and cfg.distributed.offload_optimizer
-        optimizer = build_optimizer(model, cfg.optim, offload=offload)
+        optimizer = build_optimizer(model, cfg.optim, offload=offload, device=self.env.device)  # before prepare() moves it
         schedule = run_schedule(cfg, d_model=getattr(self.model_config, "hidden_size", 0))
         self.engine = engines.build_engine(cfg, self.env, model, optimizer, schedule)
         self.is_main = self.engine.rank == 0
