@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from core.config import ConfigError
+from monitoring.console import configure_logging
 from pipelines.engine.config import load_run_config
 
 EXIT_CONFIG = 2
@@ -304,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         return int(args.handler(args) or 0)
     except ConfigError as exc:

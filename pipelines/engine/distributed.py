@@ -86,6 +86,76 @@ def init_env() -> DistEnv:
     return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), launcher, device)
 
 
+#: ``accelerate launch --config_file`` fields (as the environment variables it exports) -> run config keys.
+_ACCELERATE_FIELDS = {
+    "ACCELERATE_MIXED_PRECISION": ("mixed_precision", "train.precision"),
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": ("deepspeed_config.zero_stage", "distributed.zero_stage"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": ("deepspeed_config.offload_optimizer_device", "distributed.offload_optimizer"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": ("deepspeed_config.offload_param_device", "distributed.offload_params"),
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": ("deepspeed_config.deepspeed_config_file", "distributed.deepspeed_config"),
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("deepspeed_config.gradient_accumulation_steps", "train.grad_accum_steps"),
+    "ACCELERATE_GRADIENT_CLIPPING": ("deepspeed_config.gradient_clipping", "optim.grad_clip"),
+}
+
+
+def accelerate_file_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The settings of an ``accelerate launch --config_file`` file, as run config keys (dotted -> value).
+
+    accelerate exports them to every rank as ``ACCELERATE_*`` variables. Fields we cannot honour
+    raise ``ConfigError`` naming the run config key to use instead.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for var, (field, key) in _ACCELERATE_FIELDS.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        value: Any
+        if var == "ACCELERATE_MIXED_PRECISION":
+            value = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(raw.lower())
+            if value is None:
+                raise ConfigError(f"accelerate config: mixed_precision={raw} is not supported. Set it to no, bf16 or fp16 "
+                                  f"there, or remove it and set train.precision in the run config.")
+        elif var.endswith("_DEVICE"):
+            if raw.lower() not in ("none", "cpu"):
+                raise ConfigError(f"accelerate config: {field}={raw} is not supported (only cpu offload). Remove it from the "
+                                  f"accelerate file and set {key}=true in the run config for CPU offload.")
+            value = raw.lower() == "cpu"
+        elif var == "ACCELERATE_DEEPSPEED_CONFIG_FILE":
+            value = raw
+        else:
+            try:
+                value = float(raw) if var == "ACCELERATE_GRADIENT_CLIPPING" else int(raw)
+            except ValueError:
+                raise ConfigError(f"accelerate config: {field}={raw!r} is not a number. Fix it there or move it to "
+                                  f"{key} in the run config.") from None
+        out[key] = value
+    return out
+
+
+def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
+                         cls: type | None = None, environ: dict[str, str] | None = None) -> Any:
+    """The run config of a launched rank: our defaults < the ``accelerate launch --config_file`` file's
+    fields < the run config file < ``key=value`` overrides. Rank 0 logs every accelerate field it
+    applied or that the run config overrode; the resolved values end up in run_dir/config.yaml."""
+    from core.config import apply_overrides, deep_merge, from_dict, load_yaml
+
+    if cls is None:
+        cls = RunConfig
+    settings = accelerate_file_settings(environ)
+    base: dict[str, Any] = apply_overrides({}, [f"{k}={v}" for k, v in settings.items()])
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(deep_merge(base, data), list(overrides))
+    cfg = from_dict(cls, data, source=str(path or "config"))
+    if settings and int((environ or os.environ).get("RANK", "0")) == 0:
+        for key, value in settings.items():
+            section, name = key.split(".")
+            final = getattr(getattr(cfg, section), name)
+            how = "applied" if final == value else f"overridden by the run config ({key}={final!r})"
+            log.info("accelerate config file: %s=%r %s.", key, value, how)
+    return cfg
+
+
 def trace_dir() -> str | None:
     """``PRETRAIN_TRACE_DIR``: when set, each rank appends its per-step loss and sample keys there (tests)."""
     return os.environ.get("PRETRAIN_TRACE_DIR") or None

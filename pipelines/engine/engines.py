@@ -14,7 +14,6 @@ whose gradients are non-finite is not applied.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,6 @@ from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
 
 __all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine"]
-
-log = logging.getLogger(__name__)
-
 
 class Engine:
     """The wrapped model as the loop sees it: ``engine(**inputs)``, ``backward``, ``step``, ``skip_step``,
@@ -239,13 +235,10 @@ class DeepSpeedEngine(Engine):
         self._load_scheduler(path)
 
 
-def _drop_accelerate_deepspeed_env(cfg: RunConfig, env: DistEnv) -> None:
-    """The DeepSpeed fields ``accelerate launch --config_file`` exports are dropped: the run config is
-    the single source of truth (accelerate would otherwise refuse the mix)."""
-    stage_env = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if stage_env is not None and cfg.distributed.engine == "deepspeed" and int(stage_env) != cfg.distributed.zero_stage and env.rank == 0:
-        log.info("accelerate config says ZeRO stage %s; the run config's distributed.zero_stage=%d wins.", stage_env,
-                 cfg.distributed.zero_stage)
+def _drop_accelerate_deepspeed_env() -> None:
+    """The DeepSpeed fields ``accelerate launch --config_file`` exports were folded into the run config
+    (``distributed.load_launched_config``); they are dropped here so that accelerate does not build a
+    second, conflicting DeepSpeed config from them (it would refuse the mix)."""
     for k in list(os.environ):
         if k.startswith("ACCELERATE_DEEPSPEED_") or k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED"):
             del os.environ[k]
@@ -264,7 +257,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
     d = cfg.distributed
     backend = d.backend if d.backend != "auto" else ("nccl" if env.device == "cuda" else "gloo")
     pg = InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(minutes=d.timeout_minutes))
-    _drop_accelerate_deepspeed_env(cfg, env)
+    _drop_accelerate_deepspeed_env()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn)
     if d.engine == "deepspeed":
         os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
