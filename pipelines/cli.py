@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from core.config import ConfigError
+from monitoring.console import configure_logging
 from pipelines.engine.config import load_run_config
 
 EXIT_CONFIG = 2
@@ -65,8 +66,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pipelines.engine.check import check
 
-    cfg = load_run_config(args.config, args.overrides)  # validate before any process starts
+    cfg = load_run_config(args.config, args.overrides)
+    check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
     if args.nproc > 1:
         from pipelines.engine.distributed import launch
 
@@ -79,9 +82,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
+    from pipelines.engine.check import check
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+    check(cfg, world_size=args.nproc)
     if args.nproc > 1:
         from pipelines.engine.distributed import launch
 
@@ -300,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         return int(args.handler(args) or 0)
     except ConfigError as exc:

@@ -12,7 +12,8 @@ import json
 import sys
 
 from core.config import ConfigError, describe
-from pipelines.engine.config import RunConfig, load_run_config
+from monitoring.console import configure_logging
+from pipelines.engine.config import RunConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,8 +35,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    configure_logging()
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        from pipelines.engine.distributed import load_launched_config
+
+        cfg = load_launched_config(args.config, args.overrides)  # + an `accelerate launch --config_file`'s fields
         from pipelines.engine.trainer import train
 
         summary = train(cfg)

@@ -1,25 +1,19 @@
-"""Process topology, accelerate/DeepSpeed setup and job launch: the only reader of env/SLURM variables.
+"""Process topology, run validation, the DeepSpeed JSON and job launch: the only reader of env/SLURM variables.
 
 One code path serves 1 CPU process, N CPU processes (gloo), 1 GPU, 8 GPUs and N nodes:
 
 - ``init_env()`` fills ``RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*`` for a plain ``python`` run (a world
   of one) and for ``srun`` (from ``SLURM_*``); torchrun, ``accelerate launch`` and ``deepspeed``
   set them already.
-- ``build_engine()`` creates the ``Accelerator``. With ``engine: deepspeed`` it passes a
-  ``DeepSpeedPlugin`` built from *our* config (``deepspeed_config``) and an explicit process-group
-  backend: accelerate 1.x only picks a backend for DeepSpeed when it sees an accelerator device,
-  so on CPU it would report a world of one although DeepSpeed joined all ranks. Passing
-  ``InitProcessGroupKwargs(backend="gloo")`` makes accelerate and DeepSpeed agree. The DeepSpeed
-  fields that ``accelerate launch --config_file`` exports (``ACCELERATE_DEEPSPEED_*``) are dropped:
-  the run config is the single source of truth (accelerate would otherwise refuse the mix).
-- ``Engine`` is what the training loop talks to: forward, backward, step, save, load.
+- ``validate()`` refuses impossible settings (``check.check`` plus the device-specific ones);
+  ``deepspeed_config()`` is the DeepSpeed JSON of a run. The engines themselves (DDP, DeepSpeed)
+  and ``build_engine`` live in ``pipelines.engine.engines``.
 - ``launch()`` starts the multi-process job as a subprocess.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -38,7 +32,7 @@ import torch
 from core.config import ConfigError
 from pipelines.engine.config import RunConfig
 
-__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "build_engine", "Engine", "launch", "trace_dir", "free_port"]
+__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run"]
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -92,43 +86,102 @@ def init_env() -> DistEnv:
     return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), launcher, device)
 
 
+#: ``accelerate launch --config_file`` fields (as the environment variables it exports) -> run config keys.
+_ACCELERATE_FIELDS = {
+    "ACCELERATE_MIXED_PRECISION": ("mixed_precision", "train.precision"),
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": ("deepspeed_config.zero_stage", "distributed.zero_stage"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": ("deepspeed_config.offload_optimizer_device", "distributed.offload_optimizer"),
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": ("deepspeed_config.offload_param_device", "distributed.offload_params"),
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": ("deepspeed_config.deepspeed_config_file", "distributed.deepspeed_config"),
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("deepspeed_config.gradient_accumulation_steps", "train.grad_accum_steps"),
+    "ACCELERATE_GRADIENT_CLIPPING": ("deepspeed_config.gradient_clipping", "optim.grad_clip"),
+}
+
+
+def accelerate_file_settings(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The settings of an ``accelerate launch --config_file`` file, as run config keys (dotted -> value).
+
+    accelerate exports them to every rank as ``ACCELERATE_*`` variables. Fields we cannot honour
+    raise ``ConfigError`` naming the run config key to use instead.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for var, (field, key) in _ACCELERATE_FIELDS.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        value: Any
+        if var == "ACCELERATE_MIXED_PRECISION":
+            value = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(raw.lower())
+            if value is None:
+                raise ConfigError(f"accelerate config: mixed_precision={raw} is not supported. Set it to no, bf16 or fp16 "
+                                  f"there, or remove it and set train.precision in the run config.")
+        elif var.endswith("_DEVICE"):
+            if raw.lower() not in ("none", "cpu"):
+                raise ConfigError(f"accelerate config: {field}={raw} is not supported (only cpu offload). Remove it from the "
+                                  f"accelerate file and set {key}=true in the run config for CPU offload.")
+            value = raw.lower() == "cpu"
+        elif var == "ACCELERATE_DEEPSPEED_CONFIG_FILE":
+            value = raw
+        else:
+            try:
+                value = float(raw) if var == "ACCELERATE_GRADIENT_CLIPPING" else int(raw)
+            except ValueError:
+                raise ConfigError(f"accelerate config: {field}={raw!r} is not a number. Fix it there or move it to "
+                                  f"{key} in the run config.") from None
+        out[key] = value
+    return out
+
+
+def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
+                         cls: type | None = None, environ: dict[str, str] | None = None) -> Any:
+    """The run config of a launched rank: our defaults < the ``accelerate launch --config_file`` file's
+    fields < the run config file < ``key=value`` overrides. Rank 0 logs every accelerate field it
+    applied or that the run config overrode; the resolved values end up in run_dir/config.yaml."""
+    from core.config import apply_overrides, deep_merge, from_dict, load_yaml
+
+    if cls is None:
+        cls = RunConfig
+    settings = accelerate_file_settings(environ)
+    base: dict[str, Any] = apply_overrides({}, [f"{k}={v}" for k, v in settings.items()])
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(deep_merge(base, data), list(overrides))
+    cfg = from_dict(cls, data, source=str(path or "config"))
+    if settings and int((environ or os.environ).get("RANK", "0")) == 0:
+        for key, value in settings.items():
+            section, name = key.split(".")
+            final = getattr(getattr(cfg, section), name)
+            how = "applied" if final == value else f"overridden by the run config ({key}={final!r})"
+            log.info("accelerate config file: %s=%r %s.", key, value, how)
+    return cfg
+
+
 def trace_dir() -> str | None:
     """``PRETRAIN_TRACE_DIR``: when set, each rank appends its per-step loss and sample keys there (tests)."""
     return os.environ.get("PRETRAIN_TRACE_DIR") or None
 
 
 def validate(cfg: RunConfig, env: DistEnv) -> None:
-    """Refuse impossible settings before any process group starts (ConfigError names the fix)."""
+    """Refuse impossible settings before any process group starts (ConfigError names the fix).
+
+    ``check.check`` (torch-free, also run by the CLI and sweeps before launching) covers names,
+    the schedule and batch arithmetic; this adds what depends on the device.
+    """
+    from pipelines.engine.check import check
+
+    check(cfg, world_size=env.world_size)
     d, t = cfg.distributed, cfg.train
-    if d.engine == "ddp" and (d.offload_optimizer or d.offload_params):
-        raise ConfigError("distributed.offload_optimizer/offload_params need engine=deepspeed (ZeRO-Offload); plain DDP cannot offload.")
-    if d.engine == "deepspeed" and d.zero_stage == 3 and cfg.model.compile:
-        raise ConfigError(
-            "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
-            "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
-        )
-    if d.offload_params and d.zero_stage != 3:
-        raise ConfigError("distributed.offload_params needs distributed.zero_stage=3.")
-    if d.offload_optimizer and d.zero_stage == 0:
-        raise ConfigError("distributed.offload_optimizer needs distributed.zero_stage >= 1 (ZeRO-Offload partitions the optimizer).")
-    if t.precision == "fp16" and env.device == "cpu":
-        raise ConfigError("train.precision=fp16 needs a GPU (CPU kernels have no fp16 training path). Use bf16 or fp32 on CPU.")
+    if t.precision == "fp16" and env.device == "cpu" and d.engine == "deepspeed":
+        raise ConfigError("train.precision=fp16 needs a GPU with engine=deepspeed (DeepSpeed's fp16 optimizer is CUDA-only). "
+                          "Use bf16 or fp32 on CPU, or distributed.engine=ddp (torch autocast + GradScaler).")
     if d.backend == "nccl" and env.device == "cpu":
         raise ConfigError("distributed.backend=nccl needs GPUs; use auto or gloo on CPU.")
-    if cfg.data.micro_batch_size < 1:
-        raise ConfigError(f"data.micro_batch_size must be >= 1, got {cfg.data.micro_batch_size}.")
     if cfg.optim.name == "lamb" and d.engine == "deepspeed" and d.zero_stage >= 1:
         warnings.warn("optim.name=lamb with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat fp32 partitions, "
                       "so LAMB's trust ratio is computed per (parameter group, rank partition), not per layer as in "
                       "You et al. 2020. Use zero_stage=0 (or engine=ddp) for the per-layer ratio.", stacklevel=2)
     if d.deepspeed_config:
-        ds = deepspeed_config(cfg, env.world_size)  # raises on disagreement with the base JSON
-        tb = ds.get("train_batch_size")
-        if tb != cfg.data.micro_batch_size * t.grad_accum_steps * env.world_size:
-            raise ConfigError(
-                f"{d.deepspeed_config}: train_batch_size={tb} != micro_batch_size {cfg.data.micro_batch_size} x "
-                f"grad_accum_steps {t.grad_accum_steps} x world size {env.world_size}. Set it to \"auto\"."
-            )
+        deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
@@ -197,175 +250,6 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 
     leftover(merged, "")
     return merged
-
-
-class Engine:
-    """The wrapped model as the loop sees it: ``engine(**inputs)``, ``backward``, ``step``, ``save``, ``load``."""
-
-    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
-        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
-        self.deepspeed = cfg.distributed.engine == "deepspeed"
-        self.grad_accum, self.grad_clip = cfg.train.grad_accum_steps, cfg.optim.grad_clip
-        self.module = model.module if hasattr(model, "module") else model
-        self.module = getattr(self.module, "_orig_mod", self.module)  # torch.compile wrapper (ddp engine)
-        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        self.device = accelerator.device
-        self._micro = 0
-        self.fp16 = cfg.train.precision == "fp16"
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if (
-            not self.deepspeed and cfg.train.precision == "bf16") else None
-
-    def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
-        if self.autocast is not None:
-            with self.autocast:
-                return self.model(**inputs)
-        return self.model(**inputs)
-
-    def train(self) -> None:
-        self.model.train()
-
-    def eval(self) -> None:
-        self.model.eval()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward; DeepSpeed scales by 1/accum and steps at the boundary itself."""
-        self._micro += 1
-        if self.deepspeed:
-            self.model.backward(loss)
-            self.model.step()
-            return
-        boundary = self._micro % self.grad_accum == 0
-        if boundary or not hasattr(self.model, "no_sync"):
-            self.accelerator.backward(loss / self.grad_accum)
-        else:
-            with self.model.no_sync():
-                self.accelerator.backward(loss / self.grad_accum)
-
-    def step(self) -> dict[str, float]:
-        """Finish the optimizer step after ``grad_accum`` backwards; returns grad_norm, lr, skipped.
-
-        A step whose gradient norm is non-finite is not applied (``skipped``): DeepSpeed's ZeRO and
-        bf16/fp16 optimizers drop it themselves (their overflow check), the DDP path checks the norm
-        it computes for clipping (identical on every rank: the gradients are all-reduced).
-        """
-        if self.deepspeed:
-            norm = self.model.get_global_grad_norm()
-            skipped = not self.model.was_step_applied()
-            if skipped and self.fp16:  # a loss-scale overflow: DeepSpeed lowers the scale and goes on
-                norm = None  # (routine under fp16, not a health alarm)
-            if not skipped:  # accelerate hands DeepSpeed only its own scheduler types: we step ours
-                self.scheduler.step()
-        else:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-            skipped = not bool(torch.isfinite(norm))
-            if not skipped:
-                self.optimizer.step()
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
-        return {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "skipped": skipped}
-
-    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, float]:
-        """End this optimizer step without an update (every rank calls it; a non-finite loss was seen).
-
-        Instead of the last micro-batch's backward: weights, optimizer state and LR schedule stay as
-        they were, the gradients accumulated by the earlier micro-batches are dropped, and the
-        micro-step bookkeeping stays aligned. DeepSpeed's ZeRO / bf16 / fp16 optimizers keep
-        accumulated gradients in their own partitioned buffers, so the step is handed to their
-        overflow path (the one fp16 loss scaling uses): a NaN gradient at the accumulation boundary
-        makes them clear every buffer, count a skipped step and leave parameters and moments alone.
-        """
-        if self.deepspeed and (self.model.zero_optimization() or self.model.bfloat16_enabled() or self.fp16):
-            self.backward(boundary_loss * float("nan"))
-            if self.model.was_step_applied():  # only if the user's JSON turned DeepSpeed's overflow check off
-                raise RuntimeError("DeepSpeed applied an optimizer step with NaN gradients (its overflow check is off: "
-                                   "zero_optimization.compute_grad_norm / bf16.check_grad_overflow). Re-enable it and "
-                                   "resume from the last checkpoint.")
-        elif self.deepspeed:  # ZeRO-0 fp32: plain gradients on the parameters, DeepSpeed counts micro-steps
-            self._micro += 1
-            self.model.zero_grad()
-            self.model.micro_steps += 1
-            self.model.global_steps += 1
-            self.model.skipped_steps += 1
-        else:
-            self._micro += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": None, "lr": float(self.optimizer.param_groups[0]["lr"]), "skipped": True}
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
-        return t
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``t`` in rank order (all ranks must call it)."""
-        if not (torch.distributed.is_initialized() and self.world_size > 1):
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, t)
-        return torch.cat(parts)
-
-    def barrier(self) -> None:
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.barrier()
-
-    def save(self, path: Path) -> None:
-        """Model, optimizer, scheduler (and ZeRO partitions) into ``path/engine`` — every rank calls it."""
-        if self.deepspeed:
-            self.model.save_checkpoint(str(path), tag="engine", save_latest=False)
-        elif self.rank == 0:
-            (path / "engine").mkdir(parents=True, exist_ok=True)
-            torch.save(self.module.state_dict(), path / "engine" / "model.pt")
-            torch.save(self.optimizer.state_dict(), path / "engine" / "optimizer.pt")
-        if self.rank == 0:
-            (path / "engine").mkdir(parents=True, exist_ok=True)
-            torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
-
-    def load(self, path: Path) -> None:
-        e = path / "engine"
-        if self.deepspeed:
-            loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=False)
-            if loaded is None:
-                raise RuntimeError(f"DeepSpeed found no engine state under {e}; the checkpoint is incomplete.")
-        else:
-            where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
-            self.module.load_state_dict(torch.load(e / "model.pt", map_location=where, weights_only=True))
-            self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=where, weights_only=True))
-        self.scheduler.load_state_dict(torch.load(e / "lr_scheduler.pt", weights_only=True))
-
-
-def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer: Any, schedule_fn: Any) -> Engine:
-    """Accelerator (+ DeepSpeed plugin) around model/optimizer/LR schedule; joins the process group."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    d = cfg.distributed
-    backend = d.backend if d.backend != "auto" else ("nccl" if env.device == "cuda" else "gloo")
-    pg = InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(minutes=d.timeout_minutes))
-    stage_env = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if stage_env is not None and d.engine == "deepspeed" and int(stage_env) != d.zero_stage and env.rank == 0:
-        log.info("accelerate config says ZeRO stage %s; the run config's distributed.zero_stage=%d wins.", stage_env, d.zero_stage)
-    for k in list(os.environ):
-        if k.startswith("ACCELERATE_DEEPSPEED_") or k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED"):
-            del os.environ[k]
-    mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn)
-    if d.engine == "deepspeed":
-        os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size))
-        acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg])
-        model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by Engine.step
-        engine = Engine(acc, model, optimizer, scheduler, cfg)
-        if cfg.model.compile:
-            model.compile()
-        return engine
-    acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
-    if cfg.model.compile:
-        model = torch.compile(model)
-    model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
-    return Engine(acc, model, optimizer, scheduler, cfg)
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ have an ``optimizer`` section.
 - ``adamw`` Loshchilov & Hutter 2019 (arXiv:1711.05101); decoupled decay w <- w - lr*lambda*w.
 - ``radam`` Liu et al. 2020 (arXiv:1908.03265, Algorithm 2), ``torch.optim.RAdam``; L2 decay, or
   decoupled with ``optim.decoupled_weight_decay``. ``core.optim_math.radam_rectification`` gives rho_t and r_t.
-- ``lamb``  You et al. 2020 (arXiv:1904.00962, Algorithm 2): DeepSpeed's ``FusedLamb`` on CUDA,
-  our ``Lamb`` otherwise.
+- ``lamb``  You et al. 2020 (arXiv:1904.00962, Algorithm 2): DeepSpeed's ``FusedLamb`` when the
+  model trains on CUDA (``build_optimizer(..., device=)``), our ``Lamb`` otherwise.
 
 ZeRO-Offload (``offload=True``) maps adam/adamw to ``deepspeed.ops.adam.DeepSpeedCPUAdam``
 (``adamw_mode`` = decoupled). RAdam and LAMB have no DeepSpeed CPU kernel: they run as PyTorch
@@ -42,12 +42,13 @@ __all__ = [
     "no_weight_decay",
     "param_groups",
     "build_optimizer",
+    "use_fused_lamb",
     "deepspeed_optimizer_fields",
     "lamb_trust_ratio",
     "Lamb",
 ]
 
-OptimizerFactory = Callable[[list[dict], OptimConfig, bool], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[dict], OptimConfig, bool, str], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptimizerFactory] = {}
 
 # Norm layers are recognised by these name fragments (lower-cased), e.g. BERT's ``LayerNorm``,
@@ -56,7 +57,10 @@ _NORM_FRAGMENTS = ("norm", "ln_", "ln.")
 
 
 def register_optimizer(name: str):
-    """Register ``factory(param_groups, cfg, offload) -> Optimizer`` under ``name``."""
+    """Register ``factory(param_groups, cfg, offload, device) -> Optimizer`` under ``name``.
+
+    ``device`` is the type of the device the parameters will train on (``cuda``, ``cpu``).
+    """
 
     def deco(fn: OptimizerFactory) -> OptimizerFactory:
         if name in OPTIMIZERS:
@@ -217,7 +221,7 @@ def _cpu_adam(groups: list[dict], cfg: OptimConfig, *, adamw_mode: bool) -> torc
 
 
 @register_optimizer("adam")
-def _adam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+def _adam(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
     """Adam with L2 weight decay (Kingma & Ba 2015): g <- g + lambda w before the moments."""
     if offload:
         return _cpu_adam(groups, cfg, adamw_mode=False)
@@ -225,7 +229,7 @@ def _adam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Op
 
 
 @register_optimizer("adamw")
-def _adamw(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+def _adamw(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019): w <- w - lr (m^/(sqrt(v^)+eps) + lambda w)."""
     if offload:
         return _cpu_adam(groups, cfg, adamw_mode=True)
@@ -233,7 +237,7 @@ def _adamw(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.O
 
 
 @register_optimizer("radam")
-def _radam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
+def _radam(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
     """RAdam (Liu et al. 2020, Alg. 2) via torch.optim.RAdam; ``decoupled_weight_decay`` selects AdamW-style decay."""
     return torch.optim.RAdam(
         groups,
@@ -244,11 +248,16 @@ def _radam(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.O
     )
 
 
+def use_fused_lamb(device: str, offload: bool) -> bool:
+    """FusedLamb (one CUDA kernel per step) when the parameters train on CUDA and are not offloaded;
+    the per-tensor PyTorch ``Lamb`` syncs with the host twice per tensor there."""
+    return device == "cuda" and not offload
+
+
 @register_optimizer("lamb")
-def _lamb(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Optimizer:
-    """LAMB (You et al. 2020, Alg. 2): DeepSpeed FusedLamb when CUDA tensors are optimized, else ``Lamb``."""
-    on_cuda = not offload and any(p.is_cuda for g in groups for p in g["params"])
-    if on_cuda:
+def _lamb(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
+    """LAMB (You et al. 2020, Alg. 2): DeepSpeed FusedLamb when training on CUDA, else ``Lamb``."""
+    if use_fused_lamb(device, offload):
         try:
             from deepspeed.ops.lamb import FusedLamb
 
@@ -263,11 +272,15 @@ def _lamb(groups: list[dict], cfg: OptimConfig, offload: bool) -> torch.optim.Op
 # --------------------------------------------------------------------------------------------
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, offload: bool = False, device: str | torch.device | None = None
+) -> torch.optim.Optimizer:
     """The optimizer ``cfg.name`` over ``param_groups(model, cfg.weight_decay)``.
 
-    Build it after the model is on its device (FusedLamb is chosen for CUDA parameters).
-    ``offload=True`` is DeepSpeed ZeRO-Offload of the optimizer (``distributed.offload_optimizer``).
+    ``device``: where the model will train (the trainer passes its target device, since the
+    optimizer is built before ``accelerate.prepare`` moves the model); None = where the parameters
+    are now. It picks kernels (FusedLamb on CUDA). ``offload=True`` is DeepSpeed ZeRO-Offload of
+    the optimizer (``distributed.offload_optimizer``).
     """
     factory = OPTIMIZERS.get(cfg.name)
     if factory is None:
@@ -277,7 +290,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, offload: bool = False
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("The model has no trainable parameters to optimize.")
-    return factory(groups, cfg, offload)
+    if device is None:
+        device = next(p.device for g in groups for p in g["params"])
+    return factory(groups, cfg, offload, torch.device(device).type)
 
 
 def deepspeed_optimizer_fields(cfg: OptimConfig, *, offload: bool = False) -> dict:

@@ -29,6 +29,7 @@ import torch
 from core.config import ConfigError, save_config, to_dict
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
+from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
 
 __all__ = ["Trainer", "train", "build_model"]
@@ -89,6 +90,28 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
     return model, {"name": cfg.model.name, "overrides": overrides}
 
 
+@dataclasses.dataclass
+class _RunState:
+    """What ``fit`` sets up once and its steps share."""
+
+    logger: Any
+    health: Any
+    meter: Any
+    trace: Any
+    resume: Path | None
+    started: float
+
+
+@dataclasses.dataclass
+class _StepResult:
+    """One optimizer step as the later steps of ``fit`` see it."""
+
+    loss: float  # mean over ranks (non-finite: the step was skipped)
+    agg: dict[str, Any]  # the all-reduced sums and stop flags (``_reduce_metrics``)
+    result: dict[str, Any]  # ``Engine.step`` / ``skip_step``: grad_norm, lr, skipped (+ loss_scale)
+    rates: dict[str, float]  # throughput / MFU / data wait of this step
+
+
 class Trainer:
     """Runs ``cfg.train`` over ``train_data`` with ``task`` on ``model`` (see module docstring).
 
@@ -101,8 +124,8 @@ class Trainer:
                  env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
                  model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
                  should_stop: Any = None, config_to_save: Any = None):
+        from pipelines.engine.check import run_schedule
         from pipelines.engine.optim import build_optimizer
-        from pipelines.engine.schedules import build_schedule
 
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
         # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
@@ -116,10 +139,9 @@ class Trainer:
         self.model_build = model_build or {"name": cfg.model.name, "overrides": dict(cfg.model.overrides)}
         self.model_config = getattr(model, "config", None)
         offload = cfg.distributed.engine == "deepspeed" and cfg.distributed.offload_optimizer
-        optimizer = build_optimizer(model, cfg.optim, offload=offload)
-        schedule = build_schedule(cfg.schedule, base_lr=cfg.optim.lr, total_steps=cfg.train.max_steps,
-                                  d_model=getattr(self.model_config, "hidden_size", 0), beta2=cfg.optim.betas[1])
-        self.engine = dist.build_engine(cfg, self.env, model, optimizer, schedule)
+        optimizer = build_optimizer(model, cfg.optim, offload=offload, device=self.env.device)  # before prepare() moves it
+        schedule = run_schedule(cfg, d_model=getattr(self.model_config, "hidden_size", 0))
+        self.engine = engines.build_engine(cfg, self.env, model, optimizer, schedule)
         self.is_main = self.engine.rank == 0
         self.run_dir = Path(cfg.train.run_dir)
         self.step = self.tokens = 0
@@ -130,18 +152,52 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
-        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops, step_time_skew
-        from monitoring.diagnostics import log_diagnostics
+        """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
+        run = self._start()
+        batches = self.train_data.batches()
+        self.engine.train()
+        stop_reason, last_saved = None, None
+        while self.step < self.cfg.train.max_steps:
+            step = self._train_step(batches, run)
+            verdict = self._check_health(step, run)
+            self._log_step(step, run)
+            stop_reason = self._stop_reason(step, verdict)
+            stop_reason = self._maybe_eval(stop_reason, run)
+            last_saved, finished = self._maybe_checkpoint(stop_reason, run, last_saved)
+            if finished:
+                break
+        if stop_reason in (None, "max_tokens", "max_time"):  # the end of the run: final evaluation and checkpoint
+            if self.eval_data is not None:
+                self.last_eval = self.evaluate()
+                run.logger.log(self.step, self.last_eval, split="eval")
+            if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
+                last_saved = self.save(run.health, run.meter)
+        if run.trace is not None:
+            run.trace.close()
+        run.logger.close()
+        return {
+            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
+            "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
+            "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
+            "stopped_by": stop_reason, "resumed_from": str(run.resume) if run.resume else None,
+            "world_size": self.engine.world_size,
+        }
 
-        cfg, t, engine = self.cfg, self.cfg.train, self.engine
+    # ------------------------------------------------------------------------------------- fit's steps
+    def _start(self) -> _RunState:
+        """Run dir and config.yaml, logger / health / throughput, resume from a checkpoint, signal handlers."""
+        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops
+
+        cfg, t = self.cfg, self.cfg.train
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config_to_save or cfg, self.run_dir / "config.yaml")
         resume = ckpt.find_resume(self.run_dir, t.resume)
         logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg))
         health = HealthMonitor(cfg.logging, logger)
-        meter = ThroughputMeter(self._flops_per_sample(), resolve_peak_flops(cfg.logging.peak_flops, engine.device, t.precision),
-                                engine.world_size)
+        meter = ThroughputMeter(self._flops_per_sample(),
+                                resolve_peak_flops(cfg.logging.peak_flops, self.engine.device, t.precision),
+                                self.engine.world_size)
         if resume is not None:
             self._restore(resume, health, meter)
             logger.truncate_after(self.step)
@@ -149,109 +205,128 @@ class Trainer:
             if self.is_main:
                 print(f"Resuming from {resume} (step {self.step}).", flush=True)
         self._install_signal_handlers()
-        trace = self._open_trace()
-        started, stop_reason, last_saved = time.time(), None, None
-        batches = self.train_data.batches()
-        engine.train()
-        while self.step < t.max_steps:
-            # -- one optimizer step: fetch grad_accum micro-batches; forward each, backward all but the last
-            meter.start_step()
-            micro = [next(batches) for _ in range(t.grad_accum_steps)]
-            meter.data_ready()
-            loss_sum, tokens, bad, keys = 0.0, 0, 0, []
-            for i, batch in enumerate(micro):
-                keys.extend(batch.get("keys", []))
-                bad += int(batch.get("num_bad", 0))
-                tokens += self.task.tokens(batch)
-                boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
-                loss_sum += float(boundary_loss.detach())
-                if i < len(micro) - 1:
-                    engine.backward(boundary_loss)
-            local_loss = loss_sum / t.grad_accum_steps
-            # -- agree across ranks before the update: mean loss, global tokens, bad samples, stop flags
-            time_up = t.max_time_minutes > 0 and (time.time() - started) / 60 >= t.max_time_minutes
-            arrived = time.perf_counter()
-            agg = engine.all_reduce(torch.tensor([local_loss, float(tokens), float(bad), float(self._signal or 0), float(time_up)],
-                                                 dtype=torch.float64), "sum")
-            peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived
-            loss = agg[0].item() / engine.world_size
-            # -- update, unless some rank's loss is NaN/Inf (the mean is then non-finite on every rank)
-            if math.isfinite(loss):
-                engine.backward(boundary_loss)  # the accumulation boundary: gradients are reduced here
-                log_diagnostics(logger, engine, step=self.step + 1, cfg=cfg)  # gradients exist until engine.step()
-                result = engine.step()  # skipped if the gradient norm is non-finite
-            else:
-                result = engine.skip_step(boundary_loss)  # weights, optimizer state and LR stay as they were
-            self.step += 1
-            if not result["skipped"]:
-                self.tokens += int(agg[1].item())
-                self.last_good_step = self.step
-            if self.start_loss is None and math.isfinite(loss):
-                self.start_loss = loss
-            self.last_loss = loss
-            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens, peer_wait)
-            if trace is not None:
-                trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
-                trace.flush()
-            if agg[2].item() > 0:
-                logger.event(self.step, "bad_samples", f"{int(agg[2].item())} bad samples replaced this step (see worker logs for shard/key).")
-            # same inputs on every rank (all-reduced loss, global grad norm), so the same verdict everywhere
-            verdict = health.check(self.step, loss, result["grad_norm"])
-            health.observe_data_wait(self.step, rates.get("data_wait_share", 0.0))
-            if engine.world_size > 1 and cfg.logging.skew_every and self.step % cfg.logging.skew_every == 0:
-                # every rank takes part in the gather; rank 0 logs which rank is slowest (busy time: the
-                # step time less the wait for the others, which paces every rank to the slowest)
-                skew = step_time_skew(rates["busy_time"], engine.gather)
-                logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
-            if self.step % t.log_every == 0 or self.step == 1:
-                logger.log(self.step, {"loss": loss, "lr": result["lr"], "grad_norm": result["grad_norm"], "tokens": self.tokens,
-                                       "epoch": self.train_data.state_dict().get("epoch", 0), **rates})
-            # -- stop conditions (identical on every rank: they come from the all-reduce)
-            if agg[3].item() > 0:
-                stop_reason = "signal"
-            elif agg[4].item() > 0:
-                stop_reason = "max_time"
-            elif t.max_tokens and self.tokens >= t.max_tokens:
-                stop_reason = "max_tokens"
-            elif verdict == "stop":
-                stop_reason = "health"
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and stop_reason is None:
-                self.last_eval = self.evaluate()
-                logger.log(self.step, self.last_eval, split="eval")
-                if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
-                    stop_reason = "early_stopping"
-            if stop_reason == "health":
-                failed_at = self.step
-                last_saved = self._save_last_good(health, meter, last_saved)
-                logger.event(failed_at, "stop", f"Stopped at step {failed_at}: non-finite loss or gradients "
-                             f"(logging.nan_policy={cfg.logging.nan_policy}). {last_saved} holds the last good state "
-                             f"(step {self.last_good_step}); its data position is past the failed batches.",
-                             checkpoint=str(last_saved), failed_step=failed_at, last_good_step=self.last_good_step)
-                break
-            if stop_reason in ("max_tokens", "max_time"):  # a budget reached: finish like max_steps
-                logger.event(self.step, "stop", f"Budget reached ({stop_reason}) at step {self.step}.")
-                break
-            periodic = t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps
-            if periodic or stop_reason:  # the last step is saved below, after the final evaluation
-                last_saved = self.save(health, meter)
-            if stop_reason:
-                logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")
-                break
-        if stop_reason in (None, "max_tokens", "max_time"):
-            if self.eval_data is not None:
-                self.last_eval = self.evaluate()
-                logger.log(self.step, self.last_eval, split="eval")
-            if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
-                last_saved = self.save(health, meter)
-        if trace is not None:
-            trace.close()
-        logger.close()
-        return {
-            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
-            "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
-            "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
-            "stopped_by": stop_reason, "resumed_from": str(resume) if resume else None, "world_size": engine.world_size,
-        }
+        return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), resume=resume,
+                         started=time.time())
+
+    def _train_step(self, batches: Any, run: _RunState) -> _StepResult:
+        """One optimizer step: ``grad_accum`` micro-batches forward (backward all but the last), the
+        cross-rank agreement, then the update -- unless some rank's loss is NaN/Inf (the mean is then
+        non-finite on every rank) and the step is skipped."""
+        from monitoring.diagnostics import log_diagnostics
+
+        t, engine = self.cfg.train, self.engine
+        run.meter.start_step()
+        micro = [next(batches) for _ in range(t.grad_accum_steps)]
+        run.meter.data_ready()
+        loss_sum, tokens, bad, keys = 0.0, 0, 0, []
+        for i, batch in enumerate(micro):
+            keys.extend(batch.get("keys", []))
+            bad += int(batch.get("num_bad", 0))
+            tokens += self.task.tokens(batch)
+            boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
+            loss_sum += float(boundary_loss.detach())
+            if i < len(micro) - 1:
+                engine.backward(boundary_loss)
+        local_loss = loss_sum / t.grad_accum_steps
+        agg, peer_wait = self._reduce_metrics(local_loss, tokens, bad, run)
+        loss = agg["loss"]
+        if math.isfinite(loss):
+            engine.backward(boundary_loss)  # the accumulation boundary: gradients are reduced here
+            log_diagnostics(run.logger, engine, step=self.step + 1, cfg=self.cfg)  # gradients exist until engine.step()
+            result = engine.step()  # skipped if the gradient norm is non-finite
+        else:
+            result = engine.skip_step(boundary_loss)  # weights, optimizer state and LR stay as they were
+        self.step += 1
+        if not result["skipped"]:
+            self.tokens += agg["tokens"]
+            self.last_good_step = self.step
+        if self.start_loss is None and math.isfinite(loss):
+            self.start_loss = loss
+        self.last_loss = loss
+        rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait)
+        if run.trace is not None:
+            run.trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
+            run.trace.flush()
+        return _StepResult(loss=loss, agg=agg, result=result, rates=rates)
+
+    def _reduce_metrics(self, local_loss: float, tokens: int, bad: int, run: _RunState) -> tuple[dict[str, Any], float]:
+        """One small all-reduce before the update: mean loss, global tokens, bad samples and the stop flags
+        (signal, wall time), so every rank takes the same decisions. Returns (sums, seconds waited for peers)."""
+        t = self.cfg.train
+        time_up = t.max_time_minutes > 0 and (time.time() - run.started) / 60 >= t.max_time_minutes
+        arrived = time.perf_counter()
+        agg = self.engine.all_reduce(torch.tensor([local_loss, float(tokens), float(bad), float(self._signal or 0), float(time_up)],
+                                                  dtype=torch.float64), "sum")
+        peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived
+        return {"loss": agg[0].item() / self.engine.world_size, "tokens": int(agg[1].item()), "bad": int(agg[2].item()),
+                "signal": agg[3].item() > 0, "time_up": agg[4].item() > 0}, peer_wait
+
+    def _check_health(self, step: _StepResult, run: _RunState) -> str | None:
+        """Bad samples, NaN/Inf and spikes, data starvation; the verdict is the same on every rank (its
+        inputs are the all-reduced loss and the global gradient norm)."""
+        if step.agg["bad"] > 0:
+            run.logger.event(self.step, "bad_samples",
+                             f"{step.agg['bad']} bad samples replaced this step (see worker logs for shard/key).")
+        verdict = run.health.check(self.step, step.loss, step.result["grad_norm"])
+        run.health.observe_data_wait(self.step, step.rates.get("data_wait_share", 0.0))
+        return verdict
+
+    def _log_step(self, step: _StepResult, run: _RunState) -> None:
+        """Rank skew every ``skew_every`` steps (every rank takes part in the gather; rank 0 logs the
+        slowest by busy time: step time less the wait for the others), train metrics every ``log_every``."""
+        from monitoring import step_time_skew
+
+        cfg, engine = self.cfg, self.engine
+        if engine.world_size > 1 and cfg.logging.skew_every and self.step % cfg.logging.skew_every == 0:
+            skew = step_time_skew(step.rates["busy_time"], engine.gather)
+            run.logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
+        if self.step % cfg.train.log_every == 0 or self.step == 1:
+            extra = {"loss_scale": step.result["loss_scale"]} if "loss_scale" in step.result else {}
+            run.logger.log(self.step, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
+                                       "tokens": self.tokens, "epoch": self.train_data.state_dict().get("epoch", 0),
+                                       **extra, **step.rates})
+
+    def _stop_reason(self, step: _StepResult, verdict: str | None) -> str | None:
+        """Why to stop after this step, if at all (identical on every rank: from the all-reduce)."""
+        if step.agg["signal"]:
+            return "signal"
+        if step.agg["time_up"]:
+            return "max_time"
+        if self.cfg.train.max_tokens and self.tokens >= self.cfg.train.max_tokens:
+            return "max_tokens"
+        return "health" if verdict == "stop" else None
+
+    def _maybe_eval(self, stop_reason: str | None, run: _RunState) -> str | None:
+        """Periodic evaluation (not at the last step: the end of ``fit`` evaluates); early stopping after it."""
+        t = self.cfg.train
+        if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and stop_reason is None:
+            self.last_eval = self.evaluate()
+            run.logger.log(self.step, self.last_eval, split="eval")
+            if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
+                return "early_stopping"
+        return stop_reason
+
+    def _maybe_checkpoint(self, stop_reason: str | None, run: _RunState, last_saved: Path | None) -> tuple[Path | None, bool]:
+        """Checkpoint periodically and before an early stop; returns (newest checkpoint, leave the loop)."""
+        t, logger = self.cfg.train, run.logger
+        if stop_reason == "health":
+            failed_at = self.step
+            last_saved = self._save_last_good(run.health, run.meter, last_saved)
+            logger.event(failed_at, "stop", f"Stopped at step {failed_at}: non-finite loss or gradients "
+                         f"(logging.nan_policy={self.cfg.logging.nan_policy}). {last_saved} holds the last good state "
+                         f"(step {self.last_good_step}); its data position is past the failed batches.",
+                         checkpoint=str(last_saved), failed_step=failed_at, last_good_step=self.last_good_step)
+            return last_saved, True
+        if stop_reason in ("max_tokens", "max_time"):  # a budget reached: finish like max_steps
+            logger.event(self.step, "stop", f"Budget reached ({stop_reason}) at step {self.step}.")
+            return last_saved, True
+        periodic = t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps
+        if periodic or stop_reason:  # the last step is saved at the end of fit, after the final evaluation
+            last_saved = self.save(run.health, run.meter)
+        if stop_reason:
+            logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")
+            return last_saved, True
+        return last_saved, False
 
     # ------------------------------------------------------------------------------------------- pieces
     @torch.no_grad()

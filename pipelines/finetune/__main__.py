@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError
+from monitoring.console import configure_logging
+from pipelines.engine.check import check
 from pipelines.finetune import FinetuneConfig, FinetuneError, run_finetune
 
 
@@ -14,9 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK like every launcher's
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    configure_logging()
     try:
-        cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
+        from pipelines.engine.distributed import load_launched_config
+
+        cfg = load_launched_config(args.config, args.overrides, cls=FinetuneConfig)  # + accelerate file fields
+        check(cfg)
         run_finetune(cfg)
     except (ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)

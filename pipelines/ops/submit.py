@@ -174,6 +174,9 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions) -> list[str]:
                     f"{path}: train_batch_size={tb} != data.micro_batch_size {micro} x train.grad_accum_steps "
                     f"{cfg.train.grad_accum_steps} x world size {world} = {global_batch}. Set it to \"auto\"."
                 )
+    from pipelines.engine.check import check
+
+    check(cfg, world_size=world)  # names, schedule dry-run, batch arithmetic: as every rank will
     if run.kind == "pretrain":
         _check_corpus(cfg, world)
     if run.resume == "never":

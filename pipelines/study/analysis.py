@@ -5,7 +5,7 @@
 ``-sSEED`` suffix); curves of several seeds are drawn as mean +- one standard deviation. Figures:
 
 - ``lr.png``: the learning rate of every arm's schedule over the run, computed from its config with
-  ``pipelines.engine.schedules.build_schedule`` (Vaswani et al. 2017 eq. 3 for noam), and RAdam's effective
+  ``pipelines.engine.check.run_schedule`` -- the trainer's own call -- (Vaswani et al. 2017 eq. 3 for noam), and RAdam's effective
   rate lr r_t (``radam_rectification``; 0 while rho_t <= 5), as in Liu et al. 2020 (arXiv:1908.03265),
   Fig. 3 / the seed thesis' Fig. 3.15; logged ``diag`` learning rates are overlaid as dots.
 - ``loss.png``: training and validation loss.
@@ -232,30 +232,24 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def _schedule_curve(cfg: dict[str, Any]) -> tuple[list[int], list[float], list[float] | None]:
-    """(t, lr_t, lr_t r_t or None) for t = 1..max_steps from a resolved run config."""
+    """(t, lr_t, lr_t r_t or None) for t = 1..max_steps from a resolved run config.
+
+    Drawn through ``check.run_schedule``, the call the trainer makes: the run's LR, steps, beta2
+    and model width (``model.overrides.hidden_size`` or the registered size's), so a noam curve is
+    the one that was trained.
+    """
     from core.config import from_dict
     from core.optim_math import radam_rectification
-    from pipelines.engine.config import ScheduleConfig
-    from pipelines.engine.schedules import build_schedule
+    from pipelines.engine.check import run_schedule
+    from pipelines.engine.config import RunConfig
 
-    optim, train = cfg.get("optim", {}), cfg.get("train", {})
-    total, base, beta2 = (
-        int(train.get("max_steps", 1)),
-        float(optim.get("lr", 1e-3)),
-        float(optim.get("betas", [0.9, 0.999])[1]),
-    )
-    width = int(cfg.get("model", {}).get("overrides", {}).get("hidden_size", 0) or 0)
-    sched = build_schedule(
-        from_dict(ScheduleConfig, cfg.get("schedule", {})),
-        base_lr=base,
-        total_steps=total,
-        d_model=width or 128,
-        beta2=beta2,
-    )
+    run = from_dict(RunConfig, cfg, source="run config.yaml")
+    sched = run_schedule(run)
+    base, beta2, total = run.optim.lr, run.optim.betas[1], run.train.max_steps
     ts = list(range(1, total + 1))
     lrs = [base * sched(t - 1) for t in ts]
     eff = None
-    if optim.get("name") == "radam":
+    if run.optim.name == "radam":
         eff = [lr * (radam_rectification(t, beta2)[1] or 0.0) for t, lr in zip(ts, lrs, strict=True)]
     return ts, lrs, eff
 

@@ -146,7 +146,14 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
         if not base.is_file():
             raise ConfigError(f"{path}: base run config {base} does not exist (paths are relative to the sweep file).")
         cfg.base = str(base)
-    run_config(cfg, expand(cfg)[0])  # every grid point differs only by valid overrides: check one now
+    from pipelines.engine.check import check
+
+    for spec in expand(cfg):  # every grid point, before the first run starts (torch-free, milliseconds)
+        run = run_config(cfg, spec)
+        try:
+            check(run, world_size=cfg.num_processes)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: grid point {spec.index} ({spec.name}): {exc}") from None
     return cfg
 
 

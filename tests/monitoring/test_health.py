@@ -1,4 +1,5 @@
-"""HealthMonitor in a real loop: NaN policies, loss spikes, data starvation."""
+"""HealthMonitor: NaN policies, loss spikes, data starvation -- through the real ``Trainer`` (``trainer_job``)
+where the loop's behaviour is asserted, directly on the monitor for its own arithmetic."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from trainer_job import events, run_job
 
 from monitoring import HealthMonitor
 from pipelines.engine.config import LoggingConfig
@@ -18,45 +20,42 @@ def _events(run_dir: Path, prefix: str = "") -> list[dict]:
     return [r for r in lines if "event" in r and r["event"].startswith(prefix)]
 
 
-def test_nan_skip_step_skips_then_recovers(tmp_path: Path, tiny_loop) -> None:
+def test_nan_skip_step_skips_then_recovers(tmp_path: Path, world_of_one) -> None:
     import torch
 
-    snapshots = {}
-
-    def on_step(step: int, _stats: dict, model) -> None:
-        snapshots[step] = [p.detach().clone() for p in model.parameters()]
-
-    cfg = LoggingConfig(progress=False, nan_policy="skip_step", max_consecutive_nan=3)
-    out = tiny_loop(tmp_path, steps=30, cfg=cfg, nan_steps=frozenset({12, 13}), on_step=on_step)
-    statuses = out["statuses"]
-    assert [s for s, v in statuses.items() if v != "ok"] == [12, 13]
-    assert statuses[12] == statuses[13] == "skip" and len(statuses) == 30  # the run went on
-    for step in (12, 13):  # a skipped step leaves the weights exactly as they were
-        assert all(torch.equal(a, b) for a, b in zip(snapshots[step - 1], snapshots[step], strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(snapshots[13], snapshots[14], strict=True))
-    health = out["health"]
-    assert health.nan_steps == 2 and health.consecutive_nan == 0
-    kinds = [(e["step"], e["event"]) for e in _events(tmp_path, "nan")]
+    run_dir = tmp_path / "run"
+    summary, task = run_job({"run_dir": run_dir, "steps": 16, "nan_policy": "skip_step", "max_consecutive_nan": 3,
+                             "nan_at": [[0, 12, 0], [0, 13, 0]]})
+    assert summary["steps"] == 16 and summary["stopped_by"] is None  # the run went on
+    w = task.weights_at  # weights each step starts from
+    assert torch.equal(w[12], w[13]) and torch.equal(w[13], w[14])  # a skipped step leaves the weights exactly as they were
+    assert task.moments_at[12] == task.moments_at[14]  # and the optimizer state
+    assert not torch.equal(w[14], w[15]) and not torch.equal(w[11], w[12])
+    kinds = [(e["step"], e["event"]) for e in events(run_dir) if e["event"].startswith("nan")]
     assert kinds == [(12, "nan_skip"), (13, "nan_skip")]
-    skip = next(e for e in _events(tmp_path, "nan") if e["step"] == 13)
+    skip = next(e for e in events(run_dir, "nan_skip") if e["step"] == 13)
     assert skip["consecutive"] == 2 and skip["loss"] == "nan"
+    state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["health"]["nan_steps"] == 2 and state["health"]["consecutive_nan"] == 0
 
 
-def test_nan_skip_step_stops_after_max_consecutive(tmp_path: Path, tiny_loop) -> None:
-    cfg = LoggingConfig(progress=False, nan_policy="skip_step", max_consecutive_nan=3)
-    out = tiny_loop(tmp_path, steps=30, cfg=cfg, nan_steps=frozenset(range(5, 30)))
-    statuses = out["statuses"]
-    assert [statuses[s] for s in (5, 6, 7)] == ["skip", "skip", "stop"]
-    assert max(statuses) == 7  # the loop obeyed
-    assert [e["event"] for e in _events(tmp_path, "nan")] == ["nan_skip", "nan_skip", "nan_stop"]
+def test_nan_skip_step_stops_after_max_consecutive(tmp_path: Path, world_of_one) -> None:
+    run_dir = tmp_path / "run"
+    summary, task = run_job({"run_dir": run_dir, "steps": 16, "nan_policy": "skip_step", "max_consecutive_nan": 3,
+                             "nan_at": [[0, s, 0] for s in range(5, 17)]})
+    assert summary["stopped_by"] == "health" and summary["steps"] == 4  # the loop obeyed; step 4 was the last good
+    assert [e["event"] for e in events(run_dir) if e["event"].startswith("nan")] == ["nan_skip", "nan_skip", "nan_stop"]
+    assert events(run_dir, "nan_stop")[0]["step"] == 7 and max(task.weights_at) == 7  # no step after 7 ran
 
 
-def test_nan_stop_policy_stops_at_once(tmp_path: Path, tiny_loop) -> None:
-    cfg = LoggingConfig(progress=False, nan_policy="stop")
-    out = tiny_loop(tmp_path, steps=30, cfg=cfg, nan_steps=frozenset({9}))
-    assert out["statuses"][9] == "stop" and max(out["statuses"]) == 9
-    assert all(v == "ok" for s, v in out["statuses"].items() if s < 9)
-    (event,) = _events(tmp_path, "nan")
+def test_nan_stop_policy_stops_at_once(tmp_path: Path, world_of_one) -> None:
+    import torch
+
+    run_dir = tmp_path / "run"
+    summary, task = run_job({"run_dir": run_dir, "steps": 16, "nan_policy": "stop", "nan_at": [[0, 9, 0]]})
+    assert summary["stopped_by"] == "health" and summary["steps"] == 8 and max(task.weights_at) == 9
+    assert all(not torch.equal(task.weights_at[s], task.weights_at[s + 1]) for s in range(1, 9))  # steps 1..8 applied
+    (event,) = [e for e in events(run_dir) if e["event"].startswith("nan")]
     assert event["event"] == "nan_stop" and event["step"] == 9 and "nan_policy=stop" in event["message"]
 
 
@@ -82,18 +81,18 @@ def test_loss_spike_is_an_event_not_a_stop() -> None:
     assert again.check(102, 4.5, 1.0) == "ok" and again.spikes == 2
 
 
-def test_throttled_data_source_triggers_starvation_warning(tmp_path: Path, tiny_loop) -> None:
-    cfg = LoggingConfig(progress=False, starvation_share=0.10)
-    tiny_loop(tmp_path, steps=12, log_every=100, eval_every=0, cfg=cfg, data_delay_s=0.03)
-    events = _events(tmp_path)
-    assert [e["event"] for e in events] == ["data_starvation"]  # warned once, not every step
-    assert events[0]["step"] == 5 and events[0]["share"] > 0.25  # after the 5-step window filled
+def test_throttled_data_source_triggers_one_starvation_warning(tmp_path: Path, world_of_one) -> None:
+    run_dir = tmp_path / "run"
+    run_job({"run_dir": run_dir, "steps": 30, "log_every": 100, "data_delay_s": 0.03, "starvation_share": 0.10})
+    found = events(run_dir)
+    assert [e["event"] for e in found] == ["data_starvation"]  # warned once, not every step
+    assert found[0]["step"] == 20 and found[0]["share"] > 0.25  # after the 20-step window filled
 
 
-def test_fast_data_source_does_not_warn(tmp_path: Path, tiny_loop) -> None:
-    cfg = LoggingConfig(progress=False, starvation_share=0.60)
-    tiny_loop(tmp_path, steps=12, log_every=100, eval_every=0, cfg=cfg)
-    assert _events(tmp_path) == []
+def test_fast_data_source_does_not_warn(tmp_path: Path, world_of_one) -> None:
+    run_dir = tmp_path / "run"
+    run_job({"run_dir": run_dir, "steps": 30, "log_every": 100, "starvation_share": 0.60})
+    assert events(run_dir) == []
 
 
 def test_starvation_episode_ends_and_can_recur() -> None:

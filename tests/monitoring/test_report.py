@@ -63,9 +63,9 @@ def test_empty_run_dir_renders_a_page(tmp_path: Path) -> None:
     assert "No metrics logged yet" in out.read_text() and _img_srcs(out) == []
 
 
-def test_several_runs_overlaid(finished_run: Path, tmp_path: Path, tiny_loop) -> None:
+def test_several_runs_overlaid(finished_run: Path, tmp_path: Path, logged_run) -> None:
     other = tmp_path / "a" / "mlp-run"  # same leaf name as finished_run: names must be told apart
-    tiny_loop(other, steps=20, log_every=5, eval_every=10, nan_steps=frozenset({7}))
+    logged_run(other, steps=20, log_every=5, eval_every=10, nan_steps=frozenset({7}))
     out = render_report([finished_run, other], tmp_path / "cmp")
     page = out.read_text()
     assert page.count("mlp-run</th>") == 2 and "a/mlp-run" in page

@@ -168,3 +168,38 @@ def test_two_ranks_name_the_straggler_and_agree_on_a_one_rank_nan(tmp_path, engi
     assert [e["step"] for e in events(run_dir, "nan_skip")] == [7]
     train = _train_lines(run_dir)
     assert all(math.isfinite(train[s]["loss"]) for s in train if s != 7)
+
+
+def test_ddp_fp16_uses_dynamic_loss_scaling_and_logs_the_scale(tmp_path):
+    """engine=ddp, precision=fp16: autocast + GradScaler starting at 2^16. A step whose scaled fp16
+    gradients overflow (here: the first steps, whose loss x 2^16 exceeds fp16's range, and step 3's
+    NaN gradients) is not applied and halves the scale -- routine under fp16, not a health alarm."""
+    run_dir = tmp_path / "run"
+    steps = 6
+    summary, task = run_job({"run_dir": run_dir, "steps": steps, "engine": "ddp", "precision": "fp16",
+                             "nan_grad_at": [[0, 3, 0]]})
+    assert summary["steps"] == steps and summary["stopped_by"] is None
+    train = _train_lines(run_dir)
+    scales = [train[s]["loss_scale"] for s in range(1, steps + 1)]
+    assert scales[0] == 2.0**16
+    skipped = [torch.equal(task.weights_at[s], task.weights_at[s + 1]) for s in range(1, steps)]
+    assert skipped[2] and not all(skipped)  # step 3 (NaN gradients) skipped; others applied
+    for s in range(1, steps):  # halved after exactly the skipped steps, unchanged otherwise
+        assert scales[s] == scales[s - 1] / (2 if skipped[s - 1] else 1), (s, scales, skipped)
+        assert (train[s]["grad_norm"] is None) == skipped[s - 1]
+    assert events(run_dir, "nan_skip") == []
+    scaler = torch.load(Path(summary["checkpoint"]) / "engine" / "grad_scaler.pt", weights_only=True)
+    assert scaler["scale"] <= scales[-1]  # saved for a resume to go on with the scale it had
+
+
+def test_ddp_fp16_forward_runs_in_half_precision(tmp_path):
+    from trainer_job import build_trainer
+
+    from pipelines.engine.distributed import in_process_run
+
+    with in_process_run():
+        trainer = build_trainer({"run_dir": tmp_path / "run", "steps": 1, "engine": "ddp", "precision": "fp16"})
+        seen = []
+        trainer.engine.module.net[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+        trainer.engine(x=torch.randn(4, 8), y=torch.zeros(4))
+    assert seen == [torch.float16]

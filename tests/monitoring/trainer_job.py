@@ -10,7 +10,7 @@ micro-batch carries a corrupt sample, a NaN feature, so its forward and backward
 ``nan_grad_at`` (same form: a finite loss whose backward gives NaN gradients),
 ``nan_policy``, ``max_consecutive_nan``, ``data_delay_s`` (sleep per batch in the loader),
 ``slow_rank`` / ``slow_forward_s`` (sleep in that rank's forward), ``skew_every``, ``log_every``,
-``checkpoint_every``. With shuffling off, rank r's micro-batch b holds items ``r + world*(b*mb + k)``,
+``checkpoint_every``, ``starvation_share``, ``precision``. With shuffling off, rank r's micro-batch b holds items ``r + world*(b*mb + k)``,
 which is how a NaN is placed on an exact rank, step and micro-batch.
 """
 
@@ -143,6 +143,8 @@ def build_config(spec: dict[str, Any]) -> RunConfig:
     lg.progress, lg.tensorboard = False, False
     lg.nan_policy, lg.max_consecutive_nan = spec.get("nan_policy", "skip_step"), spec.get("max_consecutive_nan", 3)
     lg.skew_every, lg.prometheus_port = spec.get("skew_every", 50), spec.get("prometheus_port", 0)
+    lg.starvation_share = spec.get("starvation_share", lg.starvation_share)
+    t.precision = spec.get("precision", t.precision)
     return cfg
 
 

@@ -355,3 +355,19 @@ def test_lamb_under_zero_partitions_is_flagged_before_training(stage):
         validate(cfg, DistEnv(rank=0, world_size=2, local_rank=0, launcher="torchrun", device="cpu"))
     flagged = [w for w in caught if "trust ratio" in str(w.message)]
     assert bool(flagged) == (stage >= 1)
+
+
+def test_lamb_kernel_is_chosen_from_the_target_device_not_where_parameters_are_now():
+    """The trainer builds the optimizer before accelerate moves the model: the target device decides."""
+    from pipelines.engine.optim import use_fused_lamb
+
+    assert use_fused_lamb("cuda", offload=False)
+    assert not use_fused_lamb("cuda", offload=True) and not use_fused_lamb("cpu", offload=False)
+    model = torch.nn.Linear(8, 8)  # still on the CPU, as before accelerate.prepare
+    assert type(build_optimizer(model, OptimConfig(name="lamb"), device="cpu")) is Lamb
+    if torch.cuda.is_available():
+        assert type(build_optimizer(model.cuda(), OptimConfig(name="lamb"), device="cuda")).__name__ == "FusedLamb"
+    else:  # FusedLamb is attempted for a CUDA target; DeepSpeed has no CPU op, so the exact PyTorch Lamb follows
+        with pytest.warns(UserWarning, match="FusedLamb unavailable"):
+            opt = build_optimizer(model, OptimConfig(name="lamb"), device="cuda")
+        assert type(opt) is Lamb

@@ -1,0 +1,154 @@
+"""``check(cfg)``: validate a run config completely before anything launches — without torch.
+
+The CLI calls it before spawning ranks (``pretrain train --nproc N``), a sweep calls it for every
+grid point before the first run, and every rank calls it again (``distributed.validate``) before
+the process group starts. It covers what a typed load cannot: registry names (model sizes,
+schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
+arithmetic and the distributed options that exclude each other. Device-specific checks (fp16 on a
+CPU, nccl without GPUs) stay in ``distributed.validate``, which knows the device.
+
+This module imports no torch (``tests/pipelines/test_check.py`` proves it): checking a 64-point
+sweep or a launch costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from core.config import ConfigError
+from pipelines.engine.schedules import build_schedule
+
+__all__ = ["MODEL_CATALOG", "TASK_FAMILY", "check", "model_width", "run_schedule"]
+
+#: Registered model sizes -> (family, hidden_size), torch-free; a test keeps it equal to ``models.list_models()``.
+MODEL_CATALOG: dict[str, tuple[str, int]] = {
+    "bert-tiny": ("bert", 128), "bert-mini": ("bert", 256), "bert-small": ("bert", 512),
+    "bert-base": ("bert", 768), "bert-large": ("bert", 1024),
+    "gpt-tiny": ("gpt", 128), "gpt2-small": ("gpt", 768), "gpt2-medium": ("gpt", 1024), "gpt2-large": ("gpt", 1280),
+    "vit-tiny": ("vit", 192), "vit-small": ("vit", 384), "vit-base": ("vit", 768), "vit-large": ("vit", 1024),
+}
+
+#: train.task -> the model family its objective needs (None: any backbone with a head, fine-tuning).
+TASK_FAMILY: dict[str, str | None] = {
+    "mlm_nsp": "bert", "causal_lm": "gpt", "image_cls": "vit", "classification": None, "qa": None,
+}
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean `{close[0]}`?" if close else ""
+
+
+def model_width(cfg: Any) -> int:
+    """The model's hidden size from ``model.overrides`` or the catalogue (0 when the config has no model)."""
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return 0
+    width = model.overrides.get("hidden_size")
+    if isinstance(width, int) and width > 0:
+        return width
+    return MODEL_CATALOG.get(model.name, ("", 0))[1]
+
+
+def run_schedule(cfg: Any, *, d_model: int = 0):
+    """The LR multiplier of a run (``build_schedule`` with the run's LR, steps, beta2 and model width).
+
+    The trainer, ``check`` and the study report all draw a run's schedule through this one call.
+    """
+    return build_schedule(cfg.schedule, base_lr=cfg.optim.lr, total_steps=cfg.train.max_steps,
+                          d_model=d_model or model_width(cfg), beta2=cfg.optim.betas[1])
+
+
+def _check_model(cfg: Any) -> None:
+    model = getattr(cfg, "model", None)
+    if model is None or TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning: the checkpoint has the architecture
+        return
+    if model.name not in MODEL_CATALOG:
+        raise ConfigError(
+            f"model.name: unknown model `{model.name}`.{_did_you_mean(model.name, sorted(MODEL_CATALOG))} "
+            f"Choose one of: {', '.join(sorted(MODEL_CATALOG))}."
+        )
+    need, family = TASK_FAMILY[cfg.train.task], MODEL_CATALOG[model.name][0]
+    if need != family:
+        fits = ", ".join(n for n, (f, _) in sorted(MODEL_CATALOG.items()) if f == need)
+        raise ConfigError(
+            f"train.task={cfg.train.task} needs a {need} model but model.name={model.name} is a {family} model. "
+            f"Set model.name to one of: {fits}."
+        )
+
+
+def _check_schedule(cfg: Any) -> None:
+    """Build the run's schedule and evaluate it at the first, warmup-end and last update."""
+    fn = run_schedule(cfg, d_model=model_width(cfg) or 1)  # fine-tuning: width only scales noam, not its validity
+    total = cfg.train.max_steps
+    for step in sorted({0, max(0, min(total, getattr(fn, "warmup_end", 0)) - 1), total - 1}):
+        value = fn(step)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"schedule: the learning-rate multiplier at step {step} is {value} (warmup={cfg.schedule.warmup}, "
+                f"decay={cfg.schedule.decay}, warmup_steps={cfg.schedule.warmup_steps}). Fix the schedule values."
+            )
+
+
+def _micro_batch(cfg: Any) -> int:
+    return int(cfg.data.micro_batch_size)
+
+
+def _check_distributed(cfg: Any, world_size: int) -> None:
+    d, t = cfg.distributed, cfg.train
+    if world_size < 1:
+        raise ConfigError(f"The job needs at least one process, got a world size of {world_size}.")
+    if _micro_batch(cfg) < 1:
+        raise ConfigError(f"data.micro_batch_size must be >= 1, got {_micro_batch(cfg)}.")
+    if d.engine == "ddp" and (d.offload_optimizer or d.offload_params):
+        raise ConfigError("distributed.offload_optimizer/offload_params need engine=deepspeed (ZeRO-Offload); plain DDP cannot offload.")
+    compile_ = getattr(getattr(cfg, "model", None), "compile", False)
+    if d.engine == "deepspeed" and d.zero_stage == 3 and compile_:
+        raise ConfigError(
+            "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
+            "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
+        )
+    if d.offload_optimizer and d.zero_stage == 0:
+        raise ConfigError("distributed.offload_optimizer needs distributed.zero_stage >= 1 (ZeRO-Offload partitions the optimizer).")
+    if d.deepspeed_config:
+        if d.engine != "deepspeed":
+            raise ConfigError(f"distributed.deepspeed_config={d.deepspeed_config} is set but distributed.engine={d.engine}. "
+                              "Set distributed.engine=deepspeed or remove distributed.deepspeed_config.")
+        path = Path(d.deepspeed_config)
+        try:
+            base = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"distributed.deepspeed_config={path} cannot be read as JSON ({exc}). Fix the path or the file.") from None
+        if not isinstance(base, dict):
+            raise ConfigError(f"distributed.deepspeed_config={path} must hold a JSON object.")
+        if "optimizer" in base or "scheduler" in base:
+            raise ConfigError(f"{path}: remove its `optimizer`/`scheduler` sections; optim.* and schedule.* build them.")
+        mb, accum = _micro_batch(cfg), t.grad_accum_steps
+        global_batch = mb * accum * world_size
+        for key, ours, explain in (
+            ("train_micro_batch_size_per_gpu", mb, f"data.micro_batch_size {mb}"),
+            ("gradient_accumulation_steps", accum, f"train.grad_accum_steps {accum}"),
+            ("train_batch_size", global_batch,
+             f"micro_batch_size {mb} x grad_accum_steps {accum} x world size {world_size} = {global_batch}"),
+        ):
+            theirs = base.get(key, "auto")
+            if theirs != "auto" and theirs != ours:
+                raise ConfigError(
+                    f"{path}: {key}={theirs!r} != {explain}. Set `{key}` to \"auto\" in the JSON (the run config "
+                    f"fills it) or change data.micro_batch_size / train.grad_accum_steps / the number of processes."
+                )
+
+
+def check(cfg: Any, *, world_size: int = 1) -> None:
+    """Raise ``ConfigError`` (naming the key and the fix) for anything that would fail after launch.
+
+    ``cfg`` is a ``RunConfig`` or a fine-tuning config (same sections, no ``model``); ``world_size``
+    is the number of processes the job will have.
+    """
+    _check_model(cfg)
+    _check_schedule(cfg)
+    _check_distributed(cfg, world_size)

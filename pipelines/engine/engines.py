@@ -1,0 +1,277 @@
+"""The two training engines the loop talks to — plain DDP and DeepSpeed ZeRO — behind one interface.
+
+``Engine`` is the interface and the shared plumbing (forward, train/eval mode, collectives, the LR
+scheduler's file). ``DDPEngine`` (``distributed.engine: ddp``) runs accelerate's DDP with torch
+optimizers: it clips and steps itself, and under ``train.precision`` bf16 / fp16 it autocasts, with
+dynamic loss scaling (``torch.amp.GradScaler``) for fp16. ``DeepSpeedEngine`` hands backward, step,
+clipping, loss scaling and ZeRO partitioning to DeepSpeed. ``build_engine`` creates the
+``Accelerator`` for either and returns the matching class: the loop never asks which it has.
+
+Every ``step()`` returns ``{"grad_norm", "lr", "skipped"}`` (+ ``loss_scale`` under fp16): a step
+whose gradients are non-finite is not applied.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.engine.config import RunConfig
+from pipelines.engine.distributed import DistEnv, deepspeed_config
+
+__all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine"]
+
+class Engine:
+    """The wrapped model as the loop sees it: ``engine(**inputs)``, ``backward``, ``step``, ``skip_step``,
+    ``save``, ``load`` and the collectives. Subclasses implement the five engine-specific methods."""
+
+    deepspeed = False  # which engine (read by checkpoints and diagnostics, never branched on here)
+
+    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.grad_accum, self.grad_clip = cfg.train.grad_accum_steps, cfg.optim.grad_clip
+        self.module = model.module if hasattr(model, "module") else model
+        self.module = getattr(self.module, "_orig_mod", self.module)  # torch.compile wrapper (ddp engine)
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.device = accelerator.device
+        self.fp16 = cfg.train.precision == "fp16"
+        self._micro = 0
+
+    # -- the same for both engines
+    def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
+        return self.model(**inputs)
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t`` in rank order (all ranks must call it)."""
+        if not (torch.distributed.is_initialized() and self.world_size > 1):
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, t)
+        return torch.cat(parts)
+
+    def barrier(self) -> None:
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.barrier()
+
+    def _save_scheduler(self, path: Path) -> None:
+        if self.rank == 0:
+            (path / "engine").mkdir(parents=True, exist_ok=True)
+            torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
+
+    def _load_scheduler(self, path: Path) -> None:
+        self.scheduler.load_state_dict(torch.load(path / "engine" / "lr_scheduler.pt", weights_only=True))
+
+    # -- engine-specific
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward (the last one of an optimizer step reduces the gradients)."""
+        raise NotImplementedError
+
+    def step(self) -> dict[str, Any]:
+        """Finish the optimizer step after ``grad_accum`` backwards; returns grad_norm, lr, skipped."""
+        raise NotImplementedError
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+        """End this optimizer step without an update (every rank calls it; a non-finite loss was seen):
+        weights, optimizer state and LR stay as they were, accumulated gradients are dropped."""
+        raise NotImplementedError
+
+    def save(self, path: Path) -> None:
+        """Model, optimizer, scheduler (and ZeRO partitions) into ``path/engine`` — every rank calls it."""
+        raise NotImplementedError
+
+    def load(self, path: Path) -> None:
+        raise NotImplementedError
+
+
+class DDPEngine(Engine):
+    """accelerate DDP + a torch optimizer; autocast for bf16/fp16, ``GradScaler`` loss scaling for fp16."""
+
+    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
+        super().__init__(accelerator, model, optimizer, scheduler, cfg)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+        self.autocast = torch.autocast(self.device.type, dtype=dtype) if dtype is not None else None
+        # Dynamic loss scaling (Micikevicius et al. 2018): start at 2^16, halve on overflow, double after
+        # 2000 clean steps -- torch's defaults, DeepSpeed's fp16 section uses the same start.
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0**16) if self.fp16 else None
+
+    def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
+        if self.autocast is not None:
+            with self.autocast:
+                return self.model(**inputs)
+        return self.model(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._micro += 1
+        loss = loss / self.grad_accum
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        boundary = self._micro % self.grad_accum == 0
+        if boundary or not hasattr(self.model, "no_sync"):
+            self.accelerator.backward(loss)
+        else:
+            with self.model.no_sync():
+                self.accelerator.backward(loss)
+
+    def step(self) -> dict[str, Any]:
+        """Clip and step; a non-finite gradient norm (identical on every rank: the gradients are
+        all-reduced) skips the update. Under fp16 the scaler unscales first and, on an overflow,
+        lowers the scale: routine, so the norm is reported as None, not as a health alarm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        skipped = not bool(torch.isfinite(norm))
+        out: dict[str, Any] = {}
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())  # the scale these gradients were computed with
+            self.scaler.step(self.optimizer)  # skips the update itself when unscale_ found inf/NaN
+            self.scaler.update()
+            if skipped:
+                norm = None
+        elif not skipped:
+            self.optimizer.step()
+        if not skipped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out}
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+        self._micro += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": None, "lr": self.lr(), "skipped": True}
+
+    def save(self, path: Path) -> None:
+        if self.rank == 0:
+            (path / "engine").mkdir(parents=True, exist_ok=True)
+            torch.save(self.module.state_dict(), path / "engine" / "model.pt")
+            torch.save(self.optimizer.state_dict(), path / "engine" / "optimizer.pt")
+            if self.scaler is not None:
+                torch.save(self.scaler.state_dict(), path / "engine" / "grad_scaler.pt")
+        self._save_scheduler(path)
+
+    def load(self, path: Path) -> None:
+        e = path / "engine"
+        where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
+        self.module.load_state_dict(torch.load(e / "model.pt", map_location=where, weights_only=True))
+        self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=where, weights_only=True))
+        if self.scaler is not None and (e / "grad_scaler.pt").is_file():
+            self.scaler.load_state_dict(torch.load(e / "grad_scaler.pt", weights_only=True))
+        self._load_scheduler(path)
+
+
+class DeepSpeedEngine(Engine):
+    """A DeepSpeed engine (ZeRO 0-3, its own bf16/fp16 optimizers); our LambdaLR is stepped here."""
+
+    deepspeed = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """DeepSpeed scales by 1/accum and applies the update at the accumulation boundary itself."""
+        self._micro += 1
+        self.model.backward(loss)
+        self.model.step()
+
+    def step(self) -> dict[str, Any]:
+        """DeepSpeed's ZeRO and bf16/fp16 optimizers drop a step with non-finite gradients (their
+        overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None."""
+        norm = self.model.get_global_grad_norm()
+        skipped = not self.model.was_step_applied()
+        if skipped and self.fp16:
+            norm = None
+        if not skipped:  # accelerate hands DeepSpeed only its own scheduler types: we step ours
+            self.scheduler.step()
+        out: dict[str, Any] = {}
+        if self.fp16:
+            scale = getattr(self.model.optimizer, "cur_scale", None) or getattr(self.model.optimizer, "loss_scale", None)
+            if isinstance(scale, (int, float)):
+                out["loss_scale"] = float(scale)
+        # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
+        return {"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out}
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+        """ZeRO / bf16 / fp16 optimizers keep accumulated gradients in their own partitioned buffers,
+        so the step is handed to their overflow path (the one fp16 loss scaling uses): a NaN gradient
+        at the accumulation boundary makes them clear every buffer, count a skipped step and leave
+        parameters and moments alone. ZeRO-0 fp32 has plain gradients on the parameters."""
+        if self.model.zero_optimization() or self.model.bfloat16_enabled() or self.fp16:
+            self.backward(boundary_loss * float("nan"))
+            if self.model.was_step_applied():  # only if the user's JSON turned DeepSpeed's overflow check off
+                raise RuntimeError("DeepSpeed applied an optimizer step with NaN gradients (its overflow check is off: "
+                                   "zero_optimization.compute_grad_norm / bf16.check_grad_overflow). Re-enable it and "
+                                   "resume from the last checkpoint.")
+        else:
+            self._micro += 1
+            self.model.zero_grad()
+            self.model.micro_steps += 1
+            self.model.global_steps += 1
+            self.model.skipped_steps += 1
+        return {"grad_norm": None, "lr": self.lr(), "skipped": True}
+
+    def save(self, path: Path) -> None:
+        self.model.save_checkpoint(str(path), tag="engine", save_latest=False)
+        self._save_scheduler(path)
+
+    def load(self, path: Path) -> None:
+        loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed found no engine state under {path / 'engine'}; the checkpoint is incomplete.")
+        self._load_scheduler(path)
+
+
+def _drop_accelerate_deepspeed_env() -> None:
+    """The DeepSpeed fields ``accelerate launch --config_file`` exports were folded into the run config
+    (``distributed.load_launched_config``); they are dropped here so that accelerate does not build a
+    second, conflicting DeepSpeed config from them (it would refuse the mix)."""
+    for k in list(os.environ):
+        if k.startswith("ACCELERATE_DEEPSPEED_") or k in ("ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_USE_DEEPSPEED"):
+            del os.environ[k]
+
+
+def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer: Any, schedule_fn: Any) -> Engine:
+    """Accelerator (+ DeepSpeed plugin) around model/optimizer/LR schedule; joins the process group.
+
+    DeepSpeed gets an explicit process-group backend: accelerate 1.x only picks one for DeepSpeed when
+    it sees an accelerator device, so on CPU it would report a world of one although DeepSpeed joined
+    all ranks. ``InitProcessGroupKwargs(backend="gloo")`` makes accelerate and DeepSpeed agree.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    d = cfg.distributed
+    backend = d.backend if d.backend != "auto" else ("nccl" if env.device == "cuda" else "gloo")
+    pg = InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(minutes=d.timeout_minutes))
+    _drop_accelerate_deepspeed_env()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn)
+    if d.engine == "deepspeed":
+        os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
+        mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size))
+        acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg])
+        model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
+        engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
+        if cfg.model.compile:
+            model.compile()
+        return engine
+    # DDP: mixed precision is ours (DDPEngine's autocast + GradScaler), not accelerate's
+    acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
+    if cfg.model.compile:
+        model = torch.compile(model)
+    model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
+    return DDPEngine(acc, model, optimizer, scheduler, cfg)

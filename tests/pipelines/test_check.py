@@ -1,0 +1,109 @@
+"""``check(cfg)``: the torch-free pre-launch check run by the CLI, every sweep grid point and every rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.config import ConfigError
+from pipelines import cli
+from pipelines.engine import distributed
+from pipelines.engine.check import MODEL_CATALOG, check, run_schedule
+from pipelines.engine.config import load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")
+
+
+def test_check_imports_no_torch():
+    code = ("import sys, pipelines.engine.check as c; from pipelines.engine.config import load_run_config; "
+            f"c.check(load_run_config({CONFIG!r})); assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_model_catalog_matches_the_registry():
+    import models
+
+    assert sorted(MODEL_CATALOG) == models.list_models()
+    from models.registry import _entry
+
+    for name, (family, width) in MODEL_CATALOG.items():
+        assert (family, width) == (_entry(name).model_cls.family, models.get_config(name).hidden_size), name
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("schedule.warmup=linaer", "Did you mean `linear`?"),
+    ("schedule.decay=cosin", "Did you mean `cosine`?"),
+    ("model.name=bert-tinny", "Did you mean `bert-tiny`?"),
+    ("model.name=gpt-tiny", "train.task=mlm_nsp needs a bert model"),
+    ("schedule.min_lr_ratio=2.0", "schedule.min_lr_ratio must be in [0, 1]"),
+    ("distributed.offload_optimizer=true", "needs distributed.zero_stage >= 1"),
+])
+def test_bad_names_and_values_are_refused_with_the_key(override, message):
+    overrides = [override] + (["distributed.zero_stage=0"] if "offload" in override else [])
+    with pytest.raises(ConfigError) as err:
+        check(load_run_config(CONFIG, overrides))
+    assert message in str(err.value)
+
+
+def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 2}}))
+    cfg = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}"])  # micro 8 x accum 1
+    check(cfg, world_size=2)
+    with pytest.raises(ConfigError, match=r"train_batch_size=16 != micro_batch_size 8 x grad_accum_steps 1 x world size 1 = 8"):
+        check(cfg, world_size=1)
+
+
+def test_cli_refuses_a_bad_name_before_spawning_ranks(monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr(distributed, "launch", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(["train", CONFIG, "model.name=bert-tinny", "--nproc", "2"])
+    assert code == cli.EXIT_CONFIG and launched == []
+    assert "Did you mean `bert-tiny`?" in capsys.readouterr().err
+    code = cli.main(["train", CONFIG, "schedule.warmup=linaer", "--nproc", "2"])
+    assert code == cli.EXIT_CONFIG and launched == []
+
+
+def _sweep_file(tmp_path: Path, third_warmup: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": CONFIG, "out_dir": str(tmp_path / "sw"), "corpus": str(tmp_path / "corpus"),
+        "run": {"distributed": {"engine": "ddp"}},
+        "optimizers": {"adam": ["optim.name=adam"]},
+        "warmups": {"none": ["schedule.warmup=none"], "linear": ["schedule.warmup=linear"],
+                    "third": [f"schedule.warmup={third_warmup}", "schedule.warmup_steps=5"]},
+    }))
+    return path
+
+
+def test_sweep_refuses_a_misspelt_warmup_in_its_third_grid_point_before_any_run(tmp_path, capsys):
+    from pipelines.study.sweep import load_sweep
+
+    good = load_sweep(_sweep_file(tmp_path, "exponential"))
+    assert good.warmups["third"][0] == "schedule.warmup=exponential"
+    with pytest.raises(ConfigError, match=r"grid point 2 \(adam-third-lr1e-3-s0\).*Did you mean `exponential`\?"):
+        load_sweep(_sweep_file(tmp_path, "exponentail"))
+    assert cli.main(["sweep", str(_sweep_file(tmp_path, "exponentail")), "--local"]) == cli.EXIT_CONFIG
+    assert "exponentail" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()  # nothing ran, nothing was written
+
+
+def test_study_draws_noam_with_the_runs_real_width():
+    from pipelines.study.analysis import _schedule_curve
+
+    cfg = load_run_config(CONFIG, ["model.name=bert-small", "schedule.warmup=noam", "schedule.warmup_steps=20",
+                                   "schedule.decay=constant", "train.max_steps=60"])
+    from core.config import to_dict
+
+    ts, lrs, _ = _schedule_curve(to_dict(cfg))
+    peak = 512**-0.5 * 20**-0.5  # Vaswani et al. eq. 3 at t = w with d_model = bert-small's 512
+    assert lrs[19] == pytest.approx(peak, rel=1e-12) and max(lrs) == lrs[19]
+    trained = run_schedule(cfg, d_model=512)  # what the Trainer builds from model.config.hidden_size
+    assert lrs == [cfg.optim.lr * trained(t - 1) for t in ts]

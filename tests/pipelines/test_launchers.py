@@ -1,0 +1,102 @@
+"""What launchers hand our entry points: the DeepSpeed launcher's ``--local_rank``, the fields of an
+``accelerate launch --config_file`` file, and console logging on rank 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import job_env, summary_of
+
+from core.config import ConfigError
+from pipelines.engine.distributed import accelerate_file_settings, load_launched_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")
+
+
+@pytest.mark.parametrize("flag", ["--local_rank=1", "--local-rank=1"])
+def test_finetune_entry_accepts_the_local_rank_the_deepspeed_launcher_appends(flag, capsys):
+    from pipelines.finetune.__main__ import main
+
+    # the deepspeed launcher runs `python -u -m pipelines.finetune --local_rank=N CONFIG k=v...`
+    code = main([flag, str(REPO / "configs/finetune/classification.yaml"), "epochs=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "epochs must be >= 1" in err and "unrecognized arguments" not in err
+
+
+def test_accelerate_file_fields_sit_between_our_defaults_and_the_run_config(tmp_path, caplog):
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"extends": CONFIG, "distributed": {"zero_stage": 3}}))
+    bert = yaml.safe_load(Path(CONFIG).read_text())
+    assert "precision" in bert["train"] and "grad_accum_steps" not in bert["train"]
+    ds_json = str(REPO / "configs/deepspeed/zero3.json")
+    environ = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1",
+               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4",
+               "ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_json, "RANK": "0"}
+    with caplog.at_level(logging.INFO, logger="pipelines"):
+        cfg = load_launched_config(run, [], environ=environ)
+    assert cfg.train.grad_accum_steps == 4  # the file's value: the run config does not set it
+    assert cfg.distributed.offload_optimizer is True and cfg.distributed.deepspeed_config == ds_json
+    assert cfg.distributed.zero_stage == 3  # the run config wins over the file
+    assert cfg.train.precision == "fp32"  # set by bert_tiny_cpu.yaml (extended): the run config wins
+    assert "distributed.zero_stage=1 overridden by the run config (distributed.zero_stage=3)" in caplog.text
+    assert "train.grad_accum_steps=4 applied" in caplog.text
+    overridden = load_launched_config(run, ["train.grad_accum_steps=2"], environ=environ)
+    assert overridden.train.grad_accum_steps == 2  # key=value overrides win over everything
+    assert load_launched_config(None, [], environ=environ).train.precision == "bf16"  # over our default fp32
+
+
+def test_accelerate_fields_we_cannot_honour_name_the_run_config_key():
+    with pytest.raises(ConfigError, match=r"offload_optimizer_device=nvme.*distributed.offload_optimizer=true"):
+        accelerate_file_settings({"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme"})
+    with pytest.raises(ConfigError, match=r"mixed_precision=fp8.*train.precision"):
+        accelerate_file_settings({"ACCELERATE_MIXED_PRECISION": "fp8"})
+    assert accelerate_file_settings({}) == {}
+
+
+def test_pretrain_entry_shows_our_info_lines_on_rank_0_only(tmp_path):
+    """configure_logging: the accelerate-file line (INFO) reaches the console of rank 0, not of rank 1."""
+    out = {}
+    for rank in ("0", "1"):
+        env = {**job_env(), "ACCELERATE_MIXED_PRECISION": "bf16", "RANK": rank}
+        proc = subprocess.run([sys.executable, "-m", "pipelines.pretrain", CONFIG, "data.corpus=", "train.max_steps=1",
+                               f"train.run_dir={tmp_path}/r{rank}"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+        out[rank] = proc.stderr
+    assert "INFO pipelines.engine.distributed: accelerate config file: train.precision='bf16' overridden" in out["0"]
+    assert "accelerate config file" not in out["1"]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_config_file_precision_reaches_the_run(bert_corpus, tmp_path):
+    """A real `accelerate launch --config_file F` whose file says mixed_precision: bf16 and ZeRO stage 1:
+    the run config does not set them, so the run trains with them and saves them in config.yaml."""
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
+                                   "deepspeed_config": {"zero_stage": 1}, "mixed_precision": "bf16", "num_machines": 1,
+                                   "num_processes": 1, "machine_rank": 0, "use_cpu": False, "rdzv_backend": "static",
+                                   "same_network": True}))
+    run = tmp_path / "run.yaml"
+    tiny = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+    run.write_text(yaml.safe_dump({
+        "data": {"corpus": str(bert_corpus), "micro_batch_size": 4, "num_workers": 0},
+        "model": {"name": "bert-tiny", "overrides": tiny},
+        "train": {"task": "mlm_nsp", "max_steps": 2, "run_dir": str(tmp_path / "run"), "resume": "never"},
+        "distributed": {"engine": "deepspeed"}, "logging": {"progress": False, "tensorboard": False},
+    }))
+    code = ("import sys; from pipelines.engine.distributed import launch; "
+            f"sys.exit(launch({str(run)!r}, [], 2, accelerate_config={str(acc)!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=600)
+    summary = summary_of(proc)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"]["precision"] == "bf16" and saved["distributed"]["zero_stage"] == 1
+    state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["precision"] == "bf16" and state["zero_stage"] == 1
+    assert "train.precision='bf16' applied" in proc.stderr
