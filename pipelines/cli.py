@@ -122,7 +122,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
         if is_sweep_dir(args.run_dirs[0]):
             out = args.out if args.out != "report" else None  # default: SWEEP_DIR/study
-            print(f"Study report written to {render_study(args.run_dirs[0], out)}")
+            page = render_study(args.run_dirs[0], out)
+            if (page.parent / "map_table.md").is_file():  # a depth x lr x norm sweep: print the warmup map
+                print((page.parent / "map_table.md").read_text(encoding="utf-8"))
+            print(f"Study report written to {page}")
             return 0
     page = render_report(args.run_dirs, args.out)
     print(f"Report written to {page}")

@@ -480,6 +480,12 @@ def render_study(
         raise FileNotFoundError(f"{sweep_dir} holds no run with a metrics.jsonl (run `pretrain sweep` first).")
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir) / "study"
     out.mkdir(parents=True, exist_ok=True)
+    map_images = []
+    if manifest.get("config", {}).get("axes"):  # a depth x lr x norm sweep: the warmup map, figures of its hardest cell
+        from pipelines.study.warmup_map import focus_runs, render_map
+
+        map_images, _, _ = render_map(runs, out)
+        runs = focus_runs(runs)
     arms = _arms(runs)
     colors = _colors(list(arms))
     total = max(int(r.config.get("train", {}).get("max_steps", 0) or 0) for r in runs) or 1
@@ -494,6 +500,7 @@ def render_study(
             "Gradient and update magnitudes early in training, with and without warmup",
         ),
         (_fig_variance(arms, colors, out), "Variance of Adam's adaptive step size over steps"),
+        *map_images,
     ]
     summary = summarize(runs, target_loss if target_loss is not None else manifest.get("target_loss"))
     atomic_write_text(out / "study_summary.json", json.dumps(summary, indent=1) + "\n")

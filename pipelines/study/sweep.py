@@ -85,6 +85,10 @@ class SweepConfig:
     lrs: list[float] = option([1e-3], help="Peak learning rates (optim.lr).")
     seeds: list[int] = option([0], help="Seeds (train.seed).")
     only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
+    axes: dict[str, dict[str, list[str]]] = option(
+        {},
+        help="More grid axes after lrs: axis -> {label: overrides} (e.g. norm: {post: [...]}); labels join run names.",
+    )
     num_processes: int = option(1, help="Processes per run; 1 runs in this process, more via distributed.launch.")
     launcher: str = option(
         "accelerate", help="distributed.launch launcher when num_processes > 1 (or `python` for a subprocess)."
@@ -100,7 +104,9 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.optimizers or not self.warmups or not self.lrs or not self.seeds:
             raise ConfigError("A sweep needs at least one entry in each of optimizers, warmups, lrs and seeds.")
-        for axis in (self.optimizers, self.warmups):
+        for axis in (self.optimizers, self.warmups, *self.axes.values()):
+            if not axis:
+                raise ConfigError("Every entry of `axes` needs at least one label: {label: [key=value, ...]}.")
             for label in axis:
                 if not label or any(c in label for c in "/ \\") or "-" in label:
                     raise ConfigError(
@@ -158,19 +164,25 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
 
 
 def expand(sweep: SweepConfig) -> list[RunSpec]:
-    """Every run of the grid, seed-major then optimizer, warmup, lr (the order of the YAML lists)."""
+    """Every run of the grid, seed-major then optimizer, warmup, lr, then ``axes`` (the order of the YAML lists).
+
+    ``axes`` labels go into the name between the lr and the seed: ``adam-none-lr1e-2-post-L6-s0``.
+    """
     out_dir = Path(sweep.out_dir)
     common = ([f"data.corpus={sweep.corpus}"] if sweep.corpus else []) + list(sweep.overrides)
     specs: list[RunSpec] = []
-    for seed, (opt, opt_ovr), (wu, wu_ovr), lr in itertools.product(
-        sweep.seeds, sweep.optimizers.items(), sweep.warmups.items(), sweep.lrs
+    extra_axes = [[(axis, label, ovr) for label, ovr in labels.items()] for axis, labels in sweep.axes.items()]
+    for seed, (opt, opt_ovr), (wu, wu_ovr), lr, *extra in itertools.product(
+        sweep.seeds, sweep.optimizers.items(), sweep.warmups.items(), sweep.lrs, *extra_axes
     ):
         if sweep.only and not any(fnmatch.fnmatchcase(f"{opt}-{wu}", pat) for pat in sweep.only):
             continue
-        name = f"{opt}-{wu}-lr{lr_label(lr)}-s{seed}"
+        name = "-".join([opt, wu, f"lr{lr_label(lr)}", *(label for _, label, _ in extra), f"s{seed}"])
         run_dir = out_dir / "runs" / name
-        ovr = (*common, *opt_ovr, *wu_ovr, f"optim.lr={lr!r}", f"train.seed={seed}", f"train.run_dir={run_dir}")
-        specs.append(RunSpec(len(specs), name, run_dir, ovr, {"optimizer": opt, "warmup": wu, "lr": lr, "seed": seed}))
+        extra_ovr = [o for _, _, ovr in extra for o in ovr]
+        ovr = (*common, *opt_ovr, *wu_ovr, *extra_ovr, f"optim.lr={lr!r}", f"train.seed={seed}", f"train.run_dir={run_dir}")
+        axes = {"optimizer": opt, "warmup": wu, "lr": lr, **{axis: label for axis, label, _ in extra}, "seed": seed}
+        specs.append(RunSpec(len(specs), name, run_dir, ovr, axes))
     if not specs:
         raise ConfigError(f"The sweep grid is empty: no optimizer-warmup arm matches `only: {sweep.only}`.")
     return specs

@@ -1,0 +1,333 @@
+"""Where Adam without warmup fails: classify every run of a depth x lr x arm x norm sweep and draw the map.
+
+Issue #21. The literature the study tests -- Liu et al. 2020 (RAdam, arXiv:1908.03265), Xiong et al.
+2020 (pre-LN, arXiv:2002.04745), Liu et al. 2020 (Admin, arXiv:2004.08249), Huang et al. 2020
+(T-Fixup) -- says a post-LN transformer trained with Adam needs a warmup, more so the deeper it is
+and the larger the learning rate, that pre-LN does not, and that T-Fixup's initialisation removes
+the need. ``configs/sweeps/warmup_map.yaml`` runs that grid; this module turns it into a verdict.
+
+**When a run fails** (fixed before any run was looked at; ``classify``):
+
+1. *diverged*: the run stopped on NaN/Inf (``nan_stop``, status ``diverged``) or its final loss is
+   not finite;
+2. *above start*: its final loss is above its first logged training loss;
+3. *k sigma*: its final loss is worse than the best arm's mean final loss at the same cell
+   (norm placement, depth, lr) by more than ``k`` pooled seed standard deviations of that cell
+   (``sqrt`` of the mean per-arm seed variance over the cell's non-diverged arms, floored at
+   ``min_std``). The best arm is the one with the lowest mean final loss among its runs that did
+   not fail by 1 or 2.
+
+The *final loss* is the validation loss logged at the last step (the same batches for every run)
+when there is one, else the mean of the last three logged training losses. A cell's *failure
+rate* is failed seeds / seeds. ``render_map`` draws ``map_failure.png`` and ``map_loss.png`` (one
+panel per norm placement x arm: depth rows x lr columns), ``map_grad_layers.png`` (per-layer
+gradient norm in the first updates, with and without warmup, from the diagnostics), and writes
+``map_table.md`` / ``map_summary.json`` with the claims computed from the runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from monitoring.report import save_figure
+
+__all__ = ["DEFAULT_K", "run_result", "classify", "cell_stats", "claims", "draw_map", "focus_runs", "render_map"]
+
+DEFAULT_K = 2.0
+MIN_STD = 1e-3
+MAP_FIGURES = ("map_failure.png", "map_loss.png", "map_grad_layers.png")
+NO_WARMUP = "adam-none"
+_BLOCK = re.compile(r"^grad_norm/(?:.+\.)?blocks\.(\d+)$")  # per-block norms of monitoring.diagnostics
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _norm_of(cfg: dict[str, Any]) -> str:
+    over = cfg.get("model", {}).get("overrides", {}) or {}
+    if over.get("init") == "t-fixup":
+        return "tfixup"
+    return str(over.get("norm_placement", "post"))
+
+
+def _depth_of(cfg: dict[str, Any]) -> int:
+    model = cfg.get("model", {})
+    over = model.get("overrides", {}) or {}
+    if "num_layers" in over:
+        return int(over["num_layers"])
+    try:
+        from models.registry import get_config
+
+        return int(get_config(model.get("name", "bert-tiny")).num_layers)
+    except Exception:  # noqa: BLE001 - an unknown model name only loses the depth label
+        return 0
+
+
+def run_result(r: Any) -> dict[str, Any]:
+    """The numbers ``classify`` needs from one ``analysis.StudyRun``: arm, norm, depth, lr, seed, start, final."""
+    cfg = r.config
+    opt = cfg.get("optim", {})
+    arm = f"{opt.get('name', '?')}-{cfg.get('schedule', {}).get('warmup', '?')}"
+    train = [v for _, v in r.run.get("train", "loss")]
+    evals = r.run.get("eval", "loss")
+    last_step = r.run.get("train", "loss")[-1][0] if train else None
+    stopped = r.status.get("status") == "diverged" or any(e.get("event") == "nan_stop" for e in r.run.events)
+    if evals and evals[-1][0] == last_step:
+        final = evals[-1][1]
+    else:
+        tail = train[-3:]
+        final = statistics.fmean(tail) if tail and all(_finite(v) for v in tail) else float("nan")
+    return {
+        "name": r.name,
+        "arm": arm,
+        "norm": _norm_of(cfg),
+        "depth": _depth_of(cfg),
+        "lr": float(opt.get("lr", float("nan"))),
+        "seed": r.seed,
+        "start": train[0] if train else float("nan"),
+        "final": float("nan") if stopped else final,
+        "wall_time_s": r.status.get("wall_time_s"),
+    }
+
+
+def _cell(res: dict[str, Any]) -> tuple[str, int, float]:
+    return res["norm"], res["depth"], res["lr"]
+
+
+def classify(results: Iterable[dict[str, Any]], k: float = DEFAULT_K, min_std: float = MIN_STD) -> list[dict[str, Any]]:
+    """Copies of ``results`` with ``fail`` (bool) and ``reason`` (diverged | above_start | k_sigma | None)."""
+    out = [dict(r) for r in results]
+    for r in out:
+        if not _finite(r["final"]):
+            r["fail"], r["reason"] = True, "diverged"
+        elif _finite(r["start"]) and r["final"] > r["start"]:
+            r["fail"], r["reason"] = True, "above_start"
+        else:
+            r["fail"], r["reason"] = False, None
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in out:
+        cells.setdefault(_cell(r), []).append(r)
+    for rows in cells.values():
+        by_arm: dict[str, list[float]] = {}
+        for r in rows:
+            if not r["fail"]:
+                by_arm.setdefault(r["arm"], []).append(r["final"])
+        if not by_arm:
+            continue
+        best = min(statistics.fmean(v) for v in by_arm.values())
+        variances = [statistics.variance(v) for v in by_arm.values() if len(v) > 1]
+        std = max(math.sqrt(statistics.fmean(variances)) if variances else 0.0, min_std)
+        for r in rows:
+            r["cell_best"], r["cell_std"] = best, std
+            if not r["fail"] and r["final"] > best + k * std:
+                r["fail"], r["reason"] = True, "k_sigma"
+    return out
+
+
+def cell_stats(classified: list[dict[str, Any]]) -> dict[tuple[str, str, int, float], dict[str, Any]]:
+    """(norm, arm, depth, lr) -> runs, failures, failure rate, reasons, mean final loss of non-diverged runs."""
+    stats: dict[tuple[str, str, int, float], dict[str, Any]] = {}
+    for r in classified:
+        s = stats.setdefault((r["norm"], r["arm"], r["depth"], r["lr"]), {"runs": 0, "fail": 0, "reasons": {}, "finals": []})
+        s["runs"] += 1
+        s["fail"] += bool(r["fail"])
+        if r["reason"]:
+            s["reasons"][r["reason"]] = s["reasons"].get(r["reason"], 0) + 1
+        if _finite(r["final"]):
+            s["finals"].append(r["final"])
+    for s in stats.values():
+        s["rate"] = s["fail"] / s["runs"]
+        s["final"] = statistics.fmean(s["finals"]) if s["finals"] else None
+    return stats
+
+
+def _axes(classified: list[dict[str, Any]]) -> tuple[list[str], list[str], list[int], list[float]]:
+    order = {"post": 0, "pre": 1, "tfixup": 2}
+    norms = sorted({r["norm"] for r in classified}, key=lambda n: (order.get(n, 9), n))
+    arms = list(dict.fromkeys(r["arm"] for r in classified))
+    return norms, arms, sorted({r["depth"] for r in classified}), sorted({r["lr"] for r in classified})
+
+
+def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, Any]:
+    """What the map says, computed: per norm the (depth, lr) cells where each arm fails in most seeds,
+    the smallest failing lr per depth for Adam without warmup, and whether a warmup arm rescues those cells."""
+    stats = cell_stats(classified)
+    norms, arms, depths, lrs = _axes(classified)
+    out: dict[str, Any] = {"k": k, "norms": {}}
+    for norm in norms:
+        per_arm = {}
+        for arm in arms:
+            cells = [(d, lr) for d in depths for lr in lrs if stats.get((norm, arm, d, lr), {}).get("rate", 0) > 0.5]
+            per_arm[arm] = [{"depth": d, "lr": lr, "rate": stats[(norm, arm, d, lr)]["rate"]} for d, lr in cells]
+        first_fail = {}
+        for d in depths:
+            failing = [lr for lr in lrs if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+            first_fail[str(d)] = min(failing) if failing else None
+        rescued = []
+        for c in per_arm.get(NO_WARMUP, []):
+            ok = [a for a in arms if a != NO_WARMUP and stats.get((norm, a, c["depth"], c["lr"]), {}).get("rate", 1) <= 0.5]
+            rescued.append({"depth": c["depth"], "lr": c["lr"], "arms_ok": ok})
+        out["norms"][norm] = {
+            "majority_fail_cells": per_arm,
+            "no_warmup_first_failing_lr": first_fail,
+            "no_warmup_failures_rescued_by": rescued,
+            "no_warmup_fail_cells": len(per_arm.get(NO_WARMUP, [])),
+            "cells": len(depths) * len(lrs),
+        }
+    return out
+
+
+def _lr_text(lr: float) -> str:
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -> tuple[str, list[tuple[str, str]]]:
+    """One heat-map panel per (norm placement, arm): rows = depth, columns = lr; ``value`` rate | final.
+
+    Returns the PNG name and the panels as (norm, arm) in drawing order (rows = norms, columns = arms).
+    """
+    from matplotlib.figure import Figure
+
+    stats = cell_stats(classified)
+    norms, arms, depths, lrs = _axes(classified)
+    finals = [s["final"] for s in stats.values() if s["final"] is not None]
+    vmin, vmax = (0.0, 1.0) if value == "rate" else (min(finals, default=0.0), max(finals, default=1.0))
+    fig = Figure(figsize=(2.4 * len(arms) + 1.2, 2.0 * len(norms) + 0.9), layout="constrained")
+    what = "failure rate (failed seeds / seeds)" if value == "rate" else "mean final loss (non-diverged seeds)"
+    fig.suptitle(f"{what} per depth × learning rate; rows: norm placement, columns: arm")
+    panels, image = [], None
+    for i, norm in enumerate(norms):
+        for j, arm in enumerate(arms):
+            ax = fig.add_subplot(len(norms), len(arms), i * len(arms) + j + 1)
+            grid = [[math.nan] * len(lrs) for _ in depths]
+            for di, d in enumerate(depths):
+                for li, lr in enumerate(lrs):
+                    s = stats.get((norm, arm, d, lr))
+                    if s is None:
+                        continue
+                    v = s["rate"] if value == "rate" else s["final"]
+                    grid[di][li] = math.nan if v is None else v
+                    label = f"{s['fail']}/{s['runs']}" if value == "rate" else ("div" if v is None else f"{v:.2f}")
+                    bright = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
+                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color="k" if bright else "w")
+            cmap = "Reds" if value == "rate" else "viridis"
+            image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
+            ax.set_xticks(range(len(lrs)), [_lr_text(lr) for lr in lrs], fontsize=7)
+            ax.set_yticks(range(len(depths)), [str(d) for d in depths], fontsize=7)
+            ax.set_title(f"{norm} · {arm}", fontsize=8)
+            if i == len(norms) - 1:
+                ax.set_xlabel("lr", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("layers", fontsize=7)
+            panels.append((norm, arm))
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, shrink=0.6)
+    name = "map_failure.png" if value == "rate" else "map_loss.png"
+    return save_figure(fig, out, name), panels
+
+
+def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Path, first: int = 3) -> str:
+    """Per-layer gradient norm at the first logged updates, Adam without vs. with warmup, for the
+    post-LN (else first) norm placement at the deepest depth and largest lr (first seed of each arm)."""
+    from matplotlib.figure import Figure
+
+    norms, arms, depths, lrs = _axes(classified)
+    norm = "post" if "post" in norms else norms[0]
+    target = {r["name"]: r for r in classified}
+    chosen = {}
+    for r in runs:
+        c = target.get(r.name)
+        if c and c["norm"] == norm and c["depth"] == depths[-1] and c["lr"] == lrs[-1] and c["arm"] not in chosen:
+            chosen[c["arm"]] = r
+    fig = Figure(figsize=(3.2 * first + 1, 3.4), layout="constrained")
+    fig.suptitle(f"|gradient| per block, first updates: {norm}, {depths[-1]} layers, lr {_lr_text(lrs[-1])}")
+    for col in range(first):
+        ax = fig.add_subplot(1, first, col + 1)
+        ax.grid(True, alpha=0.3)
+        drawn = False
+        for arm, r in chosen.items():
+            recs = [d for d in r.diag if any(_BLOCK.match(k) for k in d)]
+            if col >= len(recs):
+                continue
+            rec = recs[col]
+            layers = sorted((int(m[1]), v) for k, v in rec.items() if (m := _BLOCK.match(k)))
+            ax.semilogy([i for i, _ in layers], [v for _, v in layers], marker="o", markersize=3, label=arm)
+            ax.set_title(f"update {rec['step']}", fontsize=9)
+            drawn = True
+        ax.set_xlabel("block")
+        if col == 0:
+            ax.set_ylabel("gradient norm")
+        if not drawn:
+            ax.text(0.5, 0.5, "no per-block diagnostics:\nset logging.diagnostics_every > 0", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=8, color="0.4")
+    if fig.axes and fig.axes[0].get_legend_handles_labels()[0]:
+        fig.axes[0].legend(fontsize=7)
+    return save_figure(fig, out, "map_grad_layers.png")
+
+
+def markdown(classified: list[dict[str, Any]], found: dict[str, Any]) -> str:
+    """The map as a table (one row per norm, arm, depth; failure rate and mean final loss per lr) + the claims."""
+    stats = cell_stats(classified)
+    norms, arms, depths, lrs = _axes(classified)
+    head = ["norm", "arm", "layers"] + [f"lr {_lr_text(lr)}: fail · loss" for lr in lrs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for norm in norms:
+        for arm in arms:
+            for d in depths:
+                cells = []
+                for lr in lrs:
+                    s = stats.get((norm, arm, d, lr))
+                    loss = "—" if not s or s["final"] is None else f"{s['final']:.3f}"
+                    cells.append("" if not s else f"{s['fail']}/{s['runs']} · {loss}")
+                lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
+    lines.append("")
+    lines.append(f"Failure: diverged, final loss above start, or > {found['k']:g} pooled seed std above the best arm of the cell.")
+    for norm, c in found["norms"].items():
+        ff = ", ".join(f"{d} layers: {_lr_text(lr) if lr else 'none'}" for d, lr in c["no_warmup_first_failing_lr"].items())
+        lines.append(
+            f"- {norm}: Adam without warmup fails (majority of seeds) in {c['no_warmup_fail_cells']}/{c['cells']} "
+            f"cells; smallest failing lr per depth: {ff}."
+        )
+        for res in c["no_warmup_failures_rescued_by"]:
+            ok = ", ".join(res["arms_ok"]) or "no arm"
+            lines.append(f"  - {res['depth']} layers, lr {_lr_text(res['lr'])}: {ok} fine there.")
+    return "\n".join(lines) + "\n"
+
+
+def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[tuple[str, str]], dict[str, Any], str]:
+    """Classify ``runs`` (``analysis.StudyRun``), draw the map figures, write map_table.md / map_summary.json.
+
+    Returns (images as (file, caption), the summary, the markdown table).
+    """
+    import json
+
+    from core.files import atomic_write_text
+
+    classified = classify([run_result(r) for r in runs], k)
+    found = claims(classified, k)
+    images = [
+        (draw_map(classified, out, "rate")[0], "Failure rate of each arm per depth × lr (rows: norm placement)"),
+        (draw_map(classified, out, "final")[0], "Mean final loss per depth × lr"),
+        (draw_grad_layers(runs, classified, out), "Per-block gradient norm in the first updates, with and without warmup"),
+    ]
+    table = markdown(classified, found)
+    summary = {"claims": found, "runs": classified}
+    atomic_write_text(out / "map_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    atomic_write_text(out / "map_table.md", table)
+    return images, summary, table
+
+
+def focus_runs(runs: list[Any]) -> list[Any]:
+    """The runs of the hardest cells (deepest stack, largest lr; every norm and arm): what the
+    LR, loss and histogram figures of ``analysis.render_study`` draw for a map sweep."""
+    res = {r.name: run_result(r) for r in runs}
+    if not res:
+        return runs
+    deepest, largest = max(v["depth"] for v in res.values()), max(v["lr"] for v in res.values())
+    return [r for r in runs if res[r.name]["depth"] == deepest and res[r.name]["lr"] == largest]
