@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -23,8 +24,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-
-from core.files import atomic_write_text
 
 __all__ = [
     "ConfigError",
@@ -137,7 +136,16 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         )
 
     origin = typing.get_origin(tp)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"{source}: `{where}` is {value!r}; configuration numbers must be finite (no .inf / .nan). "
+            f"Set `{where}` to a finite number."
+        )
     if tp is Any:
+        if isinstance(value, (dict, list, tuple)):  # free-form values (model.overrides): finite numbers too
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                _convert(v, Any, f"{where}.{k}" if isinstance(value, dict) else f"{where}[{k}]", source)
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -184,9 +192,10 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad() from None
+            return _convert(number, tp, where, source)
         raise bad()
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -232,6 +241,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically); `load_config` reads it back identically."""
+    from core.files import atomic_write_text  # core.files imports this module (ConfigError)
+
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 

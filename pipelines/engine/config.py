@@ -115,7 +115,9 @@ class TrainConfig:
     eval_batches: int = option(20, help="Batches per evaluation (0 = the whole split).")
     checkpoint_every: int = option(0, help="Checkpoint every N steps (0 = only at the end and on signals).")
     keep_last: int = option(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
-    resume: str = option("auto", help="auto (newest complete checkpoint in run_dir), never, or a checkpoint path.")
+    resume: str = option("auto", help="auto (newest checkpoint in run_dir that verifies), never, or a checkpoint path.")
+    overwrite: bool = option(False, help="With resume=never in a run dir that has checkpoints: delete them and start "
+                                         "over (refused otherwise).")
     log_every: int = option(10, help="Log metrics every N steps.")
 
     def __post_init__(self) -> None:
