@@ -324,16 +324,21 @@ class Engine:
             torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
 
     def load(self, path: Path) -> None:
+        """Every file goes through ``safe_load`` (``weights_only=True``, DeepSpeed's loaders included)."""
+        from pipelines.engine.safe_load import CheckpointError, safe_torch_load, weights_only_loads
+
         e = path / "engine"
         if self.deepspeed:
-            loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=False)
+            with weights_only_loads():
+                loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False)
             if loaded is None:
-                raise RuntimeError(f"DeepSpeed found no engine state under {e}; the checkpoint is incomplete.")
+                raise CheckpointError(f"DeepSpeed found no engine state under {e}; the checkpoint is incomplete.")
         else:
             where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
-            self.module.load_state_dict(torch.load(e / "model.pt", map_location=where, weights_only=True))
-            self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=where, weights_only=True))
-        self.scheduler.load_state_dict(torch.load(e / "lr_scheduler.pt", weights_only=True))
+            self.module.load_state_dict(safe_torch_load(e / "model.pt", map_location=where))
+            self.optimizer.load_state_dict(safe_torch_load(e / "optimizer.pt", map_location=where))
+        self.scheduler.load_state_dict(safe_torch_load(e / "lr_scheduler.pt"))
 
 
 def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer: Any, schedule_fn: Any) -> Engine:
