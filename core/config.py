@@ -25,6 +25,9 @@ from typing import Any, Literal
 
 import yaml
 
+from core.errors import ConfigError
+from core.files import atomic_write_text
+
 __all__ = [
     "ConfigError",
     "option",
@@ -37,10 +40,6 @@ __all__ = [
     "save_config",
     "describe",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; the CLI prints it and exits with code 2."""
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
@@ -241,8 +240,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (atomically); `load_config` reads it back identically."""
-    from core.files import atomic_write_text  # core.files imports this module (ConfigError)
-
     atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 

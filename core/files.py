@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from core.config import ConfigError
+from core.errors import ConfigError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
            "claim_output_dir", "check_output_dir", "discard", "clean_trash", "replace_dir"]
