@@ -202,20 +202,32 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
         clean_trash(ck)
         tmp.mkdir()
     engine.barrier()
-    engine.save(tmp)
-    (tmp / "rng").mkdir(exist_ok=True)
-    (tmp / "data").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
-    atomic_write_text(tmp / "data" / f"rank-{rank:05d}.json", json.dumps(data_state, indent=1))
+    try:
+        engine.save(tmp)
+        (tmp / "rng").mkdir(exist_ok=True)
+        (tmp / "data").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
+        atomic_write_text(tmp / "data" / f"rank-{rank:05d}.json", json.dumps(data_state, indent=1))
+        if rank == 0:
+            save_config(cfg, tmp / "config.yaml")
+            if tokenizer_dir is not None and tokenizer_dir.is_dir():
+                shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        engine.barrier()
+        if rank == 0:
+            state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now
+            atomic_write_text(tmp / "trainer_state.json", json.dumps(state, indent=1, default=float))
+            _fsync_tree(tmp)
+    except (OSError, RuntimeError) as exc:  # disk full (torch.save says RuntimeError), quota, I/O error
+        shutil.rmtree(tmp, ignore_errors=True)  # drop the partial copy, keep every complete one
+        kept = find_resume(run_dir, "auto")
+        free = shutil.disk_usage(ck).free
+        reason = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(
+            f"Writing checkpoint {final} failed ({type(exc).__name__}: {reason}; {free} bytes free there). The partial copy was removed; "
+            f"{kept if kept else 'no earlier checkpoint'} is the newest complete checkpoint and was not touched. "
+            f"Free space under {ck} (or lower train.keep_last) and resume with train.resume=auto."
+        ) from None
     if rank == 0:
-        save_config(cfg, tmp / "config.yaml")
-        if tokenizer_dir is not None and tokenizer_dir.is_dir():
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-    engine.barrier()
-    if rank == 0:
-        state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now
-        atomic_write_text(tmp / "trainer_state.json", json.dumps(state, indent=1, default=float))
-        _fsync_tree(tmp)
         replace_dir(tmp, final)  # re-saving a step (signal right after a periodic save): one atomic swap
         _fsync_dir(ck)
         atomic_write_text(ck / "latest", final.name + "\n")
