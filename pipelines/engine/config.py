@@ -154,6 +154,8 @@ class LoggingConfig:
     wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
     mlflow: bool = option(False, help="Log to MLflow through accelerate.")
     prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
+    prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
+                                                    "0.0.0.0 = every interface (anyone who can reach the node).")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, copy_run, tree
+from reliability_helpers import REPO, copy_run, tree
 
 HERE = Path(__file__).parent
 
@@ -39,9 +39,9 @@ PHASES = {
 
 def _child(run_dir: Path, phase_code: str, step: int) -> subprocess.CompletedProcess:
     code = "\n".join([
-        "import sys", "from pathlib import Path", f"sys.path.insert(0, {str(HERE)!r})", "import conftest",
+        "import sys", "from pathlib import Path", f"sys.path.insert(0, {str(HERE)!r})", "import reliability_helpers as helpers",
         "from pipelines.engine import checkpoint as ck", DIE, phase_code,
-        f"conftest.save_steps(Path({str(run_dir)!r}), [{step}], keep_last=2)", "print('SAVED')",
+        f"helpers.save_steps(Path({str(run_dir)!r}), [{step}], keep_last=2)", "print('SAVED')",
     ])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -74,7 +74,7 @@ def test_kill_9_during_a_new_save(phase, good_run, tmp_path):
     # `latest` names the resume point: until it is rewritten, the previous checkpoint is the one
     assert chosen == ("step-00000020" if phase in ("tmp_written", "renamed") else "step-00000030")
     # the next save finishes what the killed one left: no .tmp-* / .trash-* remain, keep_last holds
-    from conftest import save_steps
+    from reliability_helpers import save_steps
 
     save_steps(run, [40], keep_last=2)
     left = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -138,7 +138,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(good_run, tmp_path
     """ENOSPC mid-save: a clear error naming the checkpoint, the partial copy gone, the previous one intact.
 
     A small tmpfs when this process may mount one (root), else a child whose ``torch.save`` hits ENOSPC."""
-    from conftest import save_steps
+    from reliability_helpers import save_steps
 
     from pipelines.engine.checkpoint import CheckpointError, find_resume
 

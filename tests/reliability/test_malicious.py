@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import cli, copy_run, plant_payload, reseal
+from reliability_helpers import cli, copy_run, plant_payload, reseal
 
 from core.config import ConfigError
 

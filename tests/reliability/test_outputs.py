@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import cli, copy_run, tree
+from reliability_helpers import cli, copy_run, tree
 
 from core.files import MARKER, output_kind
 
