@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from core.errors import ConfigError
 from core.files import atomic_write_text
 
 __all__ = [
@@ -38,10 +40,6 @@ __all__ = [
     "save_config",
     "describe",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; the CLI prints it and exits with code 2."""
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
@@ -137,7 +135,16 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
         )
 
     origin = typing.get_origin(tp)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(
+            f"{source}: `{where}` is {value!r}; configuration numbers must be finite (no .inf / .nan). "
+            f"Set `{where}` to a finite number."
+        )
     if tp is Any:
+        if isinstance(value, (dict, list, tuple)):  # free-form values (model.overrides): finite numbers too
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                _convert(v, Any, f"{where}.{k}" if isinstance(value, dict) else f"{where}[{k}]", source)
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -184,9 +191,10 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad() from None
+            return _convert(number, tp, where, source)
         raise bad()
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

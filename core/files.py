@@ -1,18 +1,34 @@
-"""Files that are never half-written, and their checksums.
+"""Files that are never half-written, directories we may write into, and deletions that are never half-done.
 
 Every output of the project (configs, manifests, metrics summaries, reports) goes through
 ``atomic_write_text``/``atomic_write_bytes``: a temporary file in the same directory, fsync, then an
 atomic rename, so a crash never leaves a truncated file under its final name.
+
+Output directories (run dirs, releases, corpora) carry a marker file, ``.pretrain-output.json``
+(``{"kind": "run" | "release" | "corpus"}``). ``claim_output_dir`` writes only into a directory that
+is new, empty, or marked with the same kind; a user's folder is refused, never emptied.
+``discard`` deletes by renaming into a ``.trash-*`` sibling first, and ``replace_dir`` swaps a
+finished directory in with one atomic exchange, so a kill at any moment leaves either the old or the
+new directory under its name — never a missing or half-deleted one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import json
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file"]
+from core.errors import ConfigError
+
+__all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
+           "claim_output_dir", "check_output_dir", "discard", "clean_trash", "replace_dir"]
+
+MARKER = ".pretrain-output.json"
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -49,3 +65,128 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             sha.update(block)
     return sha.hexdigest()
+
+
+class OutputDirError(ConfigError):
+    """An output directory we may not write into (a user's folder, or one of another kind)."""
+
+
+def output_kind(path: str | os.PathLike) -> str | None:
+    """The kind recorded in ``path``'s marker, or None (no marker / unreadable marker)."""
+    try:
+        return str(json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))["kind"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_output_dir(path: str | os.PathLike, kind: str, *, what: str, overwrite: bool = False,
+                     reuse: bool = False) -> bool:
+    """Refuse ``path`` unless it is missing, empty, or ours of the same ``kind``; True if it holds one of ours.
+
+    ``reuse``: an existing directory of the same kind is written into (run dirs, corpora);
+    otherwise it is replaced only with ``overwrite`` (releases).
+    """
+    p = Path(path)
+    if not p.exists():
+        return False
+    if not p.is_dir() or p.is_symlink():
+        raise OutputDirError(f"{what} {p} exists and is not a directory we created (a file or a symlink). "
+                             f"Choose a new path; nothing was written.")
+    if not any(p.iterdir()):
+        return False
+    found = output_kind(p)
+    if found is None:
+        raise OutputDirError(f"{what} {p} is not empty and was not created by pretrain (no {MARKER} marker); "
+                             f"refusing to write into or replace it, so nothing of yours is overwritten. Choose a "
+                             f"new or empty directory, or move its contents away yourself.")
+    if found != kind:
+        raise OutputDirError(f"{what} {p} holds a pretrain {found} directory, not a {kind}; refusing to write into "
+                             f"or replace it. Choose another path.")
+    if not reuse and not overwrite:
+        raise OutputDirError(f"{what} {p} already holds a {kind}; pass --overwrite to replace it (the old one is "
+                             f"deleted only after the new one is complete), or choose a new path.")
+    return True
+
+
+def claim_output_dir(path: str | os.PathLike, kind: str, *, what: str, adopt: tuple[str, ...] = ()) -> Path:
+    """Create (or re-open) ``path`` as our ``kind`` directory, writing the marker; refuse anything else.
+
+    ``adopt``: file names whose presence identifies a directory written by an older version
+    (no marker yet) as one of ours, e.g. a run dir's ``config.yaml`` + ``checkpoints``.
+    """
+    p = Path(path)
+    if adopt and p.is_dir() and output_kind(p) is None and all((p / name).exists() for name in adopt):
+        atomic_write_text(p / MARKER, json.dumps({"kind": kind}) + "\n")
+    check_output_dir(p, kind, what=what, reuse=True)
+    p.mkdir(parents=True, exist_ok=True)
+    if output_kind(p) != kind:
+        atomic_write_text(p / MARKER, json.dumps({"kind": kind}) + "\n")
+    return p
+
+
+def discard(path: str | os.PathLike) -> None:
+    """Delete a file or directory: first renamed to a ``.trash-*`` sibling (atomic), then removed."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        return
+    trash = p.parent / f".trash-{p.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(p, trash)
+    _fsync_dir(p.parent)
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        trash.unlink(missing_ok=True)
+
+
+def clean_trash(parent: str | os.PathLike) -> None:
+    """Finish deletions a killed process left half-done (``.trash-*`` entries of ``parent``)."""
+    p = Path(parent)
+    for t in p.glob(".trash-*") if p.is_dir() else []:
+        if t.is_dir() and not t.is_symlink():
+            shutil.rmtree(t, ignore_errors=True)
+        else:
+            t.unlink(missing_ok=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def replace_dir(new: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Put directory ``new`` at ``dst``; an existing ``dst`` is swapped out atomically, then discarded.
+
+    Linux ``renameat2(RENAME_EXCHANGE)`` swaps the two names in one step; elsewhere the old one is
+    renamed to trash first (a kill between the two renames leaves it recoverable under ``.trash-*``).
+    """
+    new, dst = Path(new), Path(dst)
+    if not dst.exists():
+        os.replace(new, dst)
+        _fsync_dir(dst.parent)
+        return
+    if _exchange(new, dst):  # dst now holds the new tree, `new` the old one
+        _fsync_dir(dst.parent)
+        discard(new)
+        return
+    trash = dst.parent / f".trash-{dst.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(dst, trash)
+    os.replace(new, dst)
+    _fsync_dir(dst.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -151,7 +151,7 @@ class RunLogger:
         if getattr(cfg, "prometheus_port", 0):  # first: a taken port fails before any file is opened
             from monitoring.prometheus import PrometheusExporter
 
-            self._prometheus = PrometheusExporter(int(cfg.prometheus_port))
+            self._prometheus = PrometheusExporter(int(cfg.prometheus_port), addr=getattr(cfg, "prometheus_host", "127.0.0.1"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._prior_end, self._prior_max_step = self._repair_and_scan()
         self._fh = open(self.metrics_path, "a", encoding="utf-8")

@@ -1,5 +1,8 @@
 """Optional Prometheus endpoint on rank 0 (``logging.prometheus_port``, 0 = off) for cluster dashboards.
 
+It binds ``logging.prometheus_host`` (default 127.0.0.1, this host only); set 0.0.0.0 for a scraper
+on another machine — the metrics then show to anyone who can reach the node.
+
 ``RunLogger`` feeds it from every ``log``/``event`` call, so it shows exactly what metrics.jsonl
 holds, as of the last logged step. Each exporter has its own registry: several runs in one process
 (sweeps, tests) never clash over metric names.
@@ -32,7 +35,7 @@ _MEMORY = {"mem_allocated_mb": "allocated", "mem_reserved_mb": "reserved", "mem_
 class PrometheusExporter:
     """Serves ``/metrics`` on ``port`` from a background thread until ``close()``."""
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, addr: str = "127.0.0.1") -> None:
         try:
             import prometheus_client as pc
         except ImportError:

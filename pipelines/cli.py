@@ -98,7 +98,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pipelines.engine.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
     print(f"Exported {args.checkpoint} -> {out}")
     return 0
 
@@ -248,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain export runs/bert/checkpoints/step-00000300 release/bert-tiny",
     )
     p.add_argument("checkpoint", help="A checkpoint directory (checkpoints/step-NNNNNNNN) or a run directory (latest).")
-    p.add_argument("out", help="Release directory to create (written atomically).")
+    p.add_argument("out", help="Release directory to create (written atomically; a non-empty folder is refused).")
+    p.add_argument("--overwrite", action="store_true",
+                   help="Replace a release this command wrote before (never another kind of directory).")
 
     p = _add(
         sub,

@@ -5,20 +5,27 @@ Layout of one checkpoint::
     engine/             model, optimizer, LR scheduler (DeepSpeed: ZeRO partitions of every rank)
     rng/rank-00000.pt   torch / numpy / python (/ cuda) RNG state of each rank (tensors + ints only)
     data/rank-00000.json  data position of each rank and its loader workers
-    trainer_state.json  step, tokens, samples, metrics, health/throughput state, model build args
+    trainer_state.json  step, tokens, samples, metrics, health/throughput state, model build args, and
+                        ``files``: the size and sha256 of every other file (written last)
     config.yaml         the resolved run config
     tokenizer/          copied from the corpus, so the checkpoint exports on its own
 
 Every rank writes into ``.tmp-step-NNNNNNNN/``; after a barrier rank 0 fsyncs the tree, renames it
-to its final name, fsyncs the parent, then writes ``latest`` (atomically) — so a complete name never
-holds a partial checkpoint, and ``latest`` never names a missing one. A crash leaves at most a
-``.tmp-*`` directory, ignored by ``find_resume`` and removed by the next save. Assumes a filesystem
-shared by all ranks (the usual cluster setup).
+to its final name (an existing one of the same step is swapped out in one atomic exchange), fsyncs the
+parent, then writes ``latest`` (atomically) — so a complete name never holds a partial checkpoint, and
+``latest`` never names a missing one. Old checkpoints are pruned by renaming to ``.trash-*`` first. A
+crash leaves at most ``.tmp-*`` / ``.trash-*`` directories, ignored by ``find_resume`` and removed by the
+next save. Assumes a filesystem shared by all ranks (the usual cluster setup).
+
+``verify_checkpoint`` checks every file against ``trainer_state.json``; ``find_resume(.., "auto")``
+takes the newest checkpoint that verifies and warns about each newer one that does not, so a damaged
+newest checkpoint never turns a requeued job into a crash loop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -30,9 +37,13 @@ import numpy as np
 import torch
 
 from core.config import save_config
-from core.files import atomic_write_text
+from core.files import atomic_write_text, clean_trash, discard, replace_dir, sha256_file
+from pipelines.engine.safe_load import CheckpointError, safe_torch_load
 
-__all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints", "step_dir_name"]
+__all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
+           "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError"]
+
+log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 
@@ -94,8 +105,59 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``path/trainer_state.json`` as a dict; a clear error if it is missing, empty or not JSON."""
+    f = Path(path) / "trainer_state.json"
+    try:
+        state = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f} is missing: {path} is not a complete checkpoint. Use another checkpoint.") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{f} is empty or damaged ({exc}); the checkpoint cannot be used. Use another "
+                              f"checkpoint (run_dir/checkpoints/step-NNNNNNNN).") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} does not hold a JSON object; the checkpoint cannot be used. Use another checkpoint.")
+    return state
+
+
+def checkpoint_files(path: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file of a checkpoint but ``trainer_state.json`` (relative POSIX paths)."""
+    out = {}
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name != "trainer_state.json"):
+        out[f.relative_to(path).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    return out
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The trainer state of ``path`` once every file it lists has its recorded size and sha256; else CheckpointError.
+
+    Checkpoints written before checksums existed (no ``files`` entry) are accepted as they are.
+    """
+    path = Path(path)
+    state = read_trainer_state(path)
+    for rel, meta in (state.get("files") or {}).items():
+        f = path / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise CheckpointError(f"{path}/trainer_state.json lists {rel!r}, outside the checkpoint. Use another checkpoint.")
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete. Use another checkpoint.")
+        if f.is_symlink():
+            raise CheckpointError(f"{f} is a symlink; checkpoint files must be plain files. Use another checkpoint.")
+        size = f.stat().st_size
+        if size != meta.get("bytes"):
+            raise CheckpointError(f"{f} has {size} bytes, {meta.get('bytes')} were written: the file is truncated or "
+                                  f"changed. Use another checkpoint.")
+        if sha256_file(f) != meta.get("sha256"):
+            raise CheckpointError(f"{f} does not match its sha256 in trainer_state.json: the file is damaged or "
+                                  f"changed. Use another checkpoint.")
+    return state
+
+
 def find_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint ``train.resume`` asks for: ``never`` -> None, ``auto`` -> newest complete, else that path."""
+    """The checkpoint ``train.resume`` asks for: ``never`` -> None, ``auto`` -> newest that verifies, else that path.
+
+    ``auto`` logs a warning naming each newer checkpoint that fails verification; a named path must verify.
+    """
     if resume == "never":
         return None
     if resume != "auto":
@@ -105,14 +167,25 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
 
             raise ConfigError(f"train.resume={resume} is not a complete checkpoint (no trainer_state.json). Point it at a "
                               f"run_dir/checkpoints/step-NNNNNNNN directory, or use auto / never.")
+        verify_checkpoint(path)
         return path
-    latest = Path(run_dir) / "checkpoints" / "latest"
-    if latest.is_file():
-        named = latest.parent / latest.read_text(encoding="utf-8").strip()
-        if (named / "trainer_state.json").is_file():
-            return named
-    found = list_checkpoints(run_dir)  # `latest` lost or stale: fall back to a scan
-    return found[-1] if found else None
+    ck = Path(run_dir) / "checkpoints"
+    candidates = list(reversed(list_checkpoints(run_dir)))
+    latest = ck / "latest"
+    if latest.is_file():  # the pointer first (it names the newest completed save), then the rest, newest first
+        named = ck / latest.read_text(encoding="utf-8").strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for path in candidates:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("Skipping checkpoint %s for resume: %s", path, exc)
+            print(f"warning: skipping damaged checkpoint {path}: {exc}", flush=True)
+            continue
+        return path
+    return None
 
 
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, trainer_state: dict[str, Any],
@@ -126,37 +199,50 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
         ck.mkdir(parents=True, exist_ok=True)
         for stale in ck.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        clean_trash(ck)
         tmp.mkdir()
     engine.barrier()
-    engine.save(tmp)
-    (tmp / "rng").mkdir(exist_ok=True)
-    (tmp / "data").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
-    atomic_write_text(tmp / "data" / f"rank-{rank:05d}.json", json.dumps(data_state, indent=1))
+    try:
+        engine.save(tmp)
+        (tmp / "rng").mkdir(exist_ok=True)
+        (tmp / "data").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
+        atomic_write_text(tmp / "data" / f"rank-{rank:05d}.json", json.dumps(data_state, indent=1))
+        if rank == 0:
+            save_config(cfg, tmp / "config.yaml")
+            if tokenizer_dir is not None and tokenizer_dir.is_dir():
+                shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        engine.barrier()
+        if rank == 0:
+            state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now
+            atomic_write_text(tmp / "trainer_state.json", json.dumps(state, indent=1, default=float))
+            _fsync_tree(tmp)
+    except (OSError, RuntimeError) as exc:  # disk full (torch.save says RuntimeError), quota, I/O error
+        shutil.rmtree(tmp, ignore_errors=True)  # drop the partial copy, keep every complete one
+        kept = find_resume(run_dir, "auto")
+        free = shutil.disk_usage(ck).free
+        reason = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(
+            f"Writing checkpoint {final} failed ({type(exc).__name__}: {reason}; {free} bytes free there). The partial copy was removed; "
+            f"{kept if kept else 'no earlier checkpoint'} is the newest complete checkpoint and was not touched. "
+            f"Free space under {ck} (or lower train.keep_last) and resume with train.resume=auto."
+        ) from None
     if rank == 0:
-        save_config(cfg, tmp / "config.yaml")
-        if tokenizer_dir is not None and tokenizer_dir.is_dir():
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        atomic_write_text(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, default=float))
-    engine.barrier()
-    if rank == 0:
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. signal right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # re-saving a step (signal right after a periodic save): one atomic swap
         _fsync_dir(ck)
         atomic_write_text(ck / "latest", final.name + "\n")
-        for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        older = [p for p in list_checkpoints(run_dir) if p.name < final.name]
+        for old in older[: max(0, len(older) - (keep_last - 1))] if keep_last > 0 else []:
+            discard(old)
     engine.barrier()
     return final
 
 
 def load_rank_state(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """(trainer_state, this rank's RNG state or None, this rank's data state or None)."""
-    state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    state = read_trainer_state(path)
     rng_file = path / "rng" / f"rank-{rank:05d}.pt"
     data_file = path / "data" / f"rank-{rank:05d}.json"
-    rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+    rng = safe_torch_load(rng_file) if rng_file.is_file() else None
     data = json.loads(data_file.read_text(encoding="utf-8")) if data_file.is_file() else None
     return state, rng, data

@@ -117,7 +117,9 @@ class TrainConfig:
     eval_batches: int = option(20, help="Batches per evaluation (0 = the whole split).")
     checkpoint_every: int = option(0, help="Checkpoint every N steps (0 = only at the end and on signals).")
     keep_last: int = option(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
-    resume: str = option("auto", help="auto (newest complete checkpoint in run_dir), never, or a checkpoint path.")
+    resume: str = option("auto", help="auto (newest checkpoint in run_dir that verifies), never, or a checkpoint path.")
+    overwrite: bool = option(False, help="With resume=never in a run dir that has checkpoints: delete them and start "
+                                         "over (refused otherwise).")
     log_every: int = option(10, help="Log metrics every N steps.")
 
     def __post_init__(self) -> None:
@@ -154,6 +156,8 @@ class LoggingConfig:
     wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
     mlflow: bool = option(False, help="Log to MLflow through accelerate.")
     prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
+    prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
+                                                    "0.0.0.0 = every interface (anyone who can reach the node).")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")

@@ -77,7 +77,9 @@ class Engine:
             torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
 
     def _load_scheduler(self, path: Path) -> None:
-        self.scheduler.load_state_dict(torch.load(path / "engine" / "lr_scheduler.pt", weights_only=True))
+        from pipelines.engine.safe_load import safe_torch_load
+
+        self.scheduler.load_state_dict(safe_torch_load(path / "engine" / "lr_scheduler.pt"))
 
     # -- engine-specific
     def backward(self, loss: torch.Tensor) -> None:
@@ -168,12 +170,15 @@ class DDPEngine(Engine):
         self._save_scheduler(path)
 
     def load(self, path: Path) -> None:
+        """Every file goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
+        from pipelines.engine.safe_load import safe_torch_load
+
         e = path / "engine"
         where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
-        self.module.load_state_dict(torch.load(e / "model.pt", map_location=where, weights_only=True))
-        self.optimizer.load_state_dict(torch.load(e / "optimizer.pt", map_location=where, weights_only=True))
+        self.module.load_state_dict(safe_torch_load(e / "model.pt", map_location=where))
+        self.optimizer.load_state_dict(safe_torch_load(e / "optimizer.pt", map_location=where))
         if self.scaler is not None and (e / "grad_scaler.pt").is_file():
-            self.scaler.load_state_dict(torch.load(e / "grad_scaler.pt", weights_only=True))
+            self.scaler.load_state_dict(safe_torch_load(e / "grad_scaler.pt"))
         self._load_scheduler(path)
 
 
@@ -229,9 +234,14 @@ class DeepSpeedEngine(Engine):
         self._save_scheduler(path)
 
     def load(self, path: Path) -> None:
-        loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True, load_lr_scheduler_states=False)
+        """DeepSpeed's own loaders run under ``weights_only_loads`` (no pickle of arbitrary objects)."""
+        from pipelines.engine.safe_load import CheckpointError, weights_only_loads
+
+        with weights_only_loads():
+            loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False)
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed found no engine state under {path / 'engine'}; the checkpoint is incomplete.")
+            raise CheckpointError(f"DeepSpeed found no engine state under {path / 'engine'}; the checkpoint is incomplete.")
         self._load_scheduler(path)
 
 

@@ -6,6 +6,12 @@ ZeRO partitions of any stage are consolidated into one fp32 state dict (DeepSpee
 ``models.hf.to_hf`` and saved as ``model.safetensors`` + ``config.json``, with the tokenizer files
 (or, for ViT, a ``preprocessor_config.json``) and a model card ``README.md``. The directory is
 written under a temporary name and renamed when complete.
+
+Safety: the checkpoint is verified against the sizes and sha256s in its ``trainer_state.json`` and
+every file is loaded with ``weights_only=True`` (``safe_load``), DeepSpeed's consolidation included.
+The destination must be new, empty, or a release we wrote (``.pretrain-output.json``), which is
+replaced only with ``overwrite`` and only once the new one is complete; a destination inside the
+checkpoint's run directory (or containing it) is refused.
 """
 
 from __future__ import annotations
@@ -13,51 +19,53 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from core.config import ConfigError
-from core.files import atomic_write_text
+from core.files import MARKER, atomic_write_text, check_output_dir, replace_dir
 
 __all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release", "tokenizer_special_ids"]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint dir, or a run dir (its ``checkpoints/latest``)."""
+    """A checkpoint dir, or a run dir (its ``checkpoints/latest``; a damaged one is reported, not skipped)."""
     p = Path(path)
     if (p / "trainer_state.json").is_file():
         return p
-    from pipelines.engine.checkpoint import find_resume
+    from pipelines.engine.checkpoint import list_checkpoints
 
-    found = find_resume(p, "auto") if (p / "checkpoints").is_dir() else None
+    found = list_checkpoints(p)  # the newest (as `latest` names it); verified by the caller, never skipped
+    latest = p / "checkpoints" / "latest"
+    named = p / "checkpoints" / latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
+    found = named if named in found else (found[-1] if found else None)
     if found is None:
         raise ConfigError(f"{p} is neither a checkpoint (no trainer_state.json) nor a run directory with complete checkpoints. "
                           f"Pass run_dir/checkpoints/step-NNNNNNNN.")
     return found
 
 
-def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it."""
+def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
+    """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it (verified, weights only)."""
+    from pipelines.engine.checkpoint import verify_checkpoint
+    from pipelines.engine.safe_load import safe_torch_load, weights_only_loads
+
+    state = verify_checkpoint(ckpt)
     engine = ckpt / "engine"
     if (engine / "model.pt").is_file():  # DDP engine
-        sd = torch.load(engine / "model.pt", map_location="cpu", weights_only=True)
+        sd = safe_torch_load(engine / "model.pt", map_location="cpu")
         return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
-    if list(engine.glob("*zero_pp_rank_*optim_states.pt")) and not _stage0(engine):
+    if list(engine.glob("*zero_pp_rank_*optim_states.pt")) and state.get("zero_stage") != 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
+        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
     files = sorted(engine.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ConfigError(f"{engine} holds no model states; the checkpoint is incomplete. Export another checkpoint.")
-    states = torch.load(files[0], map_location="cpu", weights_only=True)  # ZeRO-0: the full module, replicated
+    states = safe_torch_load(files[0], map_location="cpu")  # ZeRO-0: the full module, replicated
     return {k: v.float() for k, v in states["module"].items()}
-
-
-def _stage0(engine: Path) -> bool:
-    state = json.loads((engine.parent / "trainer_state.json").read_text(encoding="utf-8"))
-    return state.get("zero_stage") == 0
 
 
 def _model_card(state: dict[str, Any], ckpt: Path, arch: str) -> str:
@@ -100,12 +108,30 @@ model = AutoModel.from_pretrained("{'{'}this directory{'}'}")
 """
 
 
-def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Consolidate ``checkpoint_dir`` (or a run dir's latest) into a release dir at ``out_dir``; returns it."""
+def _refuse_overlap(ckpt: Path, out: Path) -> None:
+    """The release may not be (or contain, or sit inside) the checkpoint's run directory."""
+    run_dir = ckpt.resolve().parent.parent if ckpt.resolve().parent.name == "checkpoints" else ckpt.resolve()
+    dest = out.resolve()
+    if dest == run_dir or run_dir.is_relative_to(dest) or dest.is_relative_to(run_dir):
+        raise ConfigError(f"Export destination {out} overlaps the run directory {run_dir} of checkpoint {ckpt}; "
+                          f"writing there could replace the checkpoints. Choose a destination outside the run directory.")
+
+
+def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                      inside_run_dir: bool = False) -> Path:
+    """Consolidate ``checkpoint_dir`` (or a run dir's latest) into a release dir at ``out_dir``; returns it.
+
+    ``overwrite``: replace a release we wrote there before. ``inside_run_dir``: the caller writes into its
+    own run directory (fine-tuning's ``base-release``), not the checkpoint's.
+    """
     import models
+    from pipelines.engine.checkpoint import verify_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint_dir)
-    state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+    if not inside_run_dir:
+        _refuse_overlap(ckpt, Path(out_dir))
+    check_output_dir(out_dir, "release", what="Export destination", overwrite=overwrite)
+    state = verify_checkpoint(ckpt)
     build = state.get("model_build") or {}
     if not build.get("name"):
         raise ConfigError(f"{ckpt}/trainer_state.json has no model_build entry; it was not written by pipelines.engine.trainer.")
@@ -129,7 +155,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 
         extra["preprocessor_config.json"] = json.dumps(ImageClsTask.eval_processor_config(model.config.image_size), indent=2)
     card = _model_card(state, ckpt, type(hf).__name__)
-    return write_release(hf, out_dir, tokenizer_dir=ckpt / "tokenizer", card=card, extra_files=extra)
+    return write_release(hf, out_dir, tokenizer_dir=ckpt / "tokenizer", card=card, extra_files=extra, overwrite=overwrite)
 
 
 #: Files a tokenizer directory may hold; copied into releases (never a model's own weights/config).
@@ -151,40 +177,44 @@ def tokenizer_special_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int | N
 
 
 def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
-                  card: str = "", extra_files: dict[str, str] | None = None) -> Path:
+                  card: str = "", extra_files: dict[str, str] | None = None, overwrite: bool = True) -> Path:
     """Save a transformers model + tokenizer files + model card as ``out_dir``, atomically.
 
-    Everything is written into a temporary sibling directory, fsynced, then renamed over ``out_dir``
-    (an existing release is replaced only once the new one is complete). The config and generation
-    config take every special-token id from the tokenizer copied with it.
+    Everything is written into a fresh temporary sibling directory (with the ``release`` marker),
+    fsynced, then swapped in: an existing release we wrote is replaced (if ``overwrite``) only once the
+    new one is complete; any other non-empty ``out_dir`` is refused before anything is written. The
+    config and generation config take every special-token id from the tokenizer copied with it.
     """
     import models
 
     out = Path(out_dir)
+    check_output_dir(out, "release", what="Release directory", overwrite=overwrite)
     ids = tokenizer_special_ids(tokenizer_dir) if tokenizer_dir is not None and Path(tokenizer_dir).is_dir() else None
     if ids is not None:
         models.hf.set_special_ids(hf, ids)
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     hf.save_pretrained(str(tmp), safe_serialization=True)
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
         for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and not src.is_symlink():
+                shutil.copyfile(src, tmp / name)
     for name, text in (extra_files or {}).items():
         atomic_write_text(tmp / name, text)
     if card:
         atomic_write_text(tmp / "README.md", card)
+    atomic_write_text(tmp / MARKER, json.dumps({"kind": "release"}) + "\n")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    if out.exists():
-        old = out.parent / f".old-{out.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    os.chmod(tmp, 0o755 & ~_umask())  # mkdtemp makes 0700; releases are meant to be shared
+    check_output_dir(out, "release", what="Release directory", overwrite=overwrite)  # still ours (or gone)?
+    replace_dir(tmp, out)
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -133,10 +133,12 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
         return path
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
         from pipelines.engine.export import export_checkpoint
+        from pipelines.engine.trainer import claim_run_dir
 
         target = run_dir / "base-release"
         if env.rank == 0:
-            export_checkpoint(path, target)
+            claim_run_dir(run_dir)  # refuses a user's folder before anything is written into it
+            export_checkpoint(path, target, overwrite=True, inside_run_dir=True)
         dist.barrier_if_initialized()
         return target
     raise FinetuneError(

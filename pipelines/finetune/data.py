@@ -3,6 +3,8 @@
 Bad examples (missing field, empty text, unknown label, a line that is not JSON) are counted with
 their file and line and skipped; reading fails with a clear message when their share exceeds
 ``max_bad_share`` (default 1 %), because then the file or the column names are probably wrong.
+A file that is not UTF-8, and a label set with case/whitespace variants of one label (``Pos`` next
+to ``pos``), are refused with the line to fix; a label seen once among common ones is reported.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ReadReport:
     total: int = 0
     bad: Counter = field(default_factory=Counter)
     first_bad: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def add_bad(self, rule: str, where: str) -> None:
         self.bad[rule] += 1
@@ -43,10 +46,11 @@ class ReadReport:
         return sum(self.bad.values()) / max(1, self.total)
 
     def summary(self) -> str:
+        notes = "".join(f"\nwarning: {w}" for w in self.warnings)
         if not self.bad:
-            return f"{self.path}: {self.total} examples, none skipped"
+            return f"{self.path}: {self.total} examples, none skipped{notes}"
         parts = ", ".join(f"{n} {rule} (first at {self.first_bad[rule]})" for rule, n in self.bad.items())
-        return f"{self.path}: {self.total} examples, skipped {sum(self.bad.values())}: {parts}"
+        return f"{self.path}: {self.total} examples, skipped {sum(self.bad.values())}: {parts}{notes}"
 
 
 def _rows(path: Path, report: ReadReport):
@@ -96,7 +100,14 @@ def read_examples(
     report = ReadReport(str(path))
     raw: list[tuple[str, str | None, Any, str]] = []
     columns = [text_column, label_column] + ([text_pair_column] if text_pair_column else [])
-    for lineno, row in _rows(path, report):
+    try:
+        rows = list(_rows(path, report))
+    except UnicodeDecodeError:
+        raise FinetuneError(
+            f"{path} is not UTF-8 text (first bad byte on line {_first_non_utf8_line(path)}). Re-save it as UTF-8, "
+            f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`."
+        ) from None
+    for lineno, row in rows:
         where = f"{path}:{lineno}"
         if any(row.get(col) is None for col in columns):
             report.add_bad("missing field", where)
@@ -117,6 +128,7 @@ def read_examples(
         label_names = label_names or ["score"]
     elif label_names is None:
         label_names = sorted({str(label) for *_, label, _ in raw})
+        report.warnings.extend(check_label_set(path, [(str(label), where) for *_, label, where in raw]))
     index = {name: i for i, name in enumerate(label_names)}
 
     examples: list[Example] = []
@@ -142,6 +154,45 @@ def read_examples(
     if not examples:
         raise FinetuneError(f"{path}: no usable example. Check the file and the column names in the config.")
     return examples, label_names, report
+
+
+def _first_non_utf8_line(path: Path) -> int:
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return 0
+
+
+def check_label_set(path: Path, labels: list[tuple[str, str]]) -> list[str]:
+    """Refuse labels that differ only in case or surrounding spaces; warn about a label seen once among common ones.
+
+    ``labels``: (label, "file:line") per example. Returns the warnings.
+    """
+    counts = Counter(label for label, _ in labels)
+    first = {}
+    for label, where in labels:
+        first.setdefault(label, where)
+    groups: dict[str, list[str]] = {}
+    for label in counts:
+        groups.setdefault(label.strip().casefold(), []).append(label)
+    clashes = [sorted(v) for v in groups.values() if len(v) > 1]
+    if clashes:
+        shown = "; ".join(", ".join(f"{v!r} ({counts[v]}x, first at {first[v]})" for v in group) for group in clashes)
+        raise FinetuneError(
+            f"{path}: labels that differ only in case or spaces would become separate classes: {shown}. "
+            f"Make each label spelled one way in the file."
+        )
+    warnings = []
+    if len(counts) > 2:
+        for label, n in counts.items():
+            others = sorted(c for lab, c in counts.items() if lab != label)
+            if n == 1 and others[len(others) // 2] >= 20:
+                warnings.append(f"label {label!r} appears once ({first[label]}) while the others appear "
+                                f"{others[0]}+ times: a typo? It becomes a class of its own.")
+    return warnings
 
 
 def encode_examples(examples: list[Example], tokenizer: Any, max_seq_len: int) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ micro-batch carries a corrupt sample, a NaN feature, so its forward and backward
 ``nan_grad_at`` (same form: a finite loss whose backward gives NaN gradients),
 ``nan_policy``, ``max_consecutive_nan``, ``data_delay_s`` (sleep per batch in the loader),
 ``slow_rank`` / ``slow_forward_s`` (sleep in that rank's forward), ``skew_every``, ``log_every``,
-``checkpoint_every``, ``starvation_share``, ``precision``. With shuffling off, rank r's micro-batch b holds items ``r + world*(b*mb + k)``,
+``checkpoint_every``, ``starvation_share``, ``precision``, ``resume``, ``overwrite``. With shuffling off, rank r's micro-batch b holds items ``r + world*(b*mb + k)``,
 which is how a NaN is placed on an exact rank, step and micro-batch.
 """
 
@@ -137,6 +137,7 @@ def build_config(spec: dict[str, Any]) -> RunConfig:
     t.run_dir, t.max_steps = str(spec["run_dir"]), spec.get("steps", 12)
     t.grad_accum_steps, t.log_every = spec.get("grad_accum", 1), spec.get("log_every", 1)
     t.checkpoint_every, t.eval_every, t.resume = spec.get("checkpoint_every", 0), 0, spec.get("resume", "never")
+    t.overwrite = spec.get("overwrite", False)
     cfg.data.micro_batch_size = spec.get("micro_batch", 4)
     d.engine, d.zero_stage = spec.get("engine", "ddp"), spec.get("zero_stage", 0 if spec.get("engine", "ddp") == "ddp" else 2)
     cfg.optim.lr, cfg.schedule.warmup_steps = 1e-2, 0

@@ -163,3 +163,21 @@ def test_cli_misspelt_key_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Did you mean `train.max_steps`?" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "where"),
+    [("optim.lr=.inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"), ("optim.lr=-inf", "optim.lr"),
+     ("optim.betas=[0.9, .nan]", "optim.betas[1]"), ("model.overrides={hidden_dropout_prob: .inf}", "model.overrides.hidden_dropout_prob")],
+)
+def test_non_finite_numbers_are_refused(override, where):
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, [override])
+    assert f"`{where}`" in str(err.value) and "finite" in str(err.value)
+
+
+def test_non_finite_number_in_yaml_exits_2_without_traceback(tmp_path):
+    cfg = write(tmp_path / "run.yaml", "extends: " + str(REPO / "configs/train/bert_tiny_cpu.yaml") + "\noptim:\n  lr: .nan\n")
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(cfg)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "`optim.lr` is nan" in proc.stderr and "finite" in proc.stderr
