@@ -43,8 +43,8 @@ def test_manifest_refusals_name_the_file(tmp_path, uneven):
     raw = json.loads((uneven / "manifest.json").read_text())
     bad = tmp_path / "bad"
     shutil.copytree(uneven, bad)
-    (bad / "manifest.json").write_text(json.dumps({**raw, "schema_version": "2.0"}))
-    with pytest.raises(DataError, match=r"manifest.json has schema_version '2.0'"):
+    (bad / "manifest.json").write_text(json.dumps({**raw, "schema_version": "3.0"}))
+    with pytest.raises(DataError, match=r"manifest.json has schema_version '3.0'"):
         load_manifest(bad)
     (bad / "manifest.json").write_text(json.dumps(raw))
     (bad / "tokenizer/tokenizer.json").write_text((bad / "tokenizer/tokenizer.json").read_text().replace("river", "rivers"))
@@ -110,13 +110,8 @@ def test_pipe_urls_stream_like_local_files(tmp_path, uneven):
     m = load_manifest(uneven)
     t = _task(m)
     local = _keys(_src(m, t), 6)
-    raw = json.loads((uneven / "manifest.json").read_text())
-    for s in raw["splits"]["train"]["shards"]:
-        s["url"] = f"pipe:cat {uneven / s['name']}"
-    piped = tmp_path / "piped"
-    shutil.copytree(uneven, piped)
-    (piped / "manifest.json").write_text(json.dumps(raw))
-    m2 = load_manifest(piped)
+    m2 = load_manifest(uneven, url_prefix=f"pipe:cat {uneven}/")  # the user's own data.url_prefix
+    assert m2.url(m2.splits["train"][0]) == f"pipe:cat {uneven}/train-000000.tar"
     assert _keys(_src(m2, _task(m2)), 6) == local
 
 
@@ -124,12 +119,14 @@ def test_bad_samples_are_replaced_counted_or_fail(tmp_path, uneven):
     m = load_manifest(uneven)
     shard = uneven / "train-000002.tar"
     data_bytes = shard.read_bytes()
-    shard.write_bytes(data_bytes[: len(data_bytes) // 2])  # truncated shard
+    shard.write_bytes(data_bytes[:1500])  # truncated inside its (only) record
     t = _task(m)
-    batches = list(_src(m, t, buf=64).batches(limit=10))  # all of epoch 0 of one rank: 43 // 4
+    batches = list(_src(m, t, buf=64, max_bad_share=1.0).batches(limit=10))  # all of epoch 0 of one rank: 43 // 4
     assert len(batches) == 10 and sum(b["num_bad"] for b in batches) > 0
     with pytest.raises(DataError, match="train-000002.tar"):
         list(_src(m, t, buf=64, on_bad_sample="fail").batches(limit=10))
+    with pytest.raises(DataError, match=r"max_bad_share=0.001.*train-000002.tar"):  # the default stops the run
+        list(_src(m, t, buf=64).batches(limit=10))
 
 
 def test_mlm_masking_80_10_10_is_keyed_not_global():
