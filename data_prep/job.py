@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import uuid
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import to_dict
-from core.corpus import SCHEMA_VERSION, write_manifest
+from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.errors import PrepError
@@ -35,8 +34,8 @@ from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
 
-FORMAT_VERSION = "1"  # bump when the bytes a config produces change, so stale shards are rebuilt
-_SHARD_FILE = re.compile(r"^(train|validation)-\d{6}\.tar$")
+FORMAT_VERSION = "2"  # bump when the bytes a config produces change, so stale shards are rebuilt
+_SHARD_FILE = SHARD_FILE_RE
 _SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
 _SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)
 _MAP_INPUT_BYTES = 128_000_000  # input bytes per map task at most (more tasks on big corpora)
@@ -284,7 +283,7 @@ def _clean_stale(out: Path, keep: set[str]) -> None:
     for p in out.iterdir():
         if p.name.startswith(".") and p.name.endswith(".tmp"):
             p.unlink(missing_ok=True)
-        elif _SHARD_FILE.match(p.name) and p.name not in keep:
+        elif _SHARD_FILE.match(p.name) and p.name.replace(".idx.npy", ".tar") not in keep:
             p.unlink(missing_ok=True)
             (out / STATE_DIR / f"{p.name}.json").unlink(missing_ok=True)
 
@@ -337,7 +336,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     for rec in sorted(records, key=lambda r: r["name"]):
         split = rec["name"].split("-")[0]
         entry = splits.setdefault(split, {"shards": [], "samples": 0, "tokens": 0})
-        entry["shards"].append({k: rec[k] for k in ("name", "samples", "tokens", "bytes", "sha256")})
+        entry["shards"].append({k: rec[k] for k in ("name", "samples", "tokens", "bytes", "sha256", "index")})
         entry["samples"] += rec["samples"]
         entry["tokens"] += rec["tokens"]
     _clean_stale(out, keep={rec["name"] for rec in records})

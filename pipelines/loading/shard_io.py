@@ -110,6 +110,8 @@ class ShardReader:
                 got = self._read_pipe(s, url, skip, want)
             else:
                 got = self._read_local(s, url, skip, want)
+        except DataError:
+            raise
         except UnsafeMember as exc:
             raise DataError(f"Shard {url} of {self.m.path} holds an unsafe tar member: {exc}. Links are never followed; "
                             f"the shard is damaged or crafted. Remove it or re-run `pretrain prepare`.") from None
