@@ -193,3 +193,15 @@ def test_map_style_source_balances_and_seeks():
     c = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1)
     c.load_state_dict(b.state_dict())
     assert head + [x["x"] for x in c.batches(limit=3)] == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_format_1_corpora_still_train_with_a_warning(tmp_path, caplog, workers):
+    v2 = load_manifest(cf.make_bert_corpus(tmp_path / "v2", train_sizes=(25, 11, 7), val_sizes=(8,)))
+    v1 = load_manifest(cf.make_bert_corpus(tmp_path / "v1", train_sizes=(25, 11, 7), val_sizes=(8,), version=1))
+    assert "corpus format 1.0, which is deprecated" in caplog.text and v1.version == (1, 0) and v2.version == (2, 0)
+    got = [_src(m, _task(m), workers=workers).batches(limit=12) for m in (v1, v2)]
+    for b1, b2 in zip(*got, strict=True):  # same samples at the same positions (masks are keyed, keys differ)
+        unmasked = [np.where(b["labels"].numpy() != -100, b["labels"].numpy(), b["input_ids"].numpy()) for b in (b1, b2)]
+        assert np.array_equal(*unmasked)
+        assert np.array_equal(b1["next_sentence_label"].numpy(), b2["next_sentence_label"].numpy())
