@@ -227,13 +227,17 @@ def _near_dups(cfg: PrepConfig, entries, ctx, workers: int) -> frozenset[str]:
     return frozenset(r["hash"] for r in out)
 
 
-def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats) -> list[dict[str, Any]]:
+def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats,
+                       stage_s: dict[str, float], task_s: dict[str, float]) -> list[dict[str, Any]]:
     """Map tasks (read, clean, tokenize, route) -> reduce tasks (dedup, build, write shards).
 
     Shards are dealt round-robin to `groups` reduce tasks; every map task returns one table per
-    group, so each reduce task receives exactly its documents. Returns the non-empty shard records.
+    group, so each reduce task receives exactly its documents. Returns the non-empty shard records;
+    fills `stage_s` (driver wall time per phase) and `task_s` (summed task time per step).
     """
     import ray
+
+    t0 = time.perf_counter()
 
     from data_prep import stages
 
@@ -247,7 +251,11 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: i
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
     for refs in mapped:
-        stats.merge(Stats.from_dict(ray.get(refs[0])))
+        part = ray.get(refs[0])
+        _add_seconds(task_s, part.pop("seconds", {}))
+        stats.merge(Stats.from_dict(part))
+    stage_s["map: read, clean, tokenize, route"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
 
     reducer = ray.remote(num_cpus=1)(stages.reduce_group)
     calls = [(ctx_ref, names[g::groups], *[refs[g + 1] for refs in mapped]) for g in range(groups)]
@@ -261,10 +269,17 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: i
     records = []
     for ref in done:
         for rec in ray.get(ref):
+            _add_seconds(task_s, rec.pop("seconds", {}))
             stats.merge(Stats.from_dict(rec["stats"]))
             if rec.get("samples"):
                 records.append(rec)
+    stage_s["reduce: shuffle, build, write"] = time.perf_counter() - t0
     return records
+
+
+def _add_seconds(total: dict[str, float], part: dict[str, float]) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0.0) + float(v)
 
 
 def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
@@ -313,19 +328,25 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     ctx = _base_ctx(cfg)
     _clean_stale(out, keep={p.name for p in out.glob("*.tar")})  # temp files only
     stats = Stats()
+    stage_s: dict[str, float] = {"list inputs, start Ray": time.time() - t0}
+    task_s: dict[str, float] = {}
     tok_info: dict[str, Any] | None = None
     out_per_in = 1.0
+    t1 = time.perf_counter()
     if cfg.kind != "images":
         prepare = _reuse_tokenizer if cfg.tokenizer.path else _train_tokenizer
         tok_info, out_per_in = prepare(cfg, out, entries, ctx, workers)
+        stage_s["tokenizer: sample, " + ("size shards" if cfg.tokenizer.path else "train")] = time.perf_counter() - t1
     ctx["buckets"] = _plan_buckets(cfg, entries, out_per_in)
     ctx["fingerprint"] = hashlib.sha256(
         json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], ctx["buckets"], class_map], sort_keys=True).encode()
     ).hexdigest()
     if cfg.clean.near_dedup and cfg.kind != "images":
+        t1 = time.perf_counter()
         ctx["near_dups"] = _near_dups(cfg, entries, ctx, workers)
+        stage_s["near-dedup (MinHash)"] = time.perf_counter() - t1
 
-    records = _shuffle_and_write(cfg, ctx, entries, workers, stats)
+    records = _shuffle_and_write(cfg, ctx, entries, workers, stats, stage_s, task_s)
     _check_bad_share(stats, cfg, where=f"the sources {[p for s in cfg.sources for p in s.paths]}")
     if not records:
         raise PrepError(
@@ -352,7 +373,10 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
         "stats": stats.to_dict(),
     }
     write_manifest(out, manifest)
-    return _summary(cfg, manifest, stats, time.time() - t0)
+    summary = _summary(cfg, manifest, stats, time.time() - t0)
+    summary["stages_s"] = {k: round(v, 2) for k, v in stage_s.items()}
+    summary["task_s"] = {k: round(v, 2) for k, v in task_s.items()}
+    return summary
 
 
 def _summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall: float) -> dict[str, Any]:
@@ -396,6 +420,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if "tokens_kept_share" in s:
         rows.append(("tokens kept by packing", f"{s['tokens_kept_share']:.2%}"))
     rows += [("wall time", f"{s['wall_s']:.1f} s"), ("tokens/s", f"{s['tokens_per_s']:,.0f}")]
+    rows += [(f"  stage: {k}", f"{v:.1f} s") for k, v in s.get("stages_s", {}).items()]
+    rows += [(f"  in tasks: {k}", f"{v:.1f} s") for k, v in s.get("task_s", {}).items()]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])

@@ -146,14 +146,19 @@ def map_text(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
     pending: list[tuple[str, str]] = []
     pending_chars = 0
 
+    seconds = {"read_clean": 0.0, "tokenize": 0.0}
+
     def flush() -> None:
+        t0 = time.perf_counter()
         tokens, sents = tokenize_docs([t for _, t in pending], tok, dtype, ctx["kind"])
+        seconds["tokenize"] += time.perf_counter() - t0
         columns["hash"].extend(h for h, _ in pending)
         columns["shard"].extend(route(h, ctx) for h, _ in pending)
         columns["tokens"].extend(tokens)
         columns["sents"].extend(sents)
         pending.clear()
 
+    t_start = time.perf_counter()
     for h, text in _iter_clean_docs(files, ctx, stats):
         if h in near_dups:
             stats.add("removed.near_duplicate")
@@ -165,7 +170,8 @@ def map_text(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
             pending_chars = 0
     if pending:
         flush()
-    return [stats.to_dict(), *_by_group(columns, TEXT_SCHEMA, ctx)]
+    seconds["read_clean"] = time.perf_counter() - t_start - seconds["tokenize"]
+    return [{**stats.to_dict(), "seconds": seconds}, *_by_group(columns, TEXT_SCHEMA, ctx)]
 
 
 def map_images(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
@@ -282,10 +288,12 @@ def reduce_group(ctx: dict[str, Any], names: list[str], *parts: pa.Table) -> lis
     shard's documents are in hash order whatever map task they came from. Each finished shard
     is fsynced, renamed and recorded in a background thread while the next one is built.
     """
+    t0 = time.perf_counter()
     tables = [t for t in parts if t.num_rows]
     if not tables:
         return []
     table = pa.concat_tables(tables).sort_by([("shard", "ascending"), ("hash", "ascending")])
+    shuffle_s = time.perf_counter() - t0
     del tables, parts
     shard_col = table.column("shard").to_pylist()
     futures = []
@@ -295,7 +303,10 @@ def reduce_group(ctx: dict[str, Any], names: list[str], *parts: pa.Table) -> lis
             if end == len(shard_col) or shard_col[end] != shard_col[begin]:
                 futures.append(build_shard(shard_col[begin], table.slice(begin, end - begin), ctx, committer))
                 begin = end
-    return [f.result() for f in futures]
+        records = [f.result() for f in futures]
+    if records:  # per-task timing rides on the first record (the summary sums them; never in the manifest)
+        records[0] = {**records[0], "seconds": {"shuffle": shuffle_s, "build_write": time.perf_counter() - t0 - shuffle_s}}
+    return records
 
 
 def build_shard(name: str, group: pa.Table, ctx: dict[str, Any], committer: Executor) -> Future:

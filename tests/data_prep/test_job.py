@@ -23,7 +23,7 @@ import yaml
 from core.corpus import read_shard
 from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
 from data_prep.inspect_corpus import inspect_corpus
-from data_prep.job import run_prepare
+from data_prep.job import format_summary, run_prepare
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +85,9 @@ def test_bert_corpus_matches_manifest(bert_corpus):
     assert not keys_by_split["train"] & keys_by_split["validation"]  # no document in both splits
     assert abs(np.mean(labels) - 0.5) <= 0.03
     assert summary["samples"] == {s: i["samples"] for s, i in manifest["splits"].items()}
+    assert {"tokenizer: sample, train", "map: read, clean, tokenize, route", "reduce: shuffle, build, write"} <= set(summary["stages_s"])
+    assert summary["task_s"]["tokenize"] > 0 and summary["task_s"]["read_clean"] > 0 and summary["task_s"]["build_write"] > 0
+    assert "stage: map: read, clean, tokenize, route" in format_summary(summary)
     assert summary["removed"].get("exact_duplicate", 0) > 0  # real docs repeat boilerplate paragraphs
 
 
