@@ -1,11 +1,17 @@
 """The corpus format, written by ``data_prep`` and read by the training loader: one definition.
 
-A corpus directory holds ``manifest.json``, ``tokenizer/`` and WebDataset tar shards named
-``{split}-{index:06d}.tar``. A sample is the group of consecutive tar members that share a key
-(``KEY.EXT``), exactly as stock WebDataset groups them. The manifest (see docs/interfaces.md)
-records the schema version, the corpus kind, the tokenizer (path, sha256, vocab, special ids), the
-token dtype, the class map, and per split the shards with their sample/token counts, bytes and
-sha256. A reader refuses an unknown major schema version with a clear error.
+A corpus directory holds ``manifest.json``, ``tokenizer/``, WebDataset tar shards named
+``{split}-{index:06d}.tar`` and (format 2) their index sidecars ``{split}-{index:06d}.idx.npy``.
+The group of consecutive tar members that share a key (``KEY.EXT``, as stock WebDataset groups
+them) is a *record*: one sample in format 1 and for images, many token samples in format 2 (see
+``core.records``). The manifest (see docs/interfaces.md) records the schema version, the corpus
+kind, the tokenizer (path, sha256, vocab, special ids), the token dtype, the class map, and per
+split the shards with their sample/token counts, bytes, sha256 and index. A reader refuses an
+unknown major schema version, and reads 1.x with a deprecation warning.
+
+Trust: a manifest is data, possibly someone else's. Its shard, index and tokenizer paths must be
+relative and stay inside the corpus (no absolute paths, ``..`` or symlinks pointing out), and it
+may not name URLs: ``pipe:`` commands come only from the user's own ``data.url_prefix``.
 
 Torch-free: the writer side (Ray tasks) and ``pretrain inspect`` import it cheaply.
 """
@@ -13,8 +19,10 @@ Torch-free: the writer side (Ray tasks) and ``pretrain inspect`` import it cheap
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shlex
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +31,7 @@ from typing import IO, Any
 
 from core.config import ConfigError
 from core.files import atomic_write_text, sha256_file
+from core.records import UnsafeMember, expand_record, index_name, split_member_name
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -33,6 +42,8 @@ __all__ = [
     "ShardInfo",
     "Manifest",
     "shard_name",
+    "index_name",
+    "safe_path",
     "split_member_name",
     "iter_tar_samples",
     "read_shard",
@@ -43,11 +54,13 @@ __all__ = [
     "verify_shards",
 ]
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+READABLE_MAJORS = (1, 2)  # 1.x: one sample per record, no index (deprecated, still trains)
 KINDS = ("bert_pairs", "packed_lm", "images")
-SHARD_FILE_RE = re.compile(r"^(train|validation)-\d{6}\.tar$")
-_MEMBER_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset: key = path up to the first dot of the basename
+SHARD_FILE_RE = re.compile(r"^(train|validation)-\d{6}\.(tar|idx\.npy)$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+log = logging.getLogger(__name__)
 
 
 class DataError(ConfigError):
@@ -58,16 +71,35 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:06d}.tar"
 
 
-def split_member_name(name: str) -> tuple[str, str] | None:
-    """``(key, extension)`` of a tar member name as WebDataset splits it, or None if it has no extension."""
-    match = _MEMBER_RE.match(name)
-    return (match.group(1), match.group(2)) if match else None
+def safe_path(root: Path, name: str, what: str, manifest: Path) -> Path:
+    """``root/name`` for a path read from a manifest, refused unless it is relative and stays inside ``root``."""
+    parts = Path(name).parts
+    if (not name or not _SAFE_NAME.match(name) or Path(name).is_absolute() or ".." in parts):
+        raise DataError(
+            f"{manifest} names {what} {name!r}: paths in a manifest must be relative to the corpus, without '..' "
+            f"(letters, digits, '_', '-', '.', '/'). The manifest is damaged or not from `pretrain prepare`; "
+            f"do not train on it, re-run `pretrain prepare`."
+        )
+    path = root / name
+    if os.path.lexists(path):
+        real, top = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, top]) != top:
+            raise DataError(
+                f"{path} (named as {what} in {manifest}) is a symlink to {real}, outside the corpus {top}. "
+                f"Copy the file into the corpus instead of linking it, or re-run `pretrain prepare`."
+            )
+    return path
 
 
 def iter_tar_samples(tar: tarfile.TarFile, skip: int = 0) -> Iterator[tuple[str, dict[str, bytes] | None]]:
-    """Yield ``(key, {ext: bytes})`` per sample in file order; the first ``skip`` samples are passed over unread (None)."""
+    """Yield ``(key, {ext: bytes})`` per record in file order; the first ``skip`` are passed over unread (None).
+
+    Symlink and hardlink members raise ``UnsafeMember`` (never followed, never skipped silently).
+    """
     key, parts, seen = None, {}, 0
     for member in tar:
+        if member.issym() or member.islnk():
+            raise UnsafeMember(f"member {member.name!r} is a link to {member.linkname!r}, not a regular file")
         if not member.isfile():
             continue
         parsed = split_member_name(member.name)
@@ -85,10 +117,11 @@ def iter_tar_samples(tar: tarfile.TarFile, skip: int = 0) -> Iterator[tuple[str,
 
 
 def read_shard(path: str | os.PathLike | IO[bytes]) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Every sample of a local shard in file order, members grouped by key (what WebDataset does)."""
+    """Every sample of a shard in file order as format-1 style ``(key, {ext: bytes})`` (format-2 token
+    records are expanded into their samples), what ``pretrain inspect`` and tests read."""
     with tarfile.open(path, mode="r:") if not hasattr(path, "read") else tarfile.open(fileobj=path, mode="r|") as tar:
         for key, parts in iter_tar_samples(tar):
-            yield key, parts or {}
+            yield from expand_record(key, parts or {})
 
 
 @dataclass
@@ -97,7 +130,7 @@ class ShardInfo:
     samples: int
     sha256: str = ""
     bytes: int = 0
-    url: str = ""  # optional `pipe:` or path override (object stores); default: corpus_dir/name
+    index: dict[str, Any] = field(default_factory=dict)  # format 2: {name, sha256, bytes, records}
 
 
 @dataclass
@@ -113,10 +146,16 @@ class Manifest:
     special_tokens: dict[str, int]
     class_map: dict[str, int]
     splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
+    version: tuple[int, int] = (SCHEMA_MAJOR, 0)
+    url_prefix: str = ""  # the user's own (config/CLI): `pipe:CMD ` or a directory; never from the manifest
+
+    @property
+    def path(self) -> Path:
+        return self.root / "manifest.json"
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.root / str(self.raw.get("tokenizer", {}).get("path", "tokenizer"))
+        return safe_path(self.root, str((self.raw.get("tokenizer") or {}).get("path", "tokenizer")), "the tokenizer path", self.path)
 
     def shards(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:
@@ -127,7 +166,13 @@ class Manifest:
         return self.splits[split]
 
     def url(self, shard: ShardInfo) -> str:
-        return shard.url or str(self.root / shard.name)
+        """Where to read ``shard``: the corpus directory, or ``data.url_prefix`` + name (``{name}`` is
+        replaced where present; in a ``pipe:`` command the name is shell-quoted)."""
+        prefix = self.url_prefix
+        if not prefix:
+            return str(self.root / shard.name)
+        name = shlex.quote(shard.name) if prefix.startswith("pipe:") else shard.name
+        return prefix.replace("{name}", name) if "{name}" in prefix else prefix + name
 
 
 def tokenizer_sha256(tok_dir: Path) -> str:
@@ -153,10 +198,10 @@ def read_manifest(corpus: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise DataError(f"{path} must hold a JSON object, found {type(raw).__name__}. Re-run `pretrain prepare`.")
     version = str(raw.get("schema_version", ""))
-    if not version or version.split(".")[0] != str(SCHEMA_MAJOR):
+    if not version or version.split(".")[0] not in {str(v) for v in READABLE_MAJORS}:
         raise DataError(
-            f"{path} has schema_version {version!r}; this reader understands {SCHEMA_MAJOR}.x. "
-            f"Re-run `pretrain prepare` with this version of the code."
+            f"{path} has schema_version {version!r}; this reader understands "
+            f"{' and '.join(f'{v}.x' for v in READABLE_MAJORS)}. Re-run `pretrain prepare` with this version of the code."
         )
     return raw
 
@@ -166,11 +211,17 @@ def write_manifest(corpus: str | os.PathLike, manifest: dict[str, Any]) -> None:
     atomic_write_text(Path(corpus) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenizer: bool = True) -> Manifest:
-    """Parse and validate ``CORPUS/manifest.json``; refuse an unknown schema, kind or tokenizer mismatch."""
+def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenizer: bool = True, url_prefix: str = "") -> Manifest:
+    """Parse and validate ``CORPUS/manifest.json``; refuse an unknown schema, kind, tokenizer mismatch,
+    paths leaving the corpus and URLs inside the manifest. ``url_prefix`` is the user's ``data.url_prefix``."""
     root = Path(corpus)
     path = root / "manifest.json"
     raw = read_manifest(corpus)
+    major, _, minor = str(raw["schema_version"]).partition(".")
+    version = (int(major), int(minor or 0) if (minor or "0").isdigit() else 0)
+    if version[0] < SCHEMA_MAJOR:
+        log.warning("%s is corpus format %s, which is deprecated: it trains, but its shards are much larger than "
+                    "format 2's and have no index (each is scanned once per loader worker). Re-run `pretrain prepare` to write format %s.", path, raw["schema_version"], SCHEMA_VERSION)
     if raw.get("kind") not in KINDS:
         raise DataError(f"{path}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}.")
     if kind is not None and raw["kind"] != kind:
@@ -188,12 +239,11 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
         vocab_size=int(tok.get("vocab_size") or 0),
         special_tokens={str(k): int(v) for k, v in (tok.get("special_tokens") or {}).items()},
         class_map={str(k): int(v) for k, v in (raw.get("class_map") or {}).items()},
+        version=version,
+        url_prefix=url_prefix,
     )
     for split, info in (raw.get("splits") or {}).items():
-        m.splits[split] = [
-            ShardInfo(str(s["name"]), int(s["samples"]), str(s.get("sha256", "")), int(s.get("bytes", 0)), str(s.get("url", "")))
-            for s in info.get("shards", [])
-        ]
+        m.splits[split] = [_shard_info(s, root, path, version[0]) for s in info.get("shards", [])]
     if m.kind != "images" and check_tokenizer:
         tdir = m.tokenizer_dir
         if not (tdir / "tokenizer.json").is_file():
@@ -207,18 +257,43 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
     return m
 
 
+def _shard_info(s: dict[str, Any], root: Path, path: Path, major: int) -> ShardInfo:
+    """One manifest shard entry, checked: no URL, a safe relative name, a safe index name (format 2)."""
+    name = str(s.get("name", ""))
+    if "url" in s:
+        raise DataError(
+            f"{path} gives shard {name!r} a url ({str(s['url'])[:80]!r}). A manifest may not name URLs or commands "
+            f"(a `pipe:` URL is a shell command); shards are read from the corpus directory. To stream them, remove "
+            f"the url fields and set data.url_prefix in your own config, e.g. data.url_prefix='pipe:cat /mnt/corpus/'."
+        )
+    safe_path(root, name, "shard", path)
+    index = dict(s.get("index") or {})
+    if major >= 2 and index:
+        safe_path(root, str(index.get("name", "")), f"the index of shard {name}", path)
+    return ShardInfo(name, int(s["samples"]), str(s.get("sha256", "")), int(s.get("bytes", 0)), index)
+
+
 def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, rank: int = 0, world: int = 1) -> None:
-    """Fail before training if a shard is missing, or (on this rank's share) its sha256 differs."""
+    """Fail before training if a shard is missing, or (on this rank's share) its size or sha256 differs.
+
+    Streamed shards (``pipe:``) are verified while they are read instead (``pipelines.loading.shard_io``).
+    """
     for split in splits:
         for i, s in enumerate(m.shards(split)):
             url = m.url(s)
             if url.startswith("pipe:"):
-                continue  # remote: cannot be checked without reading it
+                continue  # hashed while streaming
             p = Path(url)
             if not p.is_file():
                 raise DataError(
                     f"Shard {p} listed in {m.root}/manifest.json (split {split}) is missing. "
                     f"Restore it or re-run `pretrain prepare`."
+                )
+            if checksums and s.bytes and p.stat().st_size != s.bytes:
+                raise DataError(
+                    f"Shard {p} has {p.stat().st_size} bytes but {m.root}/manifest.json records {s.bytes}: it is truncated "
+                    f"or was replaced. Re-copy it or re-run `pretrain prepare` (or set data.verify_checksums=false to "
+                    f"train anyway; data.max_bad_share then bounds the bad samples)."
                 )
             if checksums and s.sha256 and i % world == rank and sha256_file(p) != s.sha256:
                 raise DataError(

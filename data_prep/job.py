@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import uuid
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import to_dict
-from core.corpus import SCHEMA_VERSION, write_manifest
+from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.errors import PrepError
@@ -35,8 +34,8 @@ from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
 
-FORMAT_VERSION = "1"  # bump when the bytes a config produces change, so stale shards are rebuilt
-_SHARD_FILE = re.compile(r"^(train|validation)-\d{6}\.tar$")
+FORMAT_VERSION = "2"  # bump when the bytes a config produces change, so stale shards are rebuilt
+_SHARD_FILE = SHARD_FILE_RE
 _SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
 _SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)
 _MAP_INPUT_BYTES = 128_000_000  # input bytes per map task at most (more tasks on big corpora)
@@ -228,13 +227,17 @@ def _near_dups(cfg: PrepConfig, entries, ctx, workers: int) -> frozenset[str]:
     return frozenset(r["hash"] for r in out)
 
 
-def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats) -> list[dict[str, Any]]:
+def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats,
+                       stage_s: dict[str, float], task_s: dict[str, float]) -> list[dict[str, Any]]:
     """Map tasks (read, clean, tokenize, route) -> reduce tasks (dedup, build, write shards).
 
     Shards are dealt round-robin to `groups` reduce tasks; every map task returns one table per
-    group, so each reduce task receives exactly its documents. Returns the non-empty shard records.
+    group, so each reduce task receives exactly its documents. Returns the non-empty shard records;
+    fills `stage_s` (driver wall time per phase) and `task_s` (summed task time per step).
     """
     import ray
+
+    t0 = time.perf_counter()
 
     from data_prep import stages
 
@@ -248,7 +251,11 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: i
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
     for refs in mapped:
-        stats.merge(Stats.from_dict(ray.get(refs[0])))
+        part = ray.get(refs[0])
+        _add_seconds(task_s, part.pop("seconds", {}))
+        stats.merge(Stats.from_dict(part))
+    stage_s["map: read, clean, tokenize, route"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
 
     reducer = ray.remote(num_cpus=1)(stages.reduce_group)
     calls = [(ctx_ref, names[g::groups], *[refs[g + 1] for refs in mapped]) for g in range(groups)]
@@ -262,10 +269,17 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: i
     records = []
     for ref in done:
         for rec in ray.get(ref):
+            _add_seconds(task_s, rec.pop("seconds", {}))
             stats.merge(Stats.from_dict(rec["stats"]))
             if rec.get("samples"):
                 records.append(rec)
+    stage_s["reduce: shuffle, build, write"] = time.perf_counter() - t0
     return records
+
+
+def _add_seconds(total: dict[str, float], part: dict[str, float]) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0.0) + float(v)
 
 
 def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
@@ -284,7 +298,7 @@ def _clean_stale(out: Path, keep: set[str]) -> None:
     for p in out.iterdir():
         if p.name.startswith(".") and p.name.endswith(".tmp"):
             p.unlink(missing_ok=True)
-        elif _SHARD_FILE.match(p.name) and p.name not in keep:
+        elif _SHARD_FILE.match(p.name) and p.name.replace(".idx.npy", ".tar") not in keep:
             p.unlink(missing_ok=True)
             (out / STATE_DIR / f"{p.name}.json").unlink(missing_ok=True)
 
@@ -314,19 +328,25 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     ctx = _base_ctx(cfg)
     _clean_stale(out, keep={p.name for p in out.glob("*.tar")})  # temp files only
     stats = Stats()
+    stage_s: dict[str, float] = {"list inputs, start Ray": time.time() - t0}
+    task_s: dict[str, float] = {}
     tok_info: dict[str, Any] | None = None
     out_per_in = 1.0
+    t1 = time.perf_counter()
     if cfg.kind != "images":
         prepare = _reuse_tokenizer if cfg.tokenizer.path else _train_tokenizer
         tok_info, out_per_in = prepare(cfg, out, entries, ctx, workers)
+        stage_s["tokenizer: sample, " + ("size shards" if cfg.tokenizer.path else "train")] = time.perf_counter() - t1
     ctx["buckets"] = _plan_buckets(cfg, entries, out_per_in)
     ctx["fingerprint"] = hashlib.sha256(
         json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], ctx["buckets"], class_map], sort_keys=True).encode()
     ).hexdigest()
     if cfg.clean.near_dedup and cfg.kind != "images":
+        t1 = time.perf_counter()
         ctx["near_dups"] = _near_dups(cfg, entries, ctx, workers)
+        stage_s["near-dedup (MinHash)"] = time.perf_counter() - t1
 
-    records = _shuffle_and_write(cfg, ctx, entries, workers, stats)
+    records = _shuffle_and_write(cfg, ctx, entries, workers, stats, stage_s, task_s)
     _check_bad_share(stats, cfg, where=f"the sources {[p for s in cfg.sources for p in s.paths]}")
     if not records:
         raise PrepError(
@@ -337,7 +357,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     for rec in sorted(records, key=lambda r: r["name"]):
         split = rec["name"].split("-")[0]
         entry = splits.setdefault(split, {"shards": [], "samples": 0, "tokens": 0})
-        entry["shards"].append({k: rec[k] for k in ("name", "samples", "tokens", "bytes", "sha256")})
+        entry["shards"].append({k: rec[k] for k in ("name", "samples", "tokens", "bytes", "sha256", "index")})
         entry["samples"] += rec["samples"]
         entry["tokens"] += rec["tokens"]
     _clean_stale(out, keep={rec["name"] for rec in records})
@@ -353,7 +373,10 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
         "stats": stats.to_dict(),
     }
     write_manifest(out, manifest)
-    return _summary(cfg, manifest, stats, time.time() - t0)
+    summary = _summary(cfg, manifest, stats, time.time() - t0)
+    summary["stages_s"] = {k: round(v, 2) for k, v in stage_s.items()}
+    summary["task_s"] = {k: round(v, 2) for k, v in task_s.items()}
+    return summary
 
 
 def _summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall: float) -> dict[str, Any]:
@@ -397,6 +420,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if "tokens_kept_share" in s:
         rows.append(("tokens kept by packing", f"{s['tokens_kept_share']:.2%}"))
     rows += [("wall time", f"{s['wall_s']:.1f} s"), ("tokens/s", f"{s['tokens_per_s']:,.0f}")]
+    rows += [(f"  stage: {k}", f"{v:.1f} s") for k, v in s.get("stages_s", {}).items()]
+    rows += [(f"  in tasks: {k}", f"{v:.1f} s") for k, v in s.get("task_s", {}).items()]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])

@@ -1,10 +1,13 @@
-"""WebDataset shard writing and per-shard completion records (the format itself is ``core.corpus``).
+"""WebDataset shard writing and per-shard completion records (the format itself is ``core.corpus``
+and ``core.records``).
 
-Tar files are written byte-reproducibly (fixed mtime/owner/mode, members in sample order) to a
+Tar files are written byte-reproducibly (fixed mtime/owner/mode, members in record order) to a
 temporary name in the corpus directory and renamed when complete, so a crash never leaves a
-half-written file under a final name. Next to each finished shard a small record
-`.state/NAME.json` stores the shard's sha256 and the fingerprint of its inputs; a rerun skips a
-shard whose record fingerprint matches and whose bytes still hash to the recorded sha256.
+half-written file under a final name. The writer notes each record's byte range and first
+sample: that is the shard's index, written next to it as ``NAME.idx.npy`` (atomically, before the
+shard is renamed). Next to each finished shard a small record `.state/NAME.json` stores the
+shard's and the index's sha256 and the fingerprint of its inputs; a rerun skips a shard whose
+record fingerprint matches and whose bytes (and index) still hash to the recorded sha256.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from core.files import atomic_write_text, sha256_file
+from core.files import atomic_write_bytes, atomic_write_text, sha256_file
+from core.records import index_bytes, index_name
 
 __all__ = ["STATE_DIR", "write_shard", "write_shard_tmp", "commit_shard", "load_record", "save_record"]
 
@@ -58,23 +62,26 @@ def _member_header(name: str, size: int) -> bytes:
     return b"".join((raw, _TEMPLATE[len(raw) : 124], size_field, _TEMPLATE[136:148], b"%06o\0 " % chksum, _TEMPLATE[156:]))
 
 
-def write_shard(path: str | os.PathLike, samples: Iterable[tuple[str, dict[str, bytes]]]) -> dict[str, Any]:
-    """Write `(key, {ext: bytes})` samples as a tar at `path` atomically; return bytes/sha256/samples."""
-    tmp, info = write_shard_tmp(path, samples)
-    commit_shard(tmp, path)
+def write_shard(path: str | os.PathLike, records: Iterable[tuple]) -> dict[str, Any]:
+    """Write records as a tar at `path` (and its index) atomically; return bytes/sha256/samples/index."""
+    tmp, info = write_shard_tmp(path, records)
+    commit_shard(tmp, path, info)
     return info
 
 
-def write_shard_tmp(path: str | os.PathLike, samples: Iterable[tuple[str, dict[str, bytes]]]) -> tuple[Path, dict[str, Any]]:
+def write_shard_tmp(path: str | os.PathLike, records: Iterable[tuple]) -> tuple[Path, dict[str, Any]]:
     """Write the tar to a temporary name next to `path`; `commit_shard` makes it durable and final.
 
-    The bytes are those of `tarfile` in USTAR format with fixed metadata (checked by the tests),
-    written in large chunks and hashed on the way. Split in two so a caller can fsync one shard
-    in a background thread while it builds the next.
+    `records`: `(key, {ext: bytes})` (one sample each) or `(key, {ext: bytes}, samples)` (a format-2
+    token record). The bytes are those of `tarfile` in USTAR format with fixed metadata (checked by
+    the tests), written in large chunks and hashed on the way; `info["index_rows"]` holds the
+    index `(offset, length, first sample)` per record. Split in two so a caller can fsync one
+    shard in a background thread while it builds the next.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     sha, size, count = hashlib.sha256(), 0, 0
+    rows: list[tuple[int, int, int]] = []
     parts: list[bytes] = []
     pending = 0
     try:
@@ -89,9 +96,11 @@ def write_shard_tmp(path: str | os.PathLike, samples: Iterable[tuple[str, dict[s
                 parts.clear()
                 pending = 0
 
-            for key, members in samples:
+            for rec in records:
+                key, members = rec[0], rec[1]
                 if "." in key:
                     raise ValueError(f"sample key {key!r} contains a dot")
+                begin = size + pending
                 for ext, data in members.items():
                     parts.append(_member_header(f"{key}.{ext}", len(data)))
                     parts.append(data)
@@ -99,7 +108,8 @@ def write_shard_tmp(path: str | os.PathLike, samples: Iterable[tuple[str, dict[s
                     if pad:
                         parts.append(bytes(pad))
                     pending += _BLOCK + len(data) + pad
-                count += 1
+                rows.append((begin, size + pending - begin, count))
+                count += rec[2] if len(rec) > 2 else 1
                 if pending >= _WRITE_BYTES:
                     flush()
             end = size + pending + 2 * _BLOCK  # two zero blocks close the archive
@@ -108,12 +118,19 @@ def write_shard_tmp(path: str | os.PathLike, samples: Iterable[tuple[str, dict[s
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return tmp, {"bytes": size, "sha256": sha.hexdigest(), "samples": count}
+    return tmp, {"bytes": size, "sha256": sha.hexdigest(), "samples": count, "index_rows": rows}
 
 
-def commit_shard(tmp: Path, path: str | os.PathLike) -> None:
-    """fsync the temporary file, then rename it to its final name (a crash leaves no partial shard)."""
+def commit_shard(tmp: Path, path: str | os.PathLike, info: dict[str, Any]) -> None:
+    """Write the index, fsync the temporary shard, then rename it to its final name (a crash leaves
+    no partial shard). Replaces `info["index_rows"]` by the manifest's `index` entry."""
+    path = Path(path)
+    rows = info.pop("index_rows", [])
+    idx = index_bytes(rows)
+    info["index"] = {"name": index_name(path.name), "sha256": hashlib.sha256(idx).hexdigest(), "bytes": len(idx),
+                     "records": len(rows)}
     try:
+        atomic_write_bytes(path.with_name(info["index"]["name"]), idx)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -140,6 +157,9 @@ def load_record(corpus: str | os.PathLike, name: str, fingerprint: str) -> dict[
     except (OSError, json.JSONDecodeError):
         return None
     if rec.get("fingerprint") != fingerprint or rec.get("bytes") != shard.stat().st_size:
+        return None
+    index = Path(corpus) / str((rec.get("index") or {}).get("name", "-"))
+    if not index.is_file() or sha256_file(index) != rec["index"].get("sha256"):
         return None
     return rec if sha256_file(shard) == rec.get("sha256") else None
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core.records import token_records
 from data_prep.bert_pairs import create_pairs, split_sentences
 from data_prep.clean import Stats, band_keys, clean_text, doc_hash, minhash_signature
 from data_prep.config import CleanConfig, ImageConfig, SourceConfig
@@ -119,7 +120,7 @@ def estimate_shard_bytes(docs: dict[str, str], ctx: dict[str, Any], tok) -> floa
     rows = [{"hash": h, "tokens": t, "sents": s} for h, t, s in zip(hashes, tokens, sents, strict=True)]
     counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
     samples = _bert_samples(rows, ctx, "estimate", counts) if ctx["kind"] == "bert_pairs" else _packed_samples(rows, ctx, counts)
-    return float(sum(512 + -(-len(v) // 512) * 512 for _, members in samples for v in members.values()))
+    return float(sum(512 + -(-len(v) // 512) * 512 for _, members, _ in _records(samples, ctx, "estimate") for v in members.values()))
 
 
 def _by_group(columns: dict[str, list], schema: pa.Schema, ctx: dict[str, Any]) -> list[pa.Table]:
@@ -145,14 +146,19 @@ def map_text(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
     pending: list[tuple[str, str]] = []
     pending_chars = 0
 
+    seconds = {"read_clean": 0.0, "tokenize": 0.0}
+
     def flush() -> None:
+        t0 = time.perf_counter()
         tokens, sents = tokenize_docs([t for _, t in pending], tok, dtype, ctx["kind"])
+        seconds["tokenize"] += time.perf_counter() - t0
         columns["hash"].extend(h for h, _ in pending)
         columns["shard"].extend(route(h, ctx) for h, _ in pending)
         columns["tokens"].extend(tokens)
         columns["sents"].extend(sents)
         pending.clear()
 
+    t_start = time.perf_counter()
     for h, text in _iter_clean_docs(files, ctx, stats):
         if h in near_dups:
             stats.add("removed.near_duplicate")
@@ -164,7 +170,8 @@ def map_text(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
             pending_chars = 0
     if pending:
         flush()
-    return [stats.to_dict(), *_by_group(columns, TEXT_SCHEMA, ctx)]
+    seconds["read_clean"] = time.perf_counter() - t_start - seconds["tokenize"]
+    return [{**stats.to_dict(), "seconds": seconds}, *_by_group(columns, TEXT_SCHEMA, ctx)]
 
 
 def map_images(files: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Any]:
@@ -230,8 +237,8 @@ def _rng(ctx: dict[str, Any], name: str) -> random.Random:
 
 
 def _bert_samples(rows: list[dict[str, Any]], ctx: dict[str, Any], name: str, counts: dict[str, int]):
+    """`(input_ids, len_a, len_b, next_sentence_label)` per NSP pair of the shard's documents."""
     dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
-    ext = "input_ids.u16" if dtype.itemsize == 2 else "input_ids.u32"
     docs = []
     for r in rows:  # sentences as Python lists: the pair builder works on lists of ints
         tokens = np.frombuffer(r["tokens"], dtype=dtype).tolist()
@@ -240,32 +247,33 @@ def _bert_samples(rows: list[dict[str, Any]], ctx: dict[str, Any], name: str, co
     rng = _rng(ctx, name)
     sp = ctx["special"]
     for _ in range(ctx["dupe_factor"]):
-        for k, r in enumerate(rows):
+        for k in range(len(rows)):
             pairs = create_pairs(
                 docs, k, max_seq_len=ctx["seq_len"], cls_id=sp["cls"], sep_id=sp["sep"], rng=rng,
                 short_seq_prob=ctx["short_seq_prob"], random_next_prob=ctx["nsp_random_prob"], dtype=dtype,
             )
-            prefix = r["hash"][:16]
-            for ids, len_a, len_b, label in pairs:
-                n = counts.get(r["hash"], 0)
-                counts[r["hash"]] = n + 1
-                counts["tokens"] += len(ids)
-                counts["nsp_random"] += label
-                # json.dumps(..., sort_keys=True) of the same dict, without its per-call overhead
-                meta = b'{"len_a": %d, "len_b": %d, "next_sentence_label": %d}' % (len_a, len_b, label)
-                yield f"{prefix}-{n:06d}", {ext: ids.tobytes(), "meta.json": meta}
+            for pair in pairs:
+                counts["tokens"] += len(pair[0])
+                counts["nsp_random"] += pair[3]
+                yield pair
 
 
 def _packed_samples(rows: list[dict[str, Any]], ctx: dict[str, Any], counts: dict[str, int]):
+    """The shard's packed windows (arrays of seq_len + 1 tokens)."""
     dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
-    ext = "input_ids.u16" if dtype.itemsize == 2 else "input_ids.u32"
     docs = [np.frombuffer(r["tokens"], dtype=dtype) for r in rows]
     windows, kept = pack_windows(docs, ctx["special"]["eos"], ctx["seq_len"])
-    for w, (doc_index, window) in enumerate(windows):
+    for _, window in windows:
         counts["tokens"] += len(window)
-        yield f"{rows[doc_index]['hash'][:16]}-{w:06d}", {ext: window.astype(dtype).tobytes()}
+        yield window
     counts["stream_tokens"] = kept["total"]
     counts["stream_tokens_kept"] = kept["kept"]
+
+
+def _records(samples, ctx: dict[str, Any], name: str):
+    """Format-2 records of a shard's token samples (see `core.records`)."""
+    dtype = np.dtype(ctx["token_dtype"]).newbyteorder("<")
+    return token_records(ctx["kind"], samples, name, seq_len=ctx["seq_len"], token_dtype=dtype)
 
 
 def _image_samples(rows: list[dict[str, Any]], counts: dict[str, int]):
@@ -280,10 +288,12 @@ def reduce_group(ctx: dict[str, Any], names: list[str], *parts: pa.Table) -> lis
     shard's documents are in hash order whatever map task they came from. Each finished shard
     is fsynced, renamed and recorded in a background thread while the next one is built.
     """
+    t0 = time.perf_counter()
     tables = [t for t in parts if t.num_rows]
     if not tables:
         return []
     table = pa.concat_tables(tables).sort_by([("shard", "ascending"), ("hash", "ascending")])
+    shuffle_s = time.perf_counter() - t0
     del tables, parts
     shard_col = table.column("shard").to_pylist()
     futures = []
@@ -293,7 +303,10 @@ def reduce_group(ctx: dict[str, Any], names: list[str], *parts: pa.Table) -> lis
             if end == len(shard_col) or shard_col[end] != shard_col[begin]:
                 futures.append(build_shard(shard_col[begin], table.slice(begin, end - begin), ctx, committer))
                 begin = end
-    return [f.result() for f in futures]
+        records = [f.result() for f in futures]
+    if records:  # per-task timing rides on the first record (the summary sums them; never in the manifest)
+        records[0] = {**records[0], "seconds": {"shuffle": shuffle_s, "build_write": time.perf_counter() - t0 - shuffle_s}}
+    return records
 
 
 def build_shard(name: str, group: pa.Table, ctx: dict[str, Any], committer: Executor) -> Future:
@@ -316,9 +329,9 @@ def build_shard(name: str, group: pa.Table, ctx: dict[str, Any], committer: Exec
         return committer.submit(lambda: record)
     counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
     if ctx["kind"] == "bert_pairs":
-        samples = _bert_samples(rows, ctx, name, counts)
+        samples = _records(_bert_samples(rows, ctx, name, counts), ctx, name)
     elif ctx["kind"] == "packed_lm":
-        samples = _packed_samples(rows, ctx, counts)
+        samples = _records(_packed_samples(rows, ctx, counts), ctx, name)
     else:
         samples = _image_samples(rows, counts)
     path = Path(out_dir) / f"{name}.tar"
@@ -332,8 +345,9 @@ def build_shard(name: str, group: pa.Table, ctx: dict[str, Any], committer: Exec
     def commit() -> dict[str, Any]:
         if info["samples"] == 0:  # every document was too short to make a sample: no empty shard
             tmp.unlink()
+            record.pop("index_rows", None)
         else:
-            commit_shard(tmp, path)
+            commit_shard(tmp, path, record)
         if ctx.get("slow_shards_s"):  # test hook: widen the window in which a kill lands mid-job
             time.sleep(ctx["slow_shards_s"])
         save_record(out_dir, f"{name}.tar", record)

@@ -46,8 +46,18 @@ class DataConfig:
     image_size: int = option(224, help="Training crop size for image tasks.")
     mixup_alpha: float = option(0.0, help="Mixup Beta(alpha, alpha) for image tasks; 0 disables.")
     on_bad_sample: Literal["skip", "fail"] = option("skip", help="What to do with an undecodable sample.")
-    verify_checksums: bool = option(True, help="Check every shard's sha256 against the manifest before training.")
+    verify_checksums: bool = option(True, help="Check every shard's size and sha256 against the manifest (local: before "
+                                                "training; pipe: while streaming).")
+    max_bad_share: float = option(0.001, help="Stop the run when more than this share of the samples a loader worker has "
+                                              "read are bad (at least 1 per 1000 tolerated); 1 never stops.")
+    url_prefix: str = option("", help="Read shards from here instead of the corpus directory: a directory or `pipe:CMD ` "
+                                      "(the shard name is appended, or replaces {name}). Only from your own config: "
+                                      "a manifest may not name URLs.")
     eval_split: str = option("validation", help="Manifest split used for periodic evaluation.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_bad_share <= 1.0:
+            raise ConfigError(f"data.max_bad_share must be in [0, 1], got {self.max_bad_share}.")
 
 
 @dataclass(kw_only=True)

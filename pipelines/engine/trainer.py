@@ -492,7 +492,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     kind = {"mlm_nsp": "bert_pairs", "causal_lm": "packed_lm", "image_cls": "images"}.get(cfg.train.task)
     if kind is None:
         raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports mlm_nsp, causal_lm, image_cls.")
-    manifest = data_mod.load_manifest(cfg.data.corpus, kind=kind)
+    manifest = data_mod.load_manifest(cfg.data.corpus, kind=kind, url_prefix=cfg.data.url_prefix)
     splits = ["train"] + ([cfg.data.eval_split] if cfg.data.eval_split in manifest.splits else [])
     data_mod.verify_shards(manifest, splits, checksums=cfg.data.verify_checksums,
                            rank=env.rank, world=env.world_size)
@@ -501,6 +501,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.data
     common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers, seed=cfg.train.seed,
                   prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
+                  max_bad_share=d.max_bad_share, verify_checksums=d.verify_checksums,
                   start_method=d.worker_start_method)
     train_src = data_mod.StreamingSource(manifest, "train", task.collate, micro_batch_size=d.micro_batch_size,
                                          shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)

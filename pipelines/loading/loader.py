@@ -19,9 +19,14 @@ stores two integers and resume *seeks* instead of replaying the stream:
    per-epoch shard permutation). A window is read at once but each sample is decoded only when
    its batch is built, so a batch never waits for the whole window's decoding.
 
+Reading (``shard_io.ShardReader``, one per worker): local shards are read by seeking through their
+index, ``pipe:`` URLs (``data.url_prefix``) in one streaming pass per worker span, hashed on the way.
+
 Bad samples (undecodable, truncated shard) keep their slot: with ``on_bad_sample=skip`` they are
 replaced by another sample of the same window (deterministically), counted, and logged with the
-shard and key, so counts stay equal and nothing hangs. Decoding uses numpy/json/PIL only.
+shard and key, so counts stay equal and nothing hangs. More than ``max_bad_share`` of the samples a
+worker has read (at least one per 1000 allowed) stops the run with an error naming the shard: a
+truncated shard never trains silently. Decoding uses numpy/json/PIL only.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
-from pipelines.loading.shard_io import decode_sample, read_samples
+from pipelines.loading.shard_io import ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
 __all__ = [
@@ -98,13 +103,17 @@ class _Stream(IterableDataset):
         info = get_worker_info()
         p = info.id if info else 0
         epoch, start, base = self.epoch, self.start_batch, 0  # base: loader index of batch `start` of `epoch`
-        while self.count is None or base < self.count:
-            end = src.batches_per_epoch if self.count is None else min(src.batches_per_epoch, start + self.count - base)
-            yield from self._epoch(epoch, (p + start - base) % W, start, end)
-            base += src.batches_per_epoch - start
-            epoch, start = epoch + 1, 0
+        reader = _Reader(src)
+        try:
+            while self.count is None or base < self.count:
+                end = src.batches_per_epoch if self.count is None else min(src.batches_per_epoch, start + self.count - base)
+                yield from self._epoch(epoch, (p + start - base) % W, start, end, reader)
+                base += src.batches_per_epoch - start
+                epoch, start = epoch + 1, 0
+        finally:
+            reader.close()
 
-    def _epoch(self, epoch: int, w: int, start: int, end: int) -> Iterator[dict[str, Any]]:
+    def _epoch(self, epoch: int, w: int, start: int, end: int, reader: _Reader) -> Iterator[dict[str, Any]]:
         """Logical worker ``w``'s batches ``b`` of ``epoch`` with ``start <= b < end``."""
         src, W = self.src, max(1, self.src.num_workers)
         order = [src.shards[i] for i in shard_order(len(src.shards), src.seed, epoch, src.shuffle)]
@@ -118,13 +127,21 @@ class _Stream(IterableDataset):
         while k * window < stop:
             lo = k * window
             hi = min(lo + window, per_worker[w] * src.mb)  # the window's extent does not depend on where we stop
-            block = _Window(src, epoch, order, span_start + lo, hi - lo)
+            block = _Window(src, epoch, order, span_start + lo, hi - lo, reader)
             for j in range(max(0, pos - lo), min(hi, stop) - lo):
                 samples.append(block.sample(j))
                 if len(samples) == src.mb:
                     yield src.collate(samples, epoch=epoch, train=src.train)
                     samples = []
             k += 1
+
+
+class _Reader(ShardReader):
+    """A worker's shard reader plus its running count of samples decoded and found bad."""
+
+    def __init__(self, src: StreamingSource):
+        super().__init__(src.manifest, verify=src.verify_checksums)
+        self.seen = self.bad = 0
 
 
 class _Window:
@@ -136,9 +153,9 @@ class _Window:
     end), counted via ``bad``; the result is the same whatever order the slots are taken in.
     """
 
-    def __init__(self, src: StreamingSource, epoch: int, order: list[ShardInfo], start: int, length: int):
-        self.src, self.start = src, start
-        self.raw = list(read_samples(src.manifest, order, start, length))
+    def __init__(self, src: StreamingSource, epoch: int, order: list[ShardInfo], start: int, length: int, reader: _Reader):
+        self.src, self.start, self.reader = src, start, reader
+        self.raw = list(read_samples(src.manifest, order, start, length, reader))
         self.perm = (np.random.default_rng([src.seed, epoch, start, 11]).permutation(length)
                      if src.shuffle and length > 1 else np.arange(length))
         self.decoded: dict[int, dict[str, Any] | None] = {}
@@ -159,8 +176,9 @@ class _Window:
     def _decode(self, i: int) -> dict[str, Any] | None:
         if i in self.decoded:
             return self.decoded[i]
-        src = self.src
+        src, reader = self.src, self.reader
         shard, key, parts = self.raw[i]
+        reader.seen += 1
         try:
             if isinstance(parts, str):
                 raise ValueError(parts)
@@ -172,6 +190,13 @@ class _Window:
                     f"Fix or drop the shard, or set data.on_bad_sample=skip."
                 ) from None
             log.warning("Skipping bad sample %s in shard %s: %s", key, shard, exc)
+            reader.bad += 1
+            if reader.bad > src.max_bad_share * max(reader.seen, 1000):
+                raise DataError(
+                    f"{reader.bad} of the {reader.seen} samples read from {src.manifest.root} are bad (more than "
+                    f"data.max_bad_share={src.max_bad_share}); the latest, {key} in shard {shard}: {exc}. The shard is "
+                    f"truncated or corrupt: restore it or re-run `pretrain prepare` (or raise data.max_bad_share)."
+                ) from None
             out = None
         self.decoded[i] = out
         return out
@@ -227,6 +252,8 @@ class StreamingSource(_PositionedSource):
         shuffle_buffer: int = 1000,
         prefetch_factor: int = 2,
         on_bad_sample: str = "skip",
+        max_bad_share: float = 0.001,
+        verify_checksums: bool = True,
         train: bool = True,
         pin_memory: bool = False,
         start_method: str = "forkserver",
@@ -238,6 +265,7 @@ class StreamingSource(_PositionedSource):
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.window, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.on_bad_sample, self.train, self.pin_memory = on_bad_sample, train, pin_memory
+        self.max_bad_share, self.verify_checksums = max_bad_share, verify_checksums
         self.start_method = start_method
         if num_workers > 0:
             worker_context(start_method)  # the forkserver starts now, while the model is being built

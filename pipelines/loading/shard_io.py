@@ -1,85 +1,352 @@
-"""Reading WebDataset shards: raw samples from a global position of a shard sequence, and decoding.
+"""Reading shards: raw samples at a position of a shard sequence, by seek or by one streaming pass.
 
-Plain tar
-reading over local paths or ``pipe:`` URLs (object stores), skipping whole shards and the consumed
-head of a shard without decoding, and the numpy/json/PIL decoders (no pickle).
+One ``ShardReader`` per loader worker (per stream) keeps what makes consecutive windows cheap:
+
+- local format-2 shards: the index (``SHARD.idx.npy``, sha256-checked) gives the byte range of the
+  records holding any sample; one ``seek`` + ``read`` per window, the window's last record kept
+  decoded for the next window, so a pass reads each byte about once;
+- local format-1 shards (deprecated): the member offsets are scanned once per shard, then the same;
+- ``pipe:`` URLs (from ``data.url_prefix`` only): one sequential pass per worker span, the stream kept
+  open between windows (re-opened only when a later epoch goes back). Bytes are hashed while read;
+  the worker that reaches a shard's end compares size and sha256 with the manifest and stops the
+  run on a mismatch.
+
+Bad data yields error strings in the sample's slot (the loader replaces and counts them); a
+symlink/hardlink member or a wrong index is a ``DataError`` naming the shard. No pickle anywhere:
+numpy ``.npy`` (object dtypes refused), json and PIL.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import subprocess
 import tarfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from core.corpus import Manifest, ShardInfo, iter_tar_samples
+from core.corpus import DataError, Manifest, ShardInfo, iter_tar_samples
+from core.records import UnsafeMember, decode_record, index_array, parse_members, split_member_name
 
-__all__ = ["read_samples", "decode_sample"]
+__all__ = ["ShardReader", "read_samples", "decode_sample", "Decoded"]
 
 log = logging.getLogger("pipelines.loading.loader")
+_KEEP_RECORDS = 4  # decoded records kept per reader (a window's last record is the next one's first)
+_KEEP_FILES = 8
 
 
-def _groups(url: str, skip: int) -> Iterator[tuple[str, dict[str, bytes] | None]]:
-    """Yield ``(key, {ext: bytes})`` per sample; the first ``skip`` samples are passed over unread (None)."""
-    proc = None
-    if url.startswith("pipe:"):
-        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
-        fh = proc.stdout
-        tf = tarfile.open(fileobj=fh, mode="r|")
-    else:
-        fh = open(url, "rb")
-        tf = tarfile.open(fileobj=fh, mode="r:")
-    try:
-        yield from iter_tar_samples(tf, skip)
-    finally:
-        tf.close()
-        fh.close()
-        if proc is not None:
-            proc.kill()
-            proc.wait()
+class Decoded(dict):
+    """A sample already decoded from a format-2 record (``decode_sample`` passes it through)."""
 
 
-def read_samples(m: Manifest, shards: list[ShardInfo], start: int, length: int) -> Iterator[tuple[str, str, Any]]:
+class _Hashing(io.RawIOBase):
+    """A read-only stream that hashes and counts what passes through it."""
+
+    def __init__(self, raw: Any):
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.raw.read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.sha.update(data)
+        self.count += n
+        return n
+
+
+class _Pipe:
+    """One streaming pass over a ``pipe:`` shard: a shell command the user configured, read once."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
+        self.stream = _Hashing(self.proc.stdout)
+        self.tar = tarfile.open(fileobj=io.BufferedReader(self.stream, 1 << 20), mode="r|")
+        self.groups = iter_tar_samples(self.tar)
+        self.pos = 0  # next sample of the shard
+        self.pending: list[tuple[str, Any]] = []  # decoded samples of the current record from `pos` on
+
+    def close(self) -> None:
+        self.tar.close()
+        self.proc.stdout.close()  # type: ignore[union-attr]
+        self.proc.kill()
+        self.proc.wait()
+
+
+class ShardReader:
+    """Reads sample ranges of one manifest's shards for one worker (see the module docstring)."""
+
+    def __init__(self, m: Manifest, *, verify: bool = True):
+        self.m, self.verify = m, verify
+        self.token_records = m.version[0] >= 2 and m.kind != "images"
+        self.indexes: dict[str, Any] = {}
+        self.v1_members: dict[str, list[tuple[str, list[tuple[str, int, int]]]]] = {}  # format 1: (ext, data offset, size) per record
+        self.records: OrderedDict[tuple[str, int], list[tuple[str, Any]]] = OrderedDict()
+        self.files: OrderedDict[str, Any] = OrderedDict()
+        self.pipes: dict[str, _Pipe] = {}
+
+    def close(self) -> None:
+        for fh in self.files.values():
+            fh.close()
+        for p in self.pipes.values():
+            p.close()
+        self.files.clear()
+        self.pipes.clear()
+
+    # ---- one shard ---------------------------------------------------------------------------
+
+    def read(self, s: ShardInfo, skip: int, want: int) -> list[tuple[str, Any]]:
+        """Samples ``skip .. skip+want`` of shard ``s`` as ``(key, parts | Decoded | error string)``."""
+        url = self.m.url(s)
+        try:
+            if url.startswith("pipe:"):
+                got = self._read_pipe(s, url, skip, want)
+            else:
+                got = self._read_local(s, url, skip, want)
+        except DataError:
+            raise
+        except UnsafeMember as exc:
+            raise DataError(f"Shard {url} of {self.m.path} holds an unsafe tar member: {exc}. Links are never followed; "
+                            f"the shard is damaged or crafted. Remove it or re-run `pretrain prepare`.") from None
+        except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+            log.warning("Shard %s is unreadable after sample %d: %s", s.name, skip, exc)
+            got = []
+        for i in range(len(got), want):
+            got.append((f"<missing #{skip + i}>", "truncated shard (fewer samples than the manifest lists)"))
+        return got
+
+    def _file(self, url: str) -> Any:
+        fh = self.files.pop(url, None) or open(url, "rb")
+        self.files[url] = fh
+        while len(self.files) > _KEEP_FILES:
+            self.files.popitem(last=False)[1].close()
+        return fh
+
+    def _index(self, s: ShardInfo, url: str) -> np.ndarray:
+        """(R, 3) rows (offset, length, first sample): the format-2 sidecar, or a scan of a format-1 shard."""
+        if s.name in self.indexes:
+            return self.indexes[s.name]
+        if self.m.version[0] >= 2:
+            if not s.index:
+                raise DataError(f"{self.m.path} lists shard {s.name} without an index (format 2 needs one). Re-run `pretrain prepare`.")
+            path = self.m.root / s.index["name"]
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != s.index.get("sha256"):
+                raise DataError(f"{path} does not match the sha256 {self.m.path} records for it: the index is corrupt "
+                                f"or was replaced. Restore it or re-run `pretrain prepare`.")
+            try:
+                idx = index_array(data, s.samples)
+            except ValueError as exc:
+                raise DataError(f"{path} (index of {s.name} in {self.m.path}) is invalid: {exc}. Re-run `pretrain prepare`.") from None
+        else:
+            idx = self._scan_v1(s.name, url)
+        self.indexes[s.name] = idx
+        return idx
+
+    def _scan_v1(self, name: str, url: str) -> np.ndarray:
+        """Index a format-1 shard once by walking its headers (seeking over the data): per record the
+        data range of its members, which are then sliced out of one read like format-2 records."""
+        rows: list[list[int]] = []
+        members: list[tuple[str, list[tuple[str, int, int]]]] = []
+        key = None
+        try:
+            with tarfile.open(url, mode="r:") as tf:
+                for member in tf:
+                    if member.issym() or member.islnk():
+                        raise UnsafeMember(f"member {member.name!r} is a link to {member.linkname!r}")
+                    parsed = split_member_name(member.name) if member.isfile() else None
+                    if parsed is None:
+                        continue
+                    if parsed[0] != key:
+                        key = parsed[0]
+                        rows.append([member.offset_data, 0, len(rows)])
+                        members.append((key, []))
+                    rows[-1][1] = member.offset_data + member.size - rows[-1][0]
+                    members[-1][1].append((parsed[1], member.offset_data, member.size))
+        except tarfile.ReadError as exc:  # truncated: keep what was indexed
+            log.warning("Shard %s: header scan stopped: %s", url, exc)
+        self.v1_members[name] = members
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+    def _read_local(self, s: ShardInfo, url: str, skip: int, want: int) -> list[tuple[str, Any]]:
+        idx = self._index(s, url)
+        firsts = idx[:, 2]
+        r0 = max(0, int(np.searchsorted(firsts, skip, side="right")) - 1)
+        r1 = int(np.searchsorted(firsts, skip + want, side="left"))
+        out: list[tuple[str, Any]] = []
+        r = r0
+        while r < r1:
+            if (s.name, r) in self.records:
+                samples = self.records[(s.name, r)]
+                r += 1
+            else:  # read the run of uncached records in one go
+                stop = r + 1
+                while stop < r1 and (s.name, stop) not in self.records:
+                    stop += 1
+                samples = []
+                for j, got in enumerate(self._load_records(s, url, idx, r, stop)):
+                    self._keep(s.name, r + j, got)
+                    samples.extend(got)
+                r = stop
+            out.extend(samples)
+        offset = int(firsts[r0]) if len(firsts) else 0
+        return out[skip - offset: skip - offset + want]
+
+    def _load_records(self, s: ShardInfo, url: str, idx: np.ndarray, a: int, b: int) -> list[list[tuple[str, Any]]]:
+        """Records ``a .. b-1`` of a local shard, read with one seek; cut-short records become error entries."""
+        fh = self._file(url)
+        start = int(idx[a, 0])
+        fh.seek(start)
+        buf = memoryview(fh.read(int(idx[b - 1, 0] + idx[b - 1, 1]) - start))
+        out = []
+        for r in range(a, b):
+            n = (int(idx[r + 1, 2]) if r + 1 < len(idx) else s.samples) - int(idx[r, 2])
+            lo = int(idx[r, 0]) - start
+            try:
+                if s.name in self.v1_members:
+                    key, parts = self.v1_members[s.name][r]
+                    groups = [(key, {ext: _cut(buf, off - start, size) for ext, off, size in parts})]
+                else:
+                    groups = _group(parse_members(buf[lo: lo + int(idx[r, 1])]))
+                out.append(self._samples_of(groups, n))
+            except UnsafeMember:
+                raise
+            except ValueError as exc:
+                out.append([(f"<record {r}>", f"unreadable record {r}: {exc}")] * n)
+        return out
+
+    def _samples_of(self, groups: list[tuple[str, dict[str, Any]]], n: int) -> list[tuple[str, Any]]:
+        """The samples of one record (one key group), checked against the count the index promises."""
+        if len(groups) != 1:
+            raise ValueError(f"a record has {len(groups)} keys")
+        key, parts = groups[0]
+        if not self.token_records:
+            got: list[tuple[str, Any]] = [(key, {k: bytes(v) for k, v in parts.items()})]
+        else:
+            got = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts)]
+        if len(got) != n:
+            raise ValueError(f"record {key} holds {len(got)} samples, the index says {n}")
+        return got
+
+    def _keep(self, name: str, r: int, samples: list[tuple[str, Any]]) -> None:
+        self.records[(name, r)] = samples
+        while len(self.records) > _KEEP_RECORDS:
+            self.records.popitem(last=False)
+
+    # ---- pipe: one streaming pass ------------------------------------------------------------
+
+    def _read_pipe(self, s: ShardInfo, url: str, skip: int, want: int) -> list[tuple[str, Any]]:
+        p = self.pipes.get(s.name)
+        if p is None or p.pos > skip:
+            if p is not None:
+                p.close()
+            p = self.pipes[s.name] = _Pipe(url)
+        out: list[tuple[str, Any]] = []
+        try:
+            while len(out) < want:
+                if not p.pending:
+                    key, parts = next(p.groups)
+                    if self.token_records:
+                        p.pending = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts or {})]
+                    else:
+                        p.pending = [(key, parts or {})]
+                take = p.pending[: skip + want - p.pos]
+                for i, item in enumerate(take):
+                    if p.pos + i >= skip:
+                        out.append(item)
+                p.pos += len(take)
+                p.pending = p.pending[len(take):]
+        except StopIteration:
+            pass
+        except BaseException:
+            p.close()
+            self.pipes.pop(s.name, None)
+            raise
+        if p.pos >= s.samples:
+            self._finish(s, url, p)
+        return out
+
+    def _finish(self, s: ShardInfo, url: str, p: _Pipe) -> None:
+        """The end of a streamed shard: read to EOF, then compare size and sha256 with the manifest."""
+        try:
+            for _ in p.groups:
+                pass
+            while p.stream.read(1 << 20):
+                pass
+        finally:
+            p.close()
+            self.pipes.pop(s.name, None)
+        problem = ""
+        if s.bytes and p.stream.count != s.bytes:
+            problem = f"streamed {p.stream.count} bytes, the manifest records {s.bytes}"
+        elif self.verify and s.sha256 and p.stream.sha.hexdigest() != s.sha256:
+            problem = "its sha256 differs from the one the manifest records"
+        if problem:
+            raise DataError(f"Shard {s.name} streamed from {url!r}: {problem} ({self.m.path}). It is truncated, corrupt or "
+                            f"was replaced: re-copy it or re-run `pretrain prepare`.")
+
+
+def _cut(buf: memoryview, lo: int, size: int) -> memoryview:
+    if lo + size > len(buf):
+        raise ValueError(f"member data cut short ({max(0, len(buf) - lo)} of {size} bytes)")
+    return buf[lo: lo + size]
+
+
+def _group(members: Iterator[tuple[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    groups: list[tuple[str, dict[str, Any]]] = []
+    for name, data in members:
+        parsed = split_member_name(name)
+        if parsed is None:
+            continue
+        if not groups or groups[-1][0] != parsed[0]:
+            groups.append((parsed[0], {}))
+        groups[-1][1][parsed[1]] = data
+    return groups
+
+
+def read_samples(m: Manifest, shards: list[ShardInfo], start: int, length: int,
+                 reader: ShardReader | None = None) -> Iterator[tuple[str, str, Any]]:
     """``length`` raw samples from global position ``start`` of the concatenated ``shards``.
 
-    Yields ``(shard name, key, parts | error string)``; a truncated or unreadable shard yields error
-    entries for its missing samples so the count is always exactly ``length``.
+    Yields ``(shard name, key, parts | Decoded | error string)``; a truncated or unreadable shard
+    yields error entries for its missing samples so the count is always exactly ``length``.
     """
-    offset = 0
-    remaining = length
-    for s in shards:
-        if remaining <= 0:
-            return
-        if start >= offset + s.samples:
-            offset += s.samples
-            continue  # whole shard skipped without opening it
-        skip = max(0, start - offset)
-        want = min(s.samples - skip, remaining)
-        got = 0
-        try:
-            for key, parts in _groups(m.url(s), skip):
-                if parts is None:
-                    continue
+    own = reader is None
+    reader = reader or ShardReader(m)
+    try:
+        offset, remaining = 0, length
+        for s in shards:
+            if remaining <= 0:
+                return
+            if start >= offset + s.samples:
+                offset += s.samples
+                continue  # whole shard skipped without opening it
+            skip = max(0, start - offset)
+            want = min(s.samples - skip, remaining)
+            for key, parts in reader.read(s, skip, want):
                 yield s.name, key, parts
-                got += 1
-                if got == want:
-                    break
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            log.warning("Shard %s is unreadable after %d samples: %s", s.name, skip + got, exc)
-        for i in range(got, want):
-            yield s.name, f"<missing #{skip + i}>", "truncated shard (fewer samples than the manifest lists)"
-        remaining -= want
-        offset += s.samples
-        start = offset
+            remaining -= want
+            offset += s.samples
+            start = offset
+    finally:
+        if own:
+            reader.close()
 
 
-def decode_sample(kind: str, key: str, parts: dict[str, bytes], token_dtype: str = "uint16") -> dict[str, Any]:
-    """Raw WebDataset parts -> python/numpy sample (no pickle). Raises ValueError on bad data."""
+def decode_sample(kind: str, key: str, parts: Any, token_dtype: str = "uint16") -> dict[str, Any]:
+    """Raw WebDataset parts (or a ``Decoded`` record sample) -> python/numpy sample (no pickle).
+    Raises ValueError on bad data."""
+    if isinstance(parts, Decoded):
+        if kind == "bert_pairs" and parts["len_a"] + parts["len_b"] + 3 != len(parts["input_ids"]):
+            raise ValueError(f"len_a+len_b+3 != {len(parts['input_ids'])} tokens")
+        return {**parts, "input_ids": parts["input_ids"].copy()}  # a view of a cached record: never mutate it
     if kind in ("bert_pairs", "packed_lm"):
         ext = {"uint16": "u16", "uint32": "u32"}[token_dtype]
         raw = parts.get(f"input_ids.{ext}")
@@ -88,7 +355,7 @@ def decode_sample(kind: str, key: str, parts: dict[str, bytes], token_dtype: str
         ids = np.frombuffer(raw, dtype="<u2" if ext == "u16" else "<u4").astype(np.int64)
         out: dict[str, Any] = {"key": key, "input_ids": ids}
         if kind == "bert_pairs":
-            meta = json.loads(parts["meta.json"].decode("utf-8"))
+            meta = json.loads(bytes(parts["meta.json"]).decode("utf-8"))
             out["len_a"], out["len_b"] = int(meta["len_a"]), int(meta["len_b"])
             out["next_sentence_label"] = int(meta["next_sentence_label"])
             if out["len_a"] + out["len_b"] + 3 != len(ids):
@@ -101,4 +368,4 @@ def decode_sample(kind: str, key: str, parts: dict[str, bytes], token_dtype: str
         raise ValueError("image sample needs an image (jpg/png/webp) and a .cls label")
     img = Image.open(io.BytesIO(parts[ext]))
     img.load()
-    return {"key": key, "image": img.convert("RGB"), "label": int(parts["cls"].decode("ascii").strip())}
+    return {"key": key, "image": img.convert("RGB"), "label": int(bytes(parts["cls"]).decode("ascii").strip())}

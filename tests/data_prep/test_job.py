@@ -23,7 +23,7 @@ import yaml
 from core.corpus import read_shard
 from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
 from data_prep.inspect_corpus import inspect_corpus
-from data_prep.job import run_prepare
+from data_prep.job import format_summary, run_prepare
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def bert_corpus(ray_cluster, real_text, tmp_path_factory):
 def test_bert_corpus_matches_manifest(bert_corpus):
     out, summary = bert_corpus
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["schema_version"] == "1.0" and manifest["kind"] == "bert_pairs" and manifest["token_dtype"] == "uint16"
+    assert manifest["schema_version"] == "2.0" and manifest["kind"] == "bert_pairs" and manifest["token_dtype"] == "uint16"
     assert manifest["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     keys_by_split: dict[str, set[str]] = {}
     labels = []
@@ -85,6 +85,9 @@ def test_bert_corpus_matches_manifest(bert_corpus):
     assert not keys_by_split["train"] & keys_by_split["validation"]  # no document in both splits
     assert abs(np.mean(labels) - 0.5) <= 0.03
     assert summary["samples"] == {s: i["samples"] for s, i in manifest["splits"].items()}
+    assert {"tokenizer: sample, train", "map: read, clean, tokenize, route", "reduce: shuffle, build, write"} <= set(summary["stages_s"])
+    assert summary["task_s"]["tokenize"] > 0 and summary["task_s"]["read_clean"] > 0 and summary["task_s"]["build_write"] > 0
+    assert "stage: map: read, clean, tokenize, route" in format_summary(summary)
     assert summary["removed"].get("exact_duplicate", 0) > 0  # real docs repeat boilerplate paragraphs
 
 
@@ -93,7 +96,13 @@ def test_stock_readers(bert_corpus):
 
     out, summary = bert_corpus
     urls = sorted(str(p) for p in out.glob("*.tar"))
-    assert sum(1 for _ in wds.WebDataset(urls, shardshuffle=False)) == sum(summary["samples"].values())
+    samples = 0
+    for record in wds.WebDataset(urls, shardshuffle=False).decode():  # a format-2 record is one WebDataset sample
+        ids, len_a, len_b = record["input_ids.npy"], record["len_a.npy"], record["len_b.npy"]
+        assert ids.dtype == np.uint16 and int((len_a.astype(int) + len_b + 3).sum()) == len(ids)
+        assert len(record["nsp.npy"]) == len(len_a) and set(record["nsp.npy"].tolist()) <= {0, 1}
+        samples += len(len_a)
+    assert samples == sum(summary["samples"].values())
     names = subprocess.run(["tar", "-tf", urls[0]], capture_output=True, text=True, check=True).stdout.split()
     assert names and all(n.count(".") >= 1 and "/" not in n for n in names)
 

@@ -86,7 +86,8 @@ def test_shards_are_reproducible_atomic_and_checked(tmp_path):
     samples = [(f"k{i:04d}", {"input_ids.u16": np.arange(i + 1, dtype="<u2").tobytes(), "meta.json": b"{}"}) for i in range(20)]
     a = write_shard(tmp_path / "a.tar", samples)
     b = write_shard(tmp_path / "b.tar", samples)
-    assert a == b and a["samples"] == 20 and a["sha256"] == sha256_file(tmp_path / "a.tar")
+    assert {**a, "index": a["index"]["sha256"]} == {**b, "index": b["index"]["sha256"]}  # same bytes, same index
+    assert a["samples"] == 20 and a["sha256"] == sha256_file(tmp_path / "a.tar") and a["index"]["records"] == 20
     assert [k for k, _ in read_shard(tmp_path / "a.tar")] == [k for k, _ in samples]
     assert len(tarfile.open(tmp_path / "a.tar").getnames()) == 40
 
@@ -96,7 +97,7 @@ def test_shards_are_reproducible_atomic_and_checked(tmp_path):
 
     with pytest.raises(RuntimeError):
         write_shard(tmp_path / "c.tar", broken())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "b.tar"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.idx.npy", "a.tar", "b.idx.npy", "b.tar"]  # nothing half-written
     save_record(tmp_path, "a.tar", {"fingerprint": "f", **a})
     assert load_record(tmp_path, "a.tar", "f") is not None
     assert load_record(tmp_path, "a.tar", "other") is None

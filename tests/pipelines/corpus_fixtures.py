@@ -1,5 +1,8 @@
 """Tiny synthetic corpora in the documented shard format (docs/interfaces.md), for trainer tests.
 
+Format 2 (token records + index, written with the project's own writer) by default; ``version=1``
+writes the deprecated one-sample-per-record format with stock ``webdataset.TarWriter``.
+
 Token sequences follow a learnable rule (each word = previous + a per-sentence stride over a small
 vocabulary) so a 2-layer model's loss visibly falls within a few dozen steps. A real WordPiece
 tokenizer.json is written so exported models load with ``transformers`` and ``pipeline``.
@@ -14,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import webdataset as wds
+
+from core.records import token_records
+from data_prep.shards import write_shard
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 SPECIAL_NAMES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
@@ -62,28 +68,52 @@ def _sentence(rng: np.random.Generator, n: int, start: int | None = None, stride
     return (len(SPECIALS) + (start + stride * np.arange(n, dtype=np.int64)) % N_WORDS).astype(np.int64)
 
 
-def _write_shards(root: Path, split: str, sizes: list[int], make_sample) -> dict:
+def _write_shards(root: Path, split: str, sizes: list[int], make_sample, version: int = 2, kind: str = "", seq_len: int = 0) -> dict:
     shards, total_tokens = [], 0
     index = 0
     for si, n in enumerate(sizes):
         name = f"{split}-{si:06d}.tar"
         tokens = 0
-        with wds.TarWriter(str(root / name)) as sink:
-            for _ in range(n):
-                key = f"{hashlib.sha1(f'{split}{index}'.encode()).hexdigest()[:12]}-{index:06d}"
-                sample, t = make_sample(index)
-                sink.write({"__key__": key, **sample})
-                tokens += t
-                index += 1
-        data = (root / name).read_bytes()
-        shards.append({"name": name, "samples": n, "tokens": tokens, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        samples = []
+        for _ in range(n):
+            key = f"{hashlib.sha1(f'{split}{index}'.encode()).hexdigest()[:12]}-{index:06d}"
+            sample, t = make_sample(index)
+            samples.append((key, sample))
+            tokens += t
+            index += 1
+        if version == 1:
+            with wds.TarWriter(str(root / name)) as sink:
+                for key, sample in samples:
+                    sink.write({"__key__": key, **sample})
+            data = (root / name).read_bytes()
+            entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        else:
+            entry = write_shard(root / name, _records(kind, samples, name, seq_len))
+        shards.append({"name": name, "samples": n, "tokens": tokens, **{k: entry[k] for k in entry if k != "samples"}})
         total_tokens += tokens
     return {"shards": shards, "samples": sum(sizes), "tokens": total_tokens}
 
 
-def _manifest(root: Path, kind: str, seq_len: int, tok_info: dict | None, splits: dict, class_map: dict | None = None) -> Path:
+def _records(kind: str, samples: list, name: str, seq_len: int):
+    """Format-2 records of v1-style sample dicts (token kinds: a few records per shard, to cross record edges)."""
+    if kind == "images":
+        return samples
+    tuples = []
+    for _, sample in samples:
+        ids = np.frombuffer(sample["input_ids.u16"], dtype="<u2")
+        if kind == "packed_lm":
+            tuples.append(ids)
+        else:
+            meta = json.loads(sample["meta.json"])
+            tuples.append((ids, meta["len_a"], meta["len_b"], meta["next_sentence_label"]))
+    records = list(token_records(kind, tuples, name.removesuffix(".tar"), seq_len=seq_len, token_dtype=np.dtype("<u2"), max_samples=16))
+    return records
+
+
+def _manifest(root: Path, kind: str, seq_len: int, tok_info: dict | None, splits: dict, class_map: dict | None = None,
+              version: int = 2) -> Path:
     manifest = {
-        "schema_version": "1.0", "kind": kind, "seq_len": seq_len, "token_dtype": "uint16",
+        "schema_version": f"{version}.0", "kind": kind, "seq_len": seq_len, "token_dtype": "uint16",
         "tokenizer": tok_info or {}, "class_map": class_map or {}, "prep_config": {"source": "tests/pipelines/corpus_fixtures.py"},
         "splits": splits, "stats": {},
     }
@@ -91,7 +121,8 @@ def _manifest(root: Path, kind: str, seq_len: int, tok_info: dict | None, splits
     return root
 
 
-def make_bert_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0) -> Path:
+def make_bert_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0,
+                     version: int = 2) -> Path:
     """``bert_pairs`` corpus: [CLS] A [SEP] B [SEP]; B continues A (label 0) or is random (label 1)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -113,12 +144,13 @@ def make_bert_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(3
             return {"input_ids.u16": ids.tobytes(), "meta.json": json.dumps({"len_a": la, "len_b": lb, "next_sentence_label": label}).encode()}, len(ids)
         return sample
 
-    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1)),
-              "validation": _write_shards(root, "validation", list(val_sizes), make(2))}
-    return _manifest(root, "bert_pairs", seq_len, tok_info, splits)
+    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1), version, "bert_pairs", seq_len),
+              "validation": _write_shards(root, "validation", list(val_sizes), make(2), version, "bert_pairs", seq_len)}
+    return _manifest(root, "bert_pairs", seq_len, tok_info, splits, version=version)
 
 
-def make_gpt_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0) -> Path:
+def make_gpt_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0,
+                    version: int = 2) -> Path:
     """``packed_lm`` corpus: windows of seq_len+1 tokens of stride progressions."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -131,13 +163,13 @@ def make_gpt_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32
             return {"input_ids.u16": ids.tobytes()}, len(ids)
         return sample
 
-    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1)),
-              "validation": _write_shards(root, "validation", list(val_sizes), make(2))}
-    return _manifest(root, "packed_lm", seq_len, tok_info, splits)
+    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1), version, "packed_lm", seq_len),
+              "validation": _write_shards(root, "validation", list(val_sizes), make(2), version, "packed_lm", seq_len)}
+    return _manifest(root, "packed_lm", seq_len, tok_info, splits, version=version)
 
 
 def make_image_corpus(root: str | Path, *, train_sizes=(48, 40), val_sizes=(32,), size: int | tuple[int, int] = 40,
-                      classes: int = 4, seed: int = 0) -> Path:
+                      classes: int = 4, seed: int = 0, version: int = 2) -> Path:
     """``images`` corpus: PNGs (``size`` square, or (width, height)) whose dominant colour channel (or brightness) is the class."""
     from PIL import Image
 
@@ -156,6 +188,6 @@ def make_image_corpus(root: str | Path, *, train_sizes=(48, 40), val_sizes=(32,)
             return {"png": buf.getvalue(), "cls": str(label).encode()}, 1
         return sample
 
-    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1)),
-              "validation": _write_shards(root, "validation", list(val_sizes), make(2))}
-    return _manifest(root, "images", 0, None, splits, class_map={f"class{c}": c for c in range(classes)})
+    splits = {"train": _write_shards(root, "train", list(train_sizes), make(1), version, "images"),
+              "validation": _write_shards(root, "validation", list(val_sizes), make(2), version, "images")}
+    return _manifest(root, "images", 0, None, splits, class_map={f"class{c}": c for c in range(classes)}, version=version)

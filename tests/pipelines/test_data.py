@@ -43,8 +43,8 @@ def test_manifest_refusals_name_the_file(tmp_path, uneven):
     raw = json.loads((uneven / "manifest.json").read_text())
     bad = tmp_path / "bad"
     shutil.copytree(uneven, bad)
-    (bad / "manifest.json").write_text(json.dumps({**raw, "schema_version": "2.0"}))
-    with pytest.raises(DataError, match=r"manifest.json has schema_version '2.0'"):
+    (bad / "manifest.json").write_text(json.dumps({**raw, "schema_version": "3.0"}))
+    with pytest.raises(DataError, match=r"manifest.json has schema_version '3.0'"):
         load_manifest(bad)
     (bad / "manifest.json").write_text(json.dumps(raw))
     (bad / "tokenizer/tokenizer.json").write_text((bad / "tokenizer/tokenizer.json").read_text().replace("river", "rivers"))
@@ -110,13 +110,8 @@ def test_pipe_urls_stream_like_local_files(tmp_path, uneven):
     m = load_manifest(uneven)
     t = _task(m)
     local = _keys(_src(m, t), 6)
-    raw = json.loads((uneven / "manifest.json").read_text())
-    for s in raw["splits"]["train"]["shards"]:
-        s["url"] = f"pipe:cat {uneven / s['name']}"
-    piped = tmp_path / "piped"
-    shutil.copytree(uneven, piped)
-    (piped / "manifest.json").write_text(json.dumps(raw))
-    m2 = load_manifest(piped)
+    m2 = load_manifest(uneven, url_prefix=f"pipe:cat {uneven}/")  # the user's own data.url_prefix
+    assert m2.url(m2.splits["train"][0]) == f"pipe:cat {uneven}/train-000000.tar"
     assert _keys(_src(m2, _task(m2)), 6) == local
 
 
@@ -124,12 +119,14 @@ def test_bad_samples_are_replaced_counted_or_fail(tmp_path, uneven):
     m = load_manifest(uneven)
     shard = uneven / "train-000002.tar"
     data_bytes = shard.read_bytes()
-    shard.write_bytes(data_bytes[: len(data_bytes) // 2])  # truncated shard
+    shard.write_bytes(data_bytes[:1500])  # truncated inside its (only) record
     t = _task(m)
-    batches = list(_src(m, t, buf=64).batches(limit=10))  # all of epoch 0 of one rank: 43 // 4
+    batches = list(_src(m, t, buf=64, max_bad_share=1.0).batches(limit=10))  # all of epoch 0 of one rank: 43 // 4
     assert len(batches) == 10 and sum(b["num_bad"] for b in batches) > 0
     with pytest.raises(DataError, match="train-000002.tar"):
         list(_src(m, t, buf=64, on_bad_sample="fail").batches(limit=10))
+    with pytest.raises(DataError, match=r"max_bad_share=0.001.*train-000002.tar"):  # the default stops the run
+        list(_src(m, t, buf=64).batches(limit=10))
 
 
 def test_mlm_masking_80_10_10_is_keyed_not_global():
@@ -196,3 +193,15 @@ def test_map_style_source_balances_and_seeks():
     c = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1)
     c.load_state_dict(b.state_dict())
     assert head + [x["x"] for x in c.batches(limit=3)] == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_format_1_corpora_still_train_with_a_warning(tmp_path, caplog, workers):
+    v2 = load_manifest(cf.make_bert_corpus(tmp_path / "v2", train_sizes=(25, 11, 7), val_sizes=(8,)))
+    v1 = load_manifest(cf.make_bert_corpus(tmp_path / "v1", train_sizes=(25, 11, 7), val_sizes=(8,), version=1))
+    assert "corpus format 1.0, which is deprecated" in caplog.text and v1.version == (1, 0) and v2.version == (2, 0)
+    got = [_src(m, _task(m), workers=workers).batches(limit=12) for m in (v1, v2)]
+    for b1, b2 in zip(*got, strict=True):  # same samples at the same positions (masks are keyed, keys differ)
+        unmasked = [np.where(b["labels"].numpy() != -100, b["labels"].numpy(), b["input_ids"].numpy()) for b in (b1, b2)]
+        assert np.array_equal(*unmasked)
+        assert np.array_equal(b1["next_sentence_label"].numpy(), b2["next_sentence_label"].numpy())
