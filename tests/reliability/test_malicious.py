@@ -114,3 +114,20 @@ def test_empty_trainer_state_and_truncated_model_get_messages(ckpt, tmp_path):
     assert str(model) in str(err.value)
     with pytest.raises(ConfigError, match="probably truncated or damaged"):  # a checkpoint without checksums
         safe_torch_load(model)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_never_runs_a_payload_in_optim_states(tmp_path):
+    """A real DeepSpeed ZeRO-2 engine resuming (its own load_checkpoint asks for weights_only=False)."""
+    from trainer_job import run_job
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PWNED"
+    spec = {"run_dir": str(run_dir), "checkpoint_every": 2, "resume": "auto", "engine": "deepspeed", "zero_stage": 2}
+    run_job({**spec, "steps": 2})
+    ck = run_dir / "checkpoints" / "step-00000002"
+    optim = next((ck / "engine").glob("*optim_states.pt"))
+    plant_payload(optim, marker, torch.load(optim, weights_only=False))  # our own file, just written
+    reseal(ck)
+    with pytest.raises(ConfigError, match="optim_states.pt is not plain tensor data") as err:
+        run_job({**spec, "steps": 4})
+    assert str(optim) in str(err.value) and not marker.exists()
