@@ -109,7 +109,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     print(f"pretrained in {time.perf_counter() - t:.0f}s")
 
     t = _stage("4/5 Exporting the checkpoint to a Hugging Face directory")
-    export_checkpoint(run_dir, release)
+    export_checkpoint(run_dir, release, overwrite=True)  # the demo's own release (a rerun replaces it)
     print(f"exported to {release} ({time.perf_counter() - t:.0f}s)")
 
     t = _stage("5/5 Fine-tuning a classification head: which package is this docstring from?")
