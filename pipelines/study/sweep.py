@@ -38,7 +38,6 @@ import fnmatch
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -294,7 +293,6 @@ def run_one(
             _train_in_process(cfg, sweep.threads)
         else:
             from pipelines.engine.distributed import launch
-
             from pipelines.engine.trainer import claim_run_dir
 
             claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
