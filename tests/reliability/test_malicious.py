@@ -131,3 +131,20 @@ def test_deepspeed_resume_never_runs_a_payload_in_optim_states(tmp_path):
     with pytest.raises(ConfigError, match="optim_states.pt is not plain tensor data") as err:
         run_job({**spec, "steps": 4})
     assert str(optim) in str(err.value) and not marker.exists()
+
+
+def test_symlinked_engine_dir_and_an_added_tensor_file_are_refused(ckpt, tmp_path):
+    from pipelines.engine.checkpoint import verify_checkpoint
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(ckpt / "engine", elsewhere)
+    (ckpt / "engine").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="lies behind one") as err:
+        verify_checkpoint(ckpt)
+    assert str(ckpt / "engine") in str(err.value)
+    (ckpt / "engine").unlink()
+    shutil.move(elsewhere, ckpt / "engine")
+    verify_checkpoint(ckpt)
+    torch.save({"w": torch.zeros(2)}, ckpt / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ConfigError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt is not listed"):
+        verify_checkpoint(ckpt)
