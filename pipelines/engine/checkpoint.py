@@ -135,14 +135,17 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     """
     path = Path(path)
     state = read_trainer_state(path)
-    for rel, meta in (state.get("files") or {}).items():
+    files = state.get("files") or {}
+    root = path.resolve()
+    for rel, meta in files.items():
         f = path / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             raise CheckpointError(f"{path}/trainer_state.json lists {rel!r}, outside the checkpoint. Use another checkpoint.")
         if not f.is_file():
             raise CheckpointError(f"{f} is missing; the checkpoint is incomplete. Use another checkpoint.")
-        if f.is_symlink():
-            raise CheckpointError(f"{f} is a symlink; checkpoint files must be plain files. Use another checkpoint.")
+        if f.is_symlink() or not f.resolve().is_relative_to(root):
+            raise CheckpointError(f"{f} is a symlink (or lies behind one); checkpoint files must be plain files inside "
+                                  f"the checkpoint. Use another checkpoint.")
         size = f.stat().st_size
         if size != meta.get("bytes"):
             raise CheckpointError(f"{f} has {size} bytes, {meta.get('bytes')} were written: the file is truncated or "
@@ -150,6 +153,11 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         if sha256_file(f) != meta.get("sha256"):
             raise CheckpointError(f"{f} does not match its sha256 in trainer_state.json: the file is damaged or "
                                   f"changed. Use another checkpoint.")
+    if files:  # a tensor file nobody recorded was added afterwards (loaders glob for them)
+        extra = sorted(p.relative_to(path).as_posix() for p in path.rglob("*.pt") if p.relative_to(path).as_posix() not in files)
+        if extra:
+            raise CheckpointError(f"{path / extra[0]} is not listed in {path}/trainer_state.json: it was added after the "
+                                  f"checkpoint was written. Remove it or use another checkpoint.")
     return state
 
 

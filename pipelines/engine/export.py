@@ -125,13 +125,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     own run directory (fine-tuning's ``base-release``), not the checkpoint's.
     """
     import models
-    from pipelines.engine.checkpoint import verify_checkpoint
+    from pipelines.engine.checkpoint import read_trainer_state
 
     ckpt = resolve_checkpoint(checkpoint_dir)
     if not inside_run_dir:
         _refuse_overlap(ckpt, Path(out_dir))
     check_output_dir(out_dir, "release", what="Export destination", overwrite=overwrite)
-    state = verify_checkpoint(ckpt)
+    state = read_trainer_state(ckpt)  # every file is verified by consolidated_state_dict
     build = state.get("model_build") or {}
     if not build.get("name"):
         raise ConfigError(f"{ckpt}/trainer_state.json has no model_build entry; it was not written by pipelines.engine.trainer.")

@@ -102,6 +102,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         f"train.eval_every={max(steps // 3, 1)}",
         f"train.checkpoint_every={max(steps // 3, 1)}",
         f"schedule.warmup_steps={max(steps // 10, 1)}",
+        "train.overwrite=true",  # a rerun of the demo starts its own run over (resume: never)
     ]
     code = launch(str(CONFIGS / "demo" / "pretrain_bert.yaml"), train_overrides, opts.num_processes)
     if code != 0:
@@ -109,7 +110,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     print(f"pretrained in {time.perf_counter() - t:.0f}s")
 
     t = _stage("4/5 Exporting the checkpoint to a Hugging Face directory")
-    export_checkpoint(run_dir, release)
+    export_checkpoint(run_dir, release, overwrite=True)  # the demo's own release (a rerun replaces it)
     print(f"exported to {release} ({time.perf_counter() - t:.0f}s)")
 
     t = _stage("5/5 Fine-tuning a classification head: which package is this docstring from?")
@@ -120,6 +121,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             f"data.train={task / 'train.tsv'}",
             f"data.validation={task / 'validation.tsv'}",
             f"train.run_dir={out / 'runs' / 'finetune-docstrings'}",
+            "train.overwrite=true",
         ]
         + (["epochs=4"] if opts.small else []),
         cls=FinetuneConfig,

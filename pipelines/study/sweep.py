@@ -38,7 +38,6 @@ import fnmatch
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, apply_overrides, deep_merge, from_dict, load_config, load_yaml, option, save_config
-from core.files import atomic_write_text
+from core.files import atomic_write_text, discard
 from pipelines.engine.config import RunConfig
 
 __all__ = [
@@ -297,7 +296,7 @@ def run_one(
     if done is not None and not force:
         return {**done, "skipped": True}
     if done is not None:  # force: a clean rerun, not a resume from the final checkpoint
-        shutil.rmtree(spec.run_dir)
+        discard(spec.run_dir)  # renamed to trash first: a kill never leaves a half-deleted run
     started = time.time()
     record: dict[str, Any] = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes}
     try:
@@ -313,7 +312,9 @@ def run_one(
             _train_in_process(cfg, sweep.threads)
         else:
             from pipelines.engine.distributed import launch
+            from pipelines.engine.trainer import claim_run_dir
 
+            claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
             resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`
             save_config(cfg, resolved)
             launcher = "python" if sweep.num_processes == 1 else sweep.launcher

@@ -114,3 +114,37 @@ def test_empty_trainer_state_and_truncated_model_get_messages(ckpt, tmp_path):
     assert str(model) in str(err.value)
     with pytest.raises(ConfigError, match="probably truncated or damaged"):  # a checkpoint without checksums
         safe_torch_load(model)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_never_runs_a_payload_in_optim_states(tmp_path):
+    """A real DeepSpeed ZeRO-2 engine resuming (its own load_checkpoint asks for weights_only=False)."""
+    from trainer_job import run_job
+
+    run_dir, marker = tmp_path / "run", tmp_path / "PWNED"
+    spec = {"run_dir": str(run_dir), "checkpoint_every": 2, "resume": "auto", "engine": "deepspeed", "zero_stage": 2}
+    run_job({**spec, "steps": 2})
+    ck = run_dir / "checkpoints" / "step-00000002"
+    optim = next((ck / "engine").glob("*optim_states.pt"))
+    plant_payload(optim, marker, torch.load(optim, weights_only=False))  # our own file, just written
+    reseal(ck)
+    with pytest.raises(ConfigError, match="optim_states.pt is not plain tensor data") as err:
+        run_job({**spec, "steps": 4})
+    assert str(optim) in str(err.value) and not marker.exists()
+
+
+def test_symlinked_engine_dir_and_an_added_tensor_file_are_refused(ckpt, tmp_path):
+    from pipelines.engine.checkpoint import verify_checkpoint
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(ckpt / "engine", elsewhere)
+    (ckpt / "engine").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="lies behind one") as err:
+        verify_checkpoint(ckpt)
+    assert str(ckpt / "engine") in str(err.value)
+    (ckpt / "engine").unlink()
+    shutil.move(elsewhere, ckpt / "engine")
+    verify_checkpoint(ckpt)
+    torch.save({"w": torch.zeros(2)}, ckpt / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ConfigError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt is not listed"):
+        verify_checkpoint(ckpt)

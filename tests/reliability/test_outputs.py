@@ -121,3 +121,22 @@ def test_run_dir_of_an_older_version_is_adopted(tmp_path):
     (run_dir / MARKER).unlink()
     summary, _ = run_job(_spec(run_dir, steps=6, resume="auto"))
     assert summary["resumed_from"] and summary["steps"] == 6 and output_kind(run_dir) == "run"
+
+
+def test_prepare_refuses_a_users_folder_before_touching_it(tmp_path):
+    """`pretrain prepare` output=<a user's folder>: refused before the manifest (or anything) is removed."""
+    from core.config import ConfigError
+    from data_prep.config import PrepConfig, SourceConfig
+    from data_prep.job import run_prepare
+
+    (tmp_path / "doc.txt").write_text("Some text. " * 50)
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"my": "own manifest"}')
+    (mine / "train-000000.tar").write_bytes(b"my backup")
+    before = tree(mine)
+    cfg = PrepConfig(kind="packed_lm", output=str(mine), seq_len=16, progress=False,
+                     sources=[SourceConfig(type="text", paths=[str(tmp_path / "doc.txt")])])
+    with pytest.raises(ConfigError, match="not empty and was not created by pretrain"):
+        run_prepare(cfg)
+    assert tree(mine) == before
