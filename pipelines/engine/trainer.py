@@ -43,12 +43,15 @@ def _init_from(model: torch.nn.Module, path: str) -> None:
     from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
-    missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+    hint = "Use the same model.name and model.overrides as the run that wrote it."
+    try:
+        missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise ConfigError(f"model.init_from={path}: {str(exc).splitlines()[-1].strip()} {hint}") from None
     tied = {k for k in missing if k.endswith(("decoder.weight", "lm_head.weight"))}
     if set(missing) - tied or unexpected:
         raise ConfigError(f"model.init_from={path}: the checkpoint's weights do not fit model.name (missing "
-                          f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}). Use the same "
-                          f"model.name and model.overrides as the run that wrote it.")
+                          f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}). {hint}")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
 

@@ -138,3 +138,7 @@ def test_model_init_from_starts_from_a_checkpoints_weights(tmp_path):
                              [f"model.init_from={ckpt}", "model.overrides={num_layers: 3}"])
     with pytest.raises(ConfigError, match="model.init_from"):
         build_model(bigger, task)
+    wider = load_run_config(REPO / "configs/train/bert_tiny_cpu.yaml",
+                            [f"model.init_from={ckpt}", "model.overrides={hidden_size: 64, intermediate_size: 256}"])
+    with pytest.raises(ConfigError, match="model.init_from"):
+        build_model(wider, task)

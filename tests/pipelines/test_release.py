@@ -149,3 +149,26 @@ def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     preds = [p[0]["label"] for p in clf(images, top_k=1)]
     accuracy = sum(p == y for p, y in zip(preds, labels, strict=True)) / len(labels)
     assert accuracy == pytest.approx(summary["eval"]["top1"], abs=1e-9), (accuracy, summary["eval"])
+
+
+def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
+    """BERT releases too: pad/unk/cls/sep/mask ids in config.json are the WordPiece tokenizer's."""
+    import corpus_fixtures as cf
+    from transformers import AutoTokenizer
+
+    import models
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt = tmp_path / "step-00000001"
+    _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
+    overrides = {"vocab_size": vocab}
+    model = models.create("bert-tiny", **overrides)
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "task": "mlm_nsp", "engine": "ddp",
+                                                         "model_build": {"name": "bert-tiny", "overrides": overrides}}))
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    tok = AutoTokenizer.from_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    for name in ("pad_token_id", "unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
+        assert getattr(tok, name) is not None and cfg.get(name) == getattr(tok, name), name
