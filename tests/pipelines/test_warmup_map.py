@@ -98,6 +98,7 @@ def test_shipped_map_config():
     arms = {(s.axes["optimizer"], s.axes["warmup"]) for s in specs}
     assert arms == {("adam", "none"), ("adam", "linear"), ("adam", "untuned_exponential"), ("radam", "none")}
     assert set(sweep.axes) == {"norm", "depth"} and len(sweep.seeds) >= 3 and len(sweep.lrs) >= 3
+    assert sweep.fail_k == 2.0 and load_sweep(REPO / "configs/sweeps/warmup_map.yaml", ["fail_k=3"]).fail_k == 3.0
     assert len(specs) == 4 * 3 * 3 * len(sweep.lrs) * len(sweep.seeds)
     inits = {run_config(sweep, s).model.overrides.get("init") for s in specs[:27]}
     assert inits == {"standard", "t-fixup"}
