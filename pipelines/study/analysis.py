@@ -484,7 +484,7 @@ def render_study(
     if manifest.get("config", {}).get("axes"):  # a depth x lr x norm sweep: the warmup map, figures of its hardest cell
         from pipelines.study.warmup_map import focus_runs, render_map
 
-        map_images, _, _ = render_map(runs, out)
+        map_images, _, _ = render_map(runs, out, k=float(manifest["config"].get("fail_k", 2.0)))
         runs = focus_runs(runs)
     arms = _arms(runs)
     colors = _colors(list(arms))

@@ -94,6 +94,7 @@ class SweepConfig:
     )
     jobs: int = option(1, help="--local: runs at the same time (each a subprocess when > 1; e.g. one per core).")
     threads: int = option(0, help="Intra-op CPU threads per run (torch / OMP_NUM_THREADS); 0 leaves the default.")
+    fail_k: float = option(2.0, help="Report (warmup map): a run fails when its final loss is > k seed std above the best arm.")
     target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
     slurm_script: str = option(
         "slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides)."

@@ -301,7 +301,7 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any]) -> str:
 
 
 def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[tuple[str, str]], dict[str, Any], str]:
-    """Classify ``runs`` (``analysis.StudyRun``), draw the map figures, write map_table.md / map_summary.json.
+    """Classify the finished ``runs`` (``analysis.StudyRun``), draw the map figures, write map_table.md / map_summary.json.
 
     Returns (images as (file, caption), the summary, the markdown table).
     """
@@ -309,7 +309,10 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
 
     from core.files import atomic_write_text
 
+    runs = [r for r in runs if r.status.get("status") in ("ok", "diverged")]  # finished runs only (a sweep may be running)
     classified = classify([run_result(r) for r in runs], k)
+    if not classified:
+        return [], {}, ""
     found = claims(classified, k)
     images = [
         (draw_map(classified, out, "rate")[0], "Failure rate of each arm per depth × lr (rows: norm placement)"),

@@ -1,6 +1,7 @@
 """The transformer core against written-out references: attention, masks, LN placement, positions, init."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -182,3 +183,20 @@ def test_torch_compile_matches_eager():
     assert torch.allclose(
         compiled(ids, mask, types)["prediction_logits"], model(ids, mask, types)["prediction_logits"], atol=1e-5
     )
+
+
+def test_t_fixup_deep_bert_scales_with_depth_and_stays_finite():
+    """Huang et al. 2020 Alg. 1 step 4: v, w and the MLP matrices of an N-block encoder get 0.67 N^-1/4 x Xavier."""
+    stds = {}
+    for n in (2, 12):
+        torch.manual_seed(0)
+        over = dict(TINY_TEXT, num_layers=n, hidden_size=64, intermediate_size=256)
+        model = models.create("bert-tiny", **over, init="t-fixup")
+        blocks = model.bert.blocks
+        stds[n] = statistics.fmean(b.attn.proj.weight.std().item() for b in blocks)
+        ids = torch.randint(5, TINY_TEXT["vocab_size"], (2, 16))
+        out = model(ids, labels=torch.where(torch.rand(2, 16) < 0.3, ids, -100), next_sentence_label=torch.tensor([0, 1]))
+        assert torch.isfinite(out["loss"]) and 0 < out["loss"].item() < 3 * math.log(TINY_TEXT["vocab_size"])
+        out["loss"].backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert stds[12] / stds[2] == pytest.approx(t_fixup_scale(12) / t_fixup_scale(2), rel=0.05)  # = (2/12)^(1/4)

@@ -1,0 +1,131 @@
+"""The warmup map (issue #21): grid axes in the sweep, the failure classification, the depth x lr heat-maps."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.study.analysis import render_study
+from pipelines.study.sweep import expand, load_sweep, run_config, run_local
+from pipelines.study.warmup_map import MAP_FIGURES, claims, classify, draw_map
+
+REPO = Path(__file__).resolve().parents[2]
+NORMS = {
+    "post": ["model.overrides.norm_placement=post", "model.overrides.init=standard"],
+    "tfixup": ["model.overrides.norm_placement=post", "model.overrides.init=t-fixup"],
+}
+
+
+def result(arm, seed, final, start=9.7, norm="post", depth=6, lr=1e-2):
+    return {"name": f"{arm}-{norm}-{depth}-{lr}-s{seed}", "arm": arm, "norm": norm, "depth": depth, "lr": lr,
+            "seed": seed, "start": start, "final": final}
+
+
+def test_failure_classification_on_hand_made_runs():
+    cell = [
+        result("adam-linear", 0, 5.00), result("adam-linear", 1, 5.10), result("adam-linear", 2, 5.05),
+        result("radam-none", 0, 5.08), result("radam-none", 1, 5.02), result("radam-none", 2, 5.12),
+        result("adam-none", 0, math.nan),  # NaN: diverged
+        result("adam-none", 1, 10.4),  # final loss above its start (9.7)
+        result("adam-none", 2, 6.0),  # finite and below start, but ~19 pooled std above the best arm
+        result("adam-none", 0, 5.06, depth=2),  # another cell, alone there: fine
+    ]
+    out = {(r["arm"], r["seed"], r["depth"]): r for r in classify(cell, k=2.0)}
+    assert out[("adam-none", 0, 6)]["reason"] == "diverged" and out[("adam-none", 0, 6)]["fail"]
+    assert out[("adam-none", 1, 6)]["reason"] == "above_start"
+    assert out[("adam-none", 2, 6)]["reason"] == "k_sigma"
+    assert not any(out[(a, s, 6)]["fail"] for a in ("adam-linear", "radam-none") for s in range(3))
+    assert out[("adam-none", 0, 2)]["fail"] is False
+    best = out[("adam-linear", 0, 6)]["cell_best"]
+    assert best == pytest.approx(5.05)  # adam-linear's mean (radam's is 5.0667)
+    # k is the knob: with k = 30 the 6.0 run is no longer a failure (pooled std 0.05 -> threshold 6.55)
+    assert classify(cell, k=30.0)[8]["fail"] is False
+    found = claims(classify(cell, k=2.0))
+    post = found["norms"]["post"]
+    assert post["no_warmup_fail_cells"] == 1 and post["no_warmup_first_failing_lr"] == {"2": None, "6": 1e-2}
+    assert post["no_warmup_failures_rescued_by"] == [{"depth": 6, "lr": 1e-2, "arms_ok": ["adam-linear", "radam-none"]}]
+
+
+def test_map_has_one_panel_per_norm_and_arm(tmp_path):
+    rows = [
+        result(arm, seed, 5.0 + 0.01 * seed + (0.5 if arm == "adam-none" and depth == 6 else 0), norm=norm, depth=depth, lr=lr)
+        for arm in ("adam-none", "adam-linear", "adam-untuned_exponential", "radam-none")
+        for norm in ("post", "pre", "tfixup")
+        for depth in (2, 6)
+        for lr in (1e-3, 1e-2)
+        for seed in range(3)
+    ]
+    classified = classify(rows)
+    for value, name in (("rate", "map_failure.png"), ("final", "map_loss.png")):
+        png, panels = draw_map(classified, tmp_path, value)
+        assert png == name and (tmp_path / name).stat().st_size > 10_000
+        assert len(panels) == 4 * 3 and panels[:2] == [("post", "adam-none"), ("post", "adam-linear")]
+    assert claims(classified)["norms"]["pre"]["no_warmup_first_failing_lr"] == {"2": None, "6": 1e-3}
+
+
+def test_axes_extend_the_grid_names_and_overrides(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({
+        "out_dir": str(tmp_path / "sw"), "corpus": "c",
+        "run": {"model": {"name": "bert-tiny"}},
+        "optimizers": {"adam": ["optim.name=adam"]}, "warmups": {"none": ["schedule.warmup=none"]},
+        "lrs": [1e-2], "seeds": [0, 1],
+        "axes": {"norm": NORMS, "depth": {"L2": ["model.overrides.num_layers=2"], "L6": ["model.overrides.num_layers=6"]}},
+    }, sort_keys=False))
+    sweep = load_sweep(path)
+    specs = expand(sweep)
+    assert [s.name for s in specs[:4]] == [
+        "adam-none-lr1e-2-post-L2-s0", "adam-none-lr1e-2-post-L6-s0",
+        "adam-none-lr1e-2-tfixup-L2-s0", "adam-none-lr1e-2-tfixup-L6-s0",
+    ]
+    assert len(specs) == 8 and specs[4].name.endswith("-s1") and specs[3].arm == "adam-none-lr1e-2-tfixup-L6"
+    assert specs[3].axes == {"optimizer": "adam", "warmup": "none", "lr": 1e-2, "norm": "tfixup", "depth": "L6", "seed": 0}
+    cfg = run_config(sweep, specs[3])
+    assert cfg.model.overrides == {"norm_placement": "post", "init": "t-fixup", "num_layers": 6}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"axes": {"norm": {"post-ln": ["model.overrides.norm_placement=post"]}}}))
+    with pytest.raises(Exception, match="post-ln"):
+        load_sweep(bad)
+
+
+def test_shipped_map_config():
+    sweep = load_sweep(REPO / "configs/sweeps/warmup_map.yaml")
+    specs = expand(sweep)
+    arms = {(s.axes["optimizer"], s.axes["warmup"]) for s in specs}
+    assert arms == {("adam", "none"), ("adam", "linear"), ("adam", "untuned_exponential"), ("radam", "none")}
+    assert set(sweep.axes) == {"norm", "depth"} and len(sweep.seeds) >= 3 and len(sweep.lrs) >= 3
+    assert sweep.fail_k == 2.0 and load_sweep(REPO / "configs/sweeps/warmup_map.yaml", ["fail_k=3"]).fail_k == 3.0
+    assert len(specs) == 4 * 3 * 3 * len(sweep.lrs) * len(sweep.seeds)
+    inits = {run_config(sweep, s).model.overrides.get("init") for s in specs[:27]}
+    assert inits == {"standard", "t-fixup"}
+
+
+@pytest.mark.slow
+def test_tiny_grid_end_to_end(tmp_path, bert_corpus):
+    """A real 2 norms x 2 lrs x 2 arms sweep of 1-layer BERTs, then the report: map files and classification."""
+    from test_sweep import TINY_RUN
+
+    run = json.loads(json.dumps(TINY_RUN))
+    run["logging"]["diagnostics_every"] = 2
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({
+        "out_dir": str(tmp_path / "sw"), "corpus": str(bert_corpus), "run": run,
+        "optimizers": {"adam": ["optim.name=adam"]},
+        "warmups": {"none": ["schedule.warmup=none"], "linear": ["schedule.warmup=linear", "schedule.warmup_steps=2"]},
+        "lrs": [1e-3, 1e30], "seeds": [0], "axes": {"norm": NORMS},
+    }, sort_keys=False))
+    records = run_local(load_sweep(path))
+    assert {r["status"] for r in records if "lr1e30" in r["name"]} == {"diverged"}
+    page = render_study(tmp_path / "sw")
+    for name in MAP_FIGURES:
+        assert (page.parent / name).stat().st_size > 5_000
+    summary = json.loads((page.parent / "map_summary.json").read_text())
+    by_name = {r["name"]: r for r in summary["runs"]}
+    assert len(by_name) == 8
+    assert all(r["fail"] and r["reason"] == "diverged" for n, r in by_name.items() if "lr1e30" in n)
+    assert {r["norm"] for r in by_name.values()} == {"post", "tfixup"}
+    assert "| post | adam-none | 1 |" in (page.parent / "map_table.md").read_text()
