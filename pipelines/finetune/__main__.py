@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from core.config import ConfigError
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipelines.engine.distributed import load_launched_config
 
         cfg = load_launched_config(args.config, args.overrides, cls=FinetuneConfig)  # + accelerate file fields
-        check(cfg)
+        check(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # every launcher sets WORLD_SIZE
         run_finetune(cfg)
     except (ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -100,3 +100,20 @@ def test_accelerate_launch_config_file_precision_reaches_the_run(bert_corpus, tm
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["precision"] == "bf16" and state["zero_stage"] == 1
     assert "train.precision='bf16' applied" in proc.stderr
+
+
+@pytest.mark.slow
+def test_pretrain_finetune_under_the_real_deepspeed_launcher_reaches_our_config_check(tmp_path):
+    """`pretrain finetune --launcher deepspeed --nproc 2`: every rank gets `--local_rank=N` and must get
+    past argument parsing to our own config check (here: a bad value the CLI's check cannot see)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 5}))  # 5 != micro 32 x accum 1 x world 2: a per-rank refusal
+    code = ("import sys; from pipelines.engine.distributed import launch; "
+            f"sys.exit(launch({str(REPO / 'configs/finetune/classification.yaml')!r}, "
+            f"['distributed.engine=deepspeed', 'distributed.zero_stage=2', 'distributed.deepspeed_config={ds}'], 2, "
+            "launcher='deepspeed', module='pipelines.finetune'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "unrecognized arguments" not in out
+    assert "train_batch_size=5 != micro_batch_size 32 x grad_accum_steps 1 x world size 2" in out
