@@ -205,3 +205,35 @@ def test_format_1_corpora_still_train_with_a_warning(tmp_path, caplog, workers):
         unmasked = [np.where(b["labels"].numpy() != -100, b["labels"].numpy(), b["input_ids"].numpy()) for b in (b1, b2)]
         assert np.array_equal(*unmasked)
         assert np.array_equal(b1["next_sentence_label"].numpy(), b2["next_sentence_label"].numpy())
+
+
+def test_an_epoch_reads_each_shard_byte_about_once(tmp_path):
+    from pipelines.loading import shard_io
+
+    root = cf.make_gpt_corpus(tmp_path / "g", train_sizes=(300, 260), val_sizes=(8,))
+    m = load_manifest(root)
+    read = []
+
+    class Counting:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+        def read(self, n=-1):
+            data = self.fh.read(n)
+            read.append(len(data))
+            return data
+
+    reader = shard_io.ShardReader(m)
+    opened = reader._file
+    reader._file = lambda url: Counting(opened(url))
+    shards = m.shards("train")
+    total = sum(s.samples for s in shards)
+    got = []
+    for start in range(0, total, 50):  # consecutive 50-sample windows, as a worker's span reads them
+        got += [k for _, k, _ in shard_io.read_samples(m, shards, start, min(50, total - start), reader)]
+    assert len(set(got)) == total
+    records = sum(int(np.load(root / s.index["name"])[:, 1].sum()) for s in shards)  # all but the tar end padding
+    assert sum(read) == records and len(read) <= -(-total // 50)  # every record read once, one read per window
