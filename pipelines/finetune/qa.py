@@ -186,9 +186,9 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
                               "predictions": str(run_dir / "predictions.json")}
     if env.rank == 0:
         out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", cfg)
-        predictions, _ = predict_release(out, val_ex, cfg)
+        predictions, null_odds = predict_release(out, val_ex, cfg)
         atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
-        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2)
+        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
     dist.barrier_if_initialized()
     if env.rank != 0:

@@ -284,3 +284,24 @@ def test_v2_null_answer_and_threshold(qa_tokenizer):
     preds, _ = decode_predictions([ex], feats, starts, ends, null_score_threshold=2.0, **common)
     assert preds["long"] == "nonlocal"
     assert decode_predictions([ex], feats, starts, ends, n_best=5, max_answer_len=10)[0]["long"] == "nonlocal"  # v1.1
+
+
+def test_v2_best_exact_and_f1_sweep_the_null_threshold_as_the_official_script():
+    ctx = "The parser reads tokens from the input stream and builds a tree."
+    ex = [QAExample("q1", "What reads tokens?", ctx, [{"text": "The parser", "answer_start": 0}], False, "q1"),
+          QAExample("q2", "What is built?", ctx, [{"text": "a tree", "answer_start": ctx.index("a tree")}], False, "q2"),
+          QAExample("q3", "Who wrote it?", ctx, [], True, "q3"),
+          QAExample("q4", "When?", ctx, [], True, "q4")]
+    preds = {"q1": "the parser", "q2": "input stream", "q3": "tokens", "q4": ""}
+    odds = {"q1": -1.0, "q2": 2.0, "q3": 0.5, "q4": 3.0}
+    m = squad_metrics(ex, preds, version_2=True, null_odds=odds)
+    # all "" scores 2/4; answering q1 (odds -1) adds 1 -> 3/4, the best; q3 would then cost 1, q2 adds 0
+    assert m["exact_match"] == 50.0 and m["best_exact"] == 75.0 and m["best_exact_thresh"] == -1.0
+    # F1: q2 "input stream" vs "a tree" has no token in common; the best is the same sweep
+    assert m["best_f1"] == 75.0 and m["best_f1_thresh"] == -1.0
+    preds["q2"] = "builds a tree"  # F1 2/3 (normalized "builds tree" vs "tree"), EM 0
+    m = squad_metrics(ex, preds, version_2=True, null_odds={**odds, "q2": 0.2, "q3": 2.5})
+    # odds order q1 (+1), q2 (+2/3 F1, +0 EM), q3 (-1), q4 (0): F1 peaks at q2's odds, EM at q1's
+    assert m["best_f1"] == pytest.approx(100 * (2 + 1 + 2 / 3) / 4) and m["best_f1_thresh"] == 0.2
+    assert m["best_exact"] == 75.0 and m["best_exact_thresh"] == -1.0
+    assert "best_f1" not in squad_metrics(ex, preds, version_2=True)  # no null odds, nothing to sweep
