@@ -160,9 +160,13 @@ def prepare_features(examples: list[QAExample], tokenizer: Any, *, max_seq_len: 
     """Windows `[CLS] question [SEP] context-slice [SEP]` with char offsets for context tokens (None elsewhere).
 
     With ``labels``: every window gets token ``start_position``/``end_position``. A window that does
-    not hold the whole answer is labelled null (CLS, index 0) for v2 — the model learns "not here"
-    — and dropped for v1.1 (which has no null answer). An answerable question whose answer lies in
-    no window (an answer longer than a window) is counted in ``report`` and contributes nothing.
+    not hold the whole answer is labelled null ([CLS], index 0), for v1.1 as for v2 (BERT's SQuAD
+    recipe, transformers' `run_qa`): the model learns "not in this window", which is what lets the
+    decoder compare span scores across the windows of a long context. (Dropping those windows for
+    v1.1 left the model never seeing a window without the answer; its spans in such windows then
+    outscored the right one, and it trained on fewer windows: F1 far below transformers' Trainer.)
+    An answerable question whose answer lies in no window (an answer longer than a window) is
+    counted in ``report`` and contributes no window.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise FinetuneError("QA fine-tuning needs a fast tokenizer (tokenizer.json) for offset mappings; "
@@ -190,13 +194,12 @@ def prepare_features(examples: list[QAExample], tokenizer: Any, *, max_seq_len: 
         if labels:
             ex = examples[example_index]
             span = None if ex.is_impossible else _token_span(offsets, ex.answers[0])
-            if span is None and not (version_2 or ex.is_impossible):
-                continue  # v1.1: this window does not hold the answer
             found[example_index] |= span is not None or ex.is_impossible
             feat["start_position"], feat["end_position"] = span or (0, 0)
         features.append(feat)
-    if labels and report is not None:
-        for k in np.flatnonzero(~found):
+    if labels:
+        features = [f for f in features if found[f["example_index"]]]  # no window holds the answer: bad, skipped
+        for k in np.flatnonzero(~found) if report is not None else ():
             report.add_bad("answer lies in no window (longer than max_seq_len allows)", examples[k].where)
     return features
 

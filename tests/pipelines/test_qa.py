@@ -204,12 +204,31 @@ def test_windows_cover_the_context_and_labels_map_back_to_the_answer(qa_tokenize
     covered = sorted({o for f in feats for o in f["offsets"] if o is not None})
     assert covered[0][0] == 0 and covered[-1][1] == len(ex.context.rstrip())
     labelled = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
-    assert len(labelled) >= 1  # v1.1: windows without the answer are dropped
-    for f in labelled:
+    holding = [f for f in labelled if f["start_position"] > 0]
+    assert len(holding) >= 1
+    for f in holding:
         s, e = f["start_position"], f["end_position"]
         assert ex.context[f["offsets"][s][0]: f["offsets"][e][1]] == "nonlocal"
     v2 = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True, version_2=True)
-    assert len(v2) == len(feats) and sum(f["start_position"] == 0 for f in v2) == len(feats) - len(labelled)
+    assert len(v2) == len(feats) and sum(f["start_position"] == 0 for f in v2) == len(feats) - len(holding)
+
+
+def test_v1_trains_on_every_window_and_labels_windows_without_the_answer_at_cls(qa_tokenizer):
+    """The standard SQuAD v1.1 recipe (BERT's run_squad, transformers' run_qa): no window is dropped.
+
+    A window that does not hold the answer is labelled [CLS] (0, 0), so the model learns that its
+    spans there are not the answer; the decoder takes the best span over all windows and relies on it.
+    """
+    ex = _long_example(qa_tokenizer)
+    feats = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16)
+    labelled = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
+    assert [f["input_ids"] for f in labelled] == [f["input_ids"] for f in feats]  # every window trained on
+    nulls = [f for f in labelled if (f["start_position"], f["end_position"]) == (0, 0)]
+    assert len(feats) >= 3 and 1 <= len(nulls) < len(feats)
+    for f in nulls:  # exactly the windows whose context slice misses the answer's characters
+        a0 = ex.answers[0]["answer_start"]
+        ctx = [o for o in f["offsets"] if o is not None]
+        assert not (ctx[0][0] <= a0 and ctx[-1][1] >= a0 + len("nonlocal"))
 
 
 def test_answer_longer_than_any_window_is_counted_bad(qa_tokenizer):
