@@ -141,11 +141,12 @@ class Trainer:
             meter.start_step()
             micro = [next(batches) for _ in range(t.grad_accum_steps)]
             meter.data_ready()
-            loss_sum, tokens, bad, keys = 0.0, 0, 0, []
+            loss_sum, tokens, bad, keys, flops = 0.0, 0, 0, [], 0.0
             for i, batch in enumerate(micro):
                 keys.extend(batch.get("keys", []))
                 bad += int(batch.get("num_bad", 0))
                 tokens += self.task.tokens(batch)
+                flops += self.task.batch_flops(batch, self.model_config) or 0.0
                 boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
                 loss_sum += float(boundary_loss.detach())
                 if i < len(micro) - 1:
@@ -172,7 +173,8 @@ class Trainer:
             if self.start_loss is None and math.isfinite(loss):
                 self.start_loss = loss
             self.last_loss = loss
-            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens, peer_wait)
+            rates = meter.end_step(len(keys) or t.grad_accum_steps * cfg.data.micro_batch_size, tokens, peer_wait,
+                                   flops=flops or None)
             if trace is not None:
                 trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
                 trace.flush()

@@ -92,6 +92,12 @@ class ClassificationTask(Task):
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
 
+    def batch_flops(self, batch, config):
+        """Real sequence lengths of the valid items (dynamic padding: widths vary by batch)."""
+        from models.flops import encoder_training_flops
+
+        return encoder_training_flops(config, batch["attention_mask"][batch["valid"].bool()].sum(1).tolist())
+
 
 def _padded(features: list[dict[str, Any]], multiple: int, pad_label: int | float) -> list[dict[str, Any]]:
     """Mark real items valid and pad with invalid ones so every rank evaluates the whole dev set."""

@@ -103,6 +103,13 @@ class QATask(Task):
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
 
+    def batch_flops(self, batch, config):
+        """Real window lengths (not the padded width, not max_position_embeddings, no MLM head): MFU stays honest."""
+        from models.flops import encoder_training_flops
+
+        rows = batch["attention_mask"][batch["valid"].bool()]
+        return encoder_training_flops(config, rows.sum(1).tolist(), head_outputs=2)
+
 
 def build_qa_model(release: Path, init: str, seed: int = 0) -> torch.nn.Module:
     """Our `QuestionAnswering` on the release's BERT encoder; `init=random` re-initializes every weight.

@@ -324,3 +324,21 @@ def test_v2_best_exact_and_f1_sweep_the_null_threshold_as_the_official_script():
     assert m["best_f1"] == pytest.approx(100 * (2 + 1 + 2 / 3) / 4) and m["best_f1_thresh"] == 0.2
     assert m["best_exact"] == 75.0 and m["best_exact_thresh"] == -1.0
     assert "best_f1" not in squad_metrics(ex, preds, version_2=True)  # no null odds, nothing to sweep
+
+
+def test_qa_step_flops_count_real_window_lengths_not_max_positions_and_mlm_head(qa_tokenizer):
+    """MFU over 100 % (#20): QA counted every sample at max_position_embeddings with a dense MLM head."""
+    from models.bert import BertConfig
+    from models.flops import block_matmul_params, training_flops_per_sample
+    from pipelines.finetune.qa import QATask, collate_qa
+
+    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536)
+    ex = _long_example(qa_tokenizer)
+    feats = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
+    batch = collate_qa([{**f, "valid": True} for f in feats], qa_tokenizer.pad_token_id)
+    lengths = [len(f["input_ids"]) for f in feats]
+    n, d = block_matmul_params(cfg), cfg.hidden_size
+    by_hand = sum(6 * n * L + 12 * cfg.num_layers * d * L * L + 6 * d * 2 * L for L in lengths)
+    got = QATask(qa_tokenizer.pad_token_id).batch_flops(batch, cfg)
+    assert got == pytest.approx(by_hand)
+    assert got < len(feats) * training_flops_per_sample(cfg) / 4  # the old count: 512 positions + a 30k-word head
