@@ -22,14 +22,9 @@ from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune.classification import (
-    _best_epoch,
-    _early_stopping,
-    epoch_run_config,
-    load_tokenizer,
-    resolve_release,
-)
+from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.runner import best_epoch, early_stopping, epoch_run_config, load_tokenizer, resolve_release
 from pipelines.finetune.squad import (
     QAExample,
     check_bad_share,
@@ -184,10 +179,10 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
                                  micro_batch_size=d.micro_batch_size, shuffle=False, **common),
         model_build={"name": "bert-qa", "checkpoint": str(release)},
         data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
-        should_stop=_early_stopping(cfg), config_to_save=cfg,
+        should_stop=early_stopping(cfg), config_to_save=cfg,
     )
     summary = trainer.fit()
-    best_step, history = _best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
     result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
                               "history": history, "steps": summary["steps"],
                               "predictions": str(run_dir / "predictions.json")}
@@ -196,6 +191,9 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
         predictions, null_odds = predict_release(out, val_ex, cfg)
         atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
         result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
+        write_card(out, name=f"{Path(release).name}-qa", base=release, pipeline_tag="question-answering",
+                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
+                   body=(out / "README.md").read_text(encoding="utf-8"))
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
     dist.barrier_if_initialized()
     if env.rank != 0:
