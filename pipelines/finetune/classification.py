@@ -93,7 +93,9 @@ class ClassificationTask(Task):
         """Real sequence lengths of the valid items (dynamic padding: widths vary by batch)."""
         from models.flops import encoder_training_flops
 
-        return encoder_training_flops(config, batch["attention_mask"][batch["valid"].bool()].sum(1).tolist())
+        mask = batch["attention_mask"]
+        rows = mask[batch["valid"].bool()] if "valid" in batch else mask
+        return encoder_training_flops(config, rows.sum(1).tolist())
 
 
 def _padded(features: list[dict[str, Any]], multiple: int, pad_label: int | float) -> list[dict[str, Any]]:

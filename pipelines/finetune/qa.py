@@ -102,7 +102,7 @@ class QATask(Task):
         """Real window lengths (not the padded width, not max_position_embeddings, no MLM head): MFU stays honest."""
         from models.flops import encoder_training_flops
 
-        rows = batch["attention_mask"][batch["valid"].bool()]
+        rows = batch["attention_mask"][batch["valid"].bool()] if "valid" in batch else batch["attention_mask"]
         return encoder_training_flops(config, rows.sum(1).tolist(), head_outputs=2)
 
 
