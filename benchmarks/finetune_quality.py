@@ -40,8 +40,9 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def make_release(out: Path, layers: int, hidden: int, vocab: int = 4000) -> Path:
     """A random-init transformers BERT (BertForMaskedLM) with a WordPiece tokenizer trained on the pydoc topics."""
-    import torch
     from pydoc_data.topics import topics
+
+    import torch
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
 

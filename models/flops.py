@@ -24,7 +24,7 @@ from .gpt import GPTConfig
 from .layers import TransformerConfig
 from .vit import ViTConfig
 
-__all__ = ["training_flops_per_token", "training_flops_per_sample", "block_matmul_params"]
+__all__ = ["training_flops_per_token", "training_flops_per_sample", "block_matmul_params", "encoder_training_flops"]
 
 
 def block_matmul_params(cfg: TransformerConfig) -> int:
@@ -81,3 +81,20 @@ def training_flops_per_sample(config: TransformerConfig, seq_len: int | None = N
         return training_flops_per_image(config)
     T = seq_len or config.max_position_embeddings
     return training_flops_per_token(config, T, mlm_fraction=mlm_fraction) * T
+
+
+def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int = 0) -> float:
+    """Training FLOPs of a batch of sequences of the given real lengths through the blocks + a small head.
+
+    Per sequence of L tokens: 6 N L + 12 l d L^2 (the per-token count above times L, attention at
+    the sequence's own length) + 6 d K per output of a task head with K outputs per token (QA: K = 2)
+    or per sequence (classification, pass ``head_outputs`` as K / L yourself if you need it exact).
+    Fine-tuning batches are padded to their longest item; padding is not useful work and not counted.
+    No pretraining head (MLM/NSP) is counted: fine-tuning models do not run one.
+    """
+    n = block_matmul_params(config)
+    total = 0.0
+    for length in lengths:
+        L = int(length)
+        total += 6 * n * L + _attention_flops(config, L) * L + 6 * config.hidden_size * head_outputs * L
+    return float(total)

@@ -215,10 +215,10 @@ class ThroughputMeter:
         self._clock = clock
         self.warmup_steps = int(warmup_steps)
         self.steps_seen = 0
-        self._window: deque[tuple[float, float, int, int, float]] = deque(maxlen=max(1, window))
+        self._window: deque[tuple[float, ...]] = deque(maxlen=max(1, window))
         self._t_start: float | None = None
         self._t_data: float | None = None
-        self._sums, self._slides = [0.0] * 5, 0
+        self._sums, self._slides = [0.0] * 6, 0
         self._rss, self._rss_at = host_rss_mb(), time.monotonic()  # pays psutil's import now, not in a timed step
         self.total_samples = 0
         self.total_tokens = 0
@@ -237,12 +237,14 @@ class ThroughputMeter:
         """
         self._t_data = self._clock()
 
-    def end_step(self, samples: int, tokens: int, peer_wait: float = 0.0) -> dict[str, float]:
+    def end_step(self, samples: int, tokens: int, peer_wait: float = 0.0, flops: float | None = None) -> dict[str, float]:
         """Close the step and return window-averaged rates, MFU and memory.
 
         ``peer_wait``: seconds this rank spent blocked in the step's agreement collective waiting for
         the other ranks. ``busy_time`` (step time minus that wait) is what tells a straggler apart:
-        every rank's plain step time is paced by the slowest one.
+        every rank's plain step time is paced by the slowest one. ``flops``: this step's model FLOPs
+        when the task counts them per batch (variable-length fine-tuning batches); else
+        ``samples x flops_per_sample``.
         """
         now = self._clock()
         if self._t_start is None:
@@ -253,7 +255,9 @@ class ThroughputMeter:
         self.last_step_time = step_time
         self.total_samples += int(samples)
         self.total_tokens += int(tokens)
-        t, wait_sum, n_samples, n_tokens, peer_sum = self._slide((step_time, wait, int(samples), int(tokens), float(peer_wait)))
+        step_flops = float(flops) if flops is not None else self.flops_per_sample * int(samples)
+        t, wait_sum, n_samples, n_tokens, peer_sum, n_flops = self._slide(
+            (step_time, wait, int(samples), int(tokens), float(peer_wait), step_flops))
         n = len(self._window)
         out: dict[str, float] = {
             "step_time": t / n,
@@ -263,8 +267,8 @@ class ThroughputMeter:
             "tokens_per_s": n_tokens / t * self.world_size if t > 0 else 0.0,
         }
         out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
-        if self.peak_flops > 0 and self.flops_per_sample > 0:
-            achieved = self.flops_per_sample * out["samples_per_s"]  # global model FLOP/s
+        if self.peak_flops > 0 and n_flops > 0 and t > 0:
+            achieved = n_flops / t * self.world_size  # global model FLOP/s
             out["mfu"] = achieved / (self.peak_flops * self.world_size)
             out["tflops_per_device"] = achieved / self.world_size / 1e12
         out.update(_device_memory_mb())
@@ -272,10 +276,10 @@ class ThroughputMeter:
         self.steps_seen += 1
         if self.steps_seen <= self.warmup_steps:
             self._window.clear()  # first steps (loader start-up, allocator, compile) would skew averages
-            self._sums = [0.0] * 5
+            self._sums = [0.0] * 6
         return out
 
-    def _slide(self, entry: tuple[float, float, int, int, float]) -> list[float]:
+    def _slide(self, entry: tuple[float, ...]) -> list[float]:
         """Add a step to the window and return the window's column sums (kept running: O(1) per
         step; recomputed exactly once per window length so rounding never accumulates)."""
         if len(self._window) == self._window.maxlen:

@@ -99,6 +99,10 @@ class Task:
     def model_overrides(self) -> dict[str, Any]:
         return {}
 
+    def batch_flops(self, batch: dict[str, Any], config: Any) -> float | None:
+        """This batch's training FLOPs when samples differ in length (None: ``flops_kwargs`` per sample)."""
+        return None
+
     def flops_kwargs(self) -> dict[str, Any]:
         """Arguments of ``models.flops.training_flops_per_sample`` that describe this task's work."""
         return {"seq_len": getattr(self, "seq_len", None) or None}

@@ -235,11 +235,12 @@ class Trainer:
         run.meter.start_step()
         micro = [next(batches) for _ in range(t.grad_accum_steps)]
         run.meter.data_ready()
-        loss_sum, tokens, bad, keys = 0.0, 0, 0, []
+        loss_sum, tokens, bad, keys, flops = 0.0, 0, 0, [], 0.0
         for i, batch in enumerate(micro):
             keys.extend(batch.get("keys", []))
             bad += int(batch.get("num_bad", 0))
             tokens += self.task.tokens(batch)
+            flops += self.task.batch_flops(batch, self.model_config) or 0.0
             boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
             loss_sum += float(boundary_loss.detach())
             if i < len(micro) - 1:
@@ -260,7 +261,8 @@ class Trainer:
         if self.start_loss is None and math.isfinite(loss):
             self.start_loss = loss
         self.last_loss = loss
-        rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait)
+        rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait,
+                                   flops=flops or None)
         if run.trace is not None:
             run.trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
             run.trace.flush()

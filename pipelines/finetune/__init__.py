@@ -8,7 +8,9 @@ epoch, keeps the best epoch by the dev metric and writes `metrics.json` plus a r
 that `transformers` loads.
 
 Owns: ``config`` (FinetuneConfig), ``data`` (classification files), ``squad`` (SQuAD reading,
-windowing, decoding, scoring), ``metrics``, and one runner per task (``classification``, ``qa``).
+windowing, decoding, scoring), ``metrics``, ``card`` (the release's model card), ``runner`` (the skeleton
+every task shares: run config per epoch, checkpoint resolution, early stopping, best epoch) and one
+module per task (``classification``, ``qa``).
 May import ``pipelines.engine``, ``pipelines.loading``, ``models``, ``monitoring`` and ``core``.
 """
 

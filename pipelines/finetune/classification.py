@@ -9,7 +9,6 @@ same architecture from random init) → `Trainer` with one evaluation and one ch
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -20,9 +19,9 @@ import torch
 
 from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
-from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
+from pipelines.finetune.card import write_card
 from pipelines.finetune.data import (
     FinetuneError,
     collate_classification,
@@ -30,9 +29,7 @@ from pipelines.finetune.data import (
     read_examples,
 )
 from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
-
-#: Metrics where smaller is better; every other selection metric is maximized.
-_LOWER_IS_BETTER = {"loss", "mse"}
+from pipelines.finetune.runner import best_epoch, early_stopping, epoch_run_config, load_tokenizer, resolve_release
 
 
 class ClassificationTask(Task):
@@ -92,6 +89,14 @@ class ClassificationTask(Task):
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
 
+    def batch_flops(self, batch, config):
+        """Real sequence lengths of the valid items (dynamic padding: widths vary by batch)."""
+        from models.flops import encoder_training_flops
+
+        mask = batch["attention_mask"]
+        rows = mask[batch["valid"].bool()] if "valid" in batch else mask
+        return encoder_training_flops(config, rows.sum(1).tolist())
+
 
 def _padded(features: list[dict[str, Any]], multiple: int, pad_label: int | float) -> list[dict[str, Any]]:
     """Mark real items valid and pad with invalid ones so every rank evaluates the whole dev set."""
@@ -108,52 +113,6 @@ def _collate_with_valid(task: ClassificationTask):
         return batch
 
     return collate
-
-
-def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model_name: str) -> tuple[RunConfig, int]:
-    """The `RunConfig` the Trainer runs for fine-tuning: `epochs` passes, one evaluation and checkpoint each."""
-    d = cfg.data
-    per_step = world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = num_train // per_step
-    if steps_per_epoch < 1:
-        raise FinetuneError(f"{d.train}: {num_train} training examples/windows are fewer than one optimizer step "
-                            f"({per_step}); lower data.micro_batch_size or train.grad_accum_steps.")
-    train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
-                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
-    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
-                        model=ModelConfig(name=model_name), optim=cfg.optim, schedule=cfg.schedule,
-                        train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
-    return run_cfg, steps_per_epoch
-
-
-def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
-    """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
-    path = Path(checkpoint)
-    if (path / "config.json").is_file():
-        return path
-    if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
-        from pipelines.engine.export import export_checkpoint
-        from pipelines.engine.trainer import claim_run_dir
-
-        target = run_dir / "base-release"
-        if env.rank == 0:
-            claim_run_dir(run_dir)  # refuses a user's folder before anything is written into it
-            export_checkpoint(path, target, overwrite=True, inside_run_dir=True)
-        dist.barrier_if_initialized()
-        return target
-    raise FinetuneError(
-        f"checkpoint={checkpoint}: not a release directory (no config.json) nor a run checkpoint "
-        f"(no trainer_state.json). Pass a directory written by `pretrain export` or `save_pretrained`, or a run dir."
-    )
-
-
-def load_tokenizer(release: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(release), trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise FinetuneError(f"{release}: no usable tokenizer files ({exc}). Copy the tokenizer the model was trained with into it.") from None
 
 
 def build_classifier(release: Path, label_names: list[str], regression: bool, init: str, seed: int) -> torch.nn.Module:
@@ -213,56 +172,23 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         eval_data=MapStyleSource(val_feats, collate, micro_batch_size=d.micro_batch_size, shuffle=False, **common),
         model_build={"name": "bert-classifier", "checkpoint": str(release), "labels": labels},
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
-        should_stop=_early_stopping(cfg), config_to_save=cfg,
+        should_stop=early_stopping(cfg), config_to_save=cfg,
     )
     summary = trainer.fit()
-    best_step, history = _best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
     result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
                               "history": history, "steps": summary["steps"]}
     if env.rank == 0:
         out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", labels, d.regression)
         result["metrics"] = evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression)
+        write_card(out, name=f"{Path(release).name}-classifier", base=release, pipeline_tag="text-classification",
+                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
+                   body=(out / "README.md").read_text(encoding="utf-8"))
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
     dist.barrier_if_initialized()
     if env.rank != 0:
         result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
     return result
-
-
-def _early_stopping(cfg: FinetuneConfig):
-    """A `should_stop(step, eval_metrics)` that stops after `patience` evaluations without improvement."""
-    if cfg.early_stopping_patience <= 0:
-        return None
-    sign = -1.0 if cfg.selection_metric in _LOWER_IS_BETTER else 1.0
-    state = {"best": -np.inf, "bad": 0}
-
-    def should_stop(_step: int, metrics: dict[str, float]) -> bool:
-        score = sign * metrics.get(cfg.selection_metric, -np.inf * sign)
-        if score > state["best"]:
-            state["best"], state["bad"] = score, 0
-        else:
-            state["bad"] += 1
-        return state["bad"] >= cfg.early_stopping_patience
-
-    return should_stop
-
-
-def _best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, list[dict[str, Any]]]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("split") == "eval" and row.get("step", 0) % steps_per_epoch == 0:
-            rows.append(row)
-    if not rows:
-        raise FinetuneError(f"{run_dir}/metrics.jsonl has no evaluation; the run did not finish an epoch.")
-    if metric not in rows[-1]:
-        raise FinetuneError(f"selection_metric={metric!r} is not among the dev metrics {sorted(k for k in rows[-1] if k not in ('step', 'split', 'time'))}.")
-    sign = -1.0 if metric in _LOWER_IS_BETTER else 1.0
-    best = max(rows, key=lambda r: (sign * r[metric], -r["step"]))
-    return int(best["step"]), [{"epoch": r["step"] // steps_per_epoch, **{k: v for k, v in r.items() if k not in ("split", "time")}} for r in rows]
 
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool) -> Path:

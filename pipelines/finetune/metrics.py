@@ -1,6 +1,7 @@
 """Downstream-task metrics, implemented from their definitions (no sklearn at run time).
 
-Classification: accuracy, macro-F1 (unweighted mean of per-class F1), Matthews correlation
+Classification: accuracy, macro-F1 (unweighted mean of per-class F1 over the labels that occur in the
+gold or predicted labels, as scikit-learn's ``f1_score(average="macro")``), Matthews correlation
 (multi-class form, Gorodkin 2004: MCC = (c·s − Σ_k p_k t_k) / sqrt((s² − Σ p_k²)(s² − Σ t_k²)))
 and, for regression, Pearson r and Spearman ρ (Pearson of the ranks, ties averaged).
 """
@@ -26,15 +27,15 @@ def confusion_matrix(pred: Sequence[int], gold: Sequence[int], num_labels: int) 
 
 
 def macro_f1(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
-    """Mean over classes of F1 = 2·TP / (2·TP + FP + FN); a class absent from both counts as 0."""
+    """Mean over classes of F1 = 2·TP / (2·TP + FP + FN); classes absent from both gold and predictions are left out."""
     return _macro_f1(confusion_matrix(pred, gold, num_labels))
 
 
 def _macro_f1(cm: np.ndarray) -> float:
     tp = np.diag(cm).astype(float)
     denom = 2 * tp + (cm.sum(0) - tp) + (cm.sum(1) - tp)
-    f1 = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
-    return float(f1.mean())
+    present = denom > 0  # a label neither predicted nor true says nothing about the classifier (sklearn's rule)
+    return float((2 * tp[present] / denom[present]).mean()) if present.any() else 0.0
 
 
 def matthews_corrcoef(pred: Sequence[int], gold: Sequence[int], num_labels: int) -> float:
@@ -59,13 +60,16 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
+    """0-based ranks with ties given their average rank, in O(n log n) (one sort, one pass over the runs)."""
+    if len(x) == 0:
+        return np.zeros(0)
     order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])  # first sorted position of each run of equal values
+    ends = np.r_[starts[1:], len(x)]
+    run_rank = (starts + ends - 1) / 2.0  # mean of the positions start..end-1
     ranks = np.empty(len(x), dtype=float)
-    ranks[order] = np.arange(len(x), dtype=float)
-    for value in np.unique(x):  # average the ranks of ties
-        tied = x == value
-        if tied.sum() > 1:
-            ranks[tied] = ranks[tied].mean()
+    ranks[order] = np.repeat(run_rank, ends - starts)
     return ranks
 
 

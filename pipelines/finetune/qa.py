@@ -22,14 +22,9 @@ from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune.classification import (
-    _best_epoch,
-    _early_stopping,
-    epoch_run_config,
-    load_tokenizer,
-    resolve_release,
-)
+from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.runner import best_epoch, early_stopping, epoch_run_config, load_tokenizer, resolve_release
 from pipelines.finetune.squad import (
     QAExample,
     check_bad_share,
@@ -102,6 +97,13 @@ class QATask(Task):
 
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
+
+    def batch_flops(self, batch, config):
+        """Real window lengths (not the padded width, not max_position_embeddings, no MLM head): MFU stays honest."""
+        from models.flops import encoder_training_flops
+
+        rows = batch["attention_mask"][batch["valid"].bool()] if "valid" in batch else batch["attention_mask"]
+        return encoder_training_flops(config, rows.sum(1).tolist(), head_outputs=2)
 
 
 def build_qa_model(release: Path, init: str, seed: int = 0) -> torch.nn.Module:
@@ -177,18 +179,21 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
                                  micro_batch_size=d.micro_batch_size, shuffle=False, **common),
         model_build={"name": "bert-qa", "checkpoint": str(release)},
         data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
-        should_stop=_early_stopping(cfg), config_to_save=cfg,
+        should_stop=early_stopping(cfg), config_to_save=cfg,
     )
     summary = trainer.fit()
-    best_step, history = _best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
     result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
                               "history": history, "steps": summary["steps"],
                               "predictions": str(run_dir / "predictions.json")}
     if env.rank == 0:
         out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", cfg)
-        predictions, _ = predict_release(out, val_ex, cfg)
+        predictions, null_odds = predict_release(out, val_ex, cfg)
         atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
-        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2)
+        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
+        write_card(out, name=f"{Path(release).name}-qa", base=release, pipeline_tag="question-answering",
+                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
+                   body=(out / "README.md").read_text(encoding="utf-8"))
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
     dist.barrier_if_initialized()
     if env.rank != 0:

@@ -160,9 +160,13 @@ def prepare_features(examples: list[QAExample], tokenizer: Any, *, max_seq_len: 
     """Windows `[CLS] question [SEP] context-slice [SEP]` with char offsets for context tokens (None elsewhere).
 
     With ``labels``: every window gets token ``start_position``/``end_position``. A window that does
-    not hold the whole answer is labelled null (CLS, index 0) for v2 — the model learns "not here"
-    — and dropped for v1.1 (which has no null answer). An answerable question whose answer lies in
-    no window (an answer longer than a window) is counted in ``report`` and contributes nothing.
+    not hold the whole answer is labelled null ([CLS], index 0), for v1.1 as for v2 (BERT's SQuAD
+    recipe, transformers' `run_qa`): the model learns "not in this window", which is what lets the
+    decoder compare span scores across the windows of a long context. (Dropping those windows for
+    v1.1 left the model never seeing a window without the answer; its spans in such windows then
+    outscored the right one, and it trained on fewer windows: F1 far below transformers' Trainer.)
+    An answerable question whose answer lies in no window (an answer longer than a window) is
+    counted in ``report`` and contributes no window.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise FinetuneError("QA fine-tuning needs a fast tokenizer (tokenizer.json) for offset mappings; "
@@ -190,13 +194,12 @@ def prepare_features(examples: list[QAExample], tokenizer: Any, *, max_seq_len: 
         if labels:
             ex = examples[example_index]
             span = None if ex.is_impossible else _token_span(offsets, ex.answers[0])
-            if span is None and not (version_2 or ex.is_impossible):
-                continue  # v1.1: this window does not hold the answer
             found[example_index] |= span is not None or ex.is_impossible
             feat["start_position"], feat["end_position"] = span or (0, 0)
         features.append(feat)
-    if labels and report is not None:
-        for k in np.flatnonzero(~found):
+    if labels:
+        features = [f for f in features if found[f["example_index"]]]  # no window holds the answer: bad, skipped
+        for k in np.flatnonzero(~found) if report is not None else ():
             report.add_bad("answer lies in no window (longer than max_seq_len allows)", examples[k].where)
     return features
 
@@ -282,10 +285,14 @@ def gold_answers(example: QAExample) -> list[str]:
     return texts or [""]
 
 
-def squad_metrics(examples: list[QAExample], predictions: dict[str, str], *, version_2: bool = False) -> dict[str, float]:
+def squad_metrics(examples: list[QAExample], predictions: dict[str, str], *, version_2: bool = False,
+                  null_odds: dict[str, float] | None = None) -> dict[str, float]:
     """exact_match / f1 in percent, max over gold answers; a missing prediction scores 0.
 
-    For v2 (or when any question is unanswerable) also ``HasAns_*`` / ``NoAns_*`` over the two subsets.
+    For v2 (or when any question is unanswerable) also ``HasAns_*`` / ``NoAns_*`` over the two subsets,
+    and with ``null_odds`` ({question id: null score - best span score}, higher = more likely no
+    answer, the official script's "na_prob") ``best_exact`` / ``best_f1`` with their thresholds:
+    the score had every question whose null odds exceed the threshold been answered "".
     """
     em: dict[str, float] = {}
     f1: dict[str, float] = {}
@@ -306,4 +313,27 @@ def squad_metrics(examples: list[QAExample], predictions: dict[str, str], *, ver
     if version_2 or any(ex.is_impossible for ex in examples):
         out.update(summary([ex.qid for ex in examples if not ex.is_impossible], "HasAns_"))
         out.update(summary([ex.qid for ex in examples if ex.is_impossible], "NoAns_"))
+        if null_odds is not None:
+            for name, raw in (("exact", em), ("f1", f1)):
+                out[f"best_{name}"], out[f"best_{name}_thresh"] = _best_threshold(examples, predictions, raw, null_odds)
     return out
+
+
+def _best_threshold(examples: list[QAExample], predictions: dict[str, str], raw: dict[str, float],
+                    null_odds: dict[str, float]) -> tuple[float, float]:
+    """The official v2 script's ``find_best_thresh``: sweep the threshold over the sorted null odds.
+
+    Starting from "every question answered \"\"" (score = number of unanswerable questions), each
+    question in order of rising null odds switches to its prediction: + its score if answerable,
+    - 1 if unanswerable and the prediction is not empty.
+    """
+    has_ans = {ex.qid: not ex.is_impossible for ex in examples}
+    score = best = float(sum(not v for v in has_ans.values()))
+    thresh = 0.0
+    for qid in sorted(null_odds, key=lambda q: null_odds[q]):
+        if qid not in raw:
+            continue
+        score += raw[qid] if has_ans[qid] else (-1.0 if predictions.get(qid) else 0.0)
+        if score > best:
+            best, thresh = score, null_odds[qid]
+    return 100.0 * best / max(len(raw), 1), float(thresh)

@@ -170,3 +170,13 @@ def test_step_time_skew_names_the_slower_rank(tmp_path: Path, monkeypatch: pytes
             assert r["step_time_max"] >= 0.06 > r["step_time_min"] >= 0.01
             assert r["step_time_mean"] == pytest.approx(sum(r["step_times"]) / 2)
             assert r["step_time_skew"] > 1.2
+
+
+def test_mfu_from_the_step_flops_of_variable_length_batches() -> None:
+    """Fine-tuning batches vary in length: the step's own FLOP count wins over samples x flops_per_sample."""
+    clock = _Clock()
+    meter = ThroughputMeter(flops_per_sample=3e9, peak_flops=2e12, world_size=1, clock=clock)
+    meter.start_step()
+    clock.now += 0.5
+    out = meter.end_step(samples=16, tokens=1000, flops=2e11)
+    assert out["mfu"] == pytest.approx(2e11 / 0.5 / 2e12)  # 20 %, not 16 x 3e9 / 0.5 / 2e12 = 4.8 %

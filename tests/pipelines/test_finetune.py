@@ -48,6 +48,17 @@ def test_finetune_from_transformers_checkpoint_round_trips(hf_checkpoint, topic_
     assert result["metrics"]["accuracy"] > 0.5  # 3 balanced-ish classes: chance is ~0.33
     assert (tmp_path / "run" / "config.yaml").read_text().startswith("checkpoint:")  # the fine-tuning config
 
+    # the release's card is Hub model-card metadata carrying the dev metrics of metrics.json
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(release / "README.md")
+    assert card.data.base_model == str(hf_checkpoint) and card.data.pipeline_tag == "text-classification"
+    assert card.data.license and card.data.datasets == [str(cfg.data.train)]
+    scores = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert scores["accuracy"] == pytest.approx(result["metrics"]["accuracy"], abs=1e-4)
+    assert set(scores) == {"accuracy", "macro_f1", "mcc"}
+    assert "best epoch" in card.text and "accuracy" in card.text
+
     # label names travel through the exported config; transformers and our loader give the same logits
     hf = AutoModelForSequenceClassification.from_pretrained(release).eval()
     assert hf.config.id2label == {0: "debugger", 1: "formatstrings", 2: "string-methods"}

@@ -204,12 +204,31 @@ def test_windows_cover_the_context_and_labels_map_back_to_the_answer(qa_tokenize
     covered = sorted({o for f in feats for o in f["offsets"] if o is not None})
     assert covered[0][0] == 0 and covered[-1][1] == len(ex.context.rstrip())
     labelled = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
-    assert len(labelled) >= 1  # v1.1: windows without the answer are dropped
-    for f in labelled:
+    holding = [f for f in labelled if f["start_position"] > 0]
+    assert len(holding) >= 1
+    for f in holding:
         s, e = f["start_position"], f["end_position"]
         assert ex.context[f["offsets"][s][0]: f["offsets"][e][1]] == "nonlocal"
     v2 = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True, version_2=True)
-    assert len(v2) == len(feats) and sum(f["start_position"] == 0 for f in v2) == len(feats) - len(labelled)
+    assert len(v2) == len(feats) and sum(f["start_position"] == 0 for f in v2) == len(feats) - len(holding)
+
+
+def test_v1_trains_on_every_window_and_labels_windows_without_the_answer_at_cls(qa_tokenizer):
+    """The standard SQuAD v1.1 recipe (BERT's run_squad, transformers' run_qa): no window is dropped.
+
+    A window that does not hold the answer is labelled [CLS] (0, 0), so the model learns that its
+    spans there are not the answer; the decoder takes the best span over all windows and relies on it.
+    """
+    ex = _long_example(qa_tokenizer)
+    feats = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16)
+    labelled = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
+    assert [f["input_ids"] for f in labelled] == [f["input_ids"] for f in feats]  # every window trained on
+    nulls = [f for f in labelled if (f["start_position"], f["end_position"]) == (0, 0)]
+    assert len(feats) >= 3 and 1 <= len(nulls) < len(feats)
+    for f in nulls:  # exactly the windows whose context slice misses the answer's characters
+        a0 = ex.answers[0]["answer_start"]
+        ctx = [o for o in f["offsets"] if o is not None]
+        assert not (ctx[0][0] <= a0 and ctx[-1][1] >= a0 + len("nonlocal"))
 
 
 def test_answer_longer_than_any_window_is_counted_bad(qa_tokenizer):
@@ -284,3 +303,42 @@ def test_v2_null_answer_and_threshold(qa_tokenizer):
     preds, _ = decode_predictions([ex], feats, starts, ends, null_score_threshold=2.0, **common)
     assert preds["long"] == "nonlocal"
     assert decode_predictions([ex], feats, starts, ends, n_best=5, max_answer_len=10)[0]["long"] == "nonlocal"  # v1.1
+
+
+def test_v2_best_exact_and_f1_sweep_the_null_threshold_as_the_official_script():
+    ctx = "The parser reads tokens from the input stream and builds a tree."
+    ex = [QAExample("q1", "What reads tokens?", ctx, [{"text": "The parser", "answer_start": 0}], False, "q1"),
+          QAExample("q2", "What is built?", ctx, [{"text": "a tree", "answer_start": ctx.index("a tree")}], False, "q2"),
+          QAExample("q3", "Who wrote it?", ctx, [], True, "q3"),
+          QAExample("q4", "When?", ctx, [], True, "q4")]
+    preds = {"q1": "the parser", "q2": "input stream", "q3": "tokens", "q4": ""}
+    odds = {"q1": -1.0, "q2": 2.0, "q3": 0.5, "q4": 3.0}
+    m = squad_metrics(ex, preds, version_2=True, null_odds=odds)
+    # all "" scores 2/4; answering q1 (odds -1) adds 1 -> 3/4, the best; q3 would then cost 1, q2 adds 0
+    assert m["exact_match"] == 50.0 and m["best_exact"] == 75.0 and m["best_exact_thresh"] == -1.0
+    # F1: q2 "input stream" vs "a tree" has no token in common; the best is the same sweep
+    assert m["best_f1"] == 75.0 and m["best_f1_thresh"] == -1.0
+    preds["q2"] = "builds a tree"  # F1 2/3 (normalized "builds tree" vs "tree"), EM 0
+    m = squad_metrics(ex, preds, version_2=True, null_odds={**odds, "q2": 0.2, "q3": 2.5})
+    # odds order q1 (+1), q2 (+2/3 F1, +0 EM), q3 (-1), q4 (0): F1 peaks at q2's odds, EM at q1's
+    assert m["best_f1"] == pytest.approx(100 * (2 + 1 + 2 / 3) / 4) and m["best_f1_thresh"] == 0.2
+    assert m["best_exact"] == 75.0 and m["best_exact_thresh"] == -1.0
+    assert "best_f1" not in squad_metrics(ex, preds, version_2=True)  # no null odds, nothing to sweep
+
+
+def test_qa_step_flops_count_real_window_lengths_not_max_positions_and_mlm_head(qa_tokenizer):
+    """MFU over 100 % (#20): QA counted every sample at max_position_embeddings with a dense MLM head."""
+    from models.bert import BertConfig
+    from models.flops import block_matmul_params, training_flops_per_sample
+    from pipelines.finetune.qa import QATask, collate_qa
+
+    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536)
+    ex = _long_example(qa_tokenizer)
+    feats = prepare_features([ex], qa_tokenizer, max_seq_len=64, doc_stride=16, max_query_len=16, labels=True)
+    batch = collate_qa([{**f, "valid": True} for f in feats], qa_tokenizer.pad_token_id)
+    lengths = [len(f["input_ids"]) for f in feats]
+    n, d = block_matmul_params(cfg), cfg.hidden_size
+    by_hand = sum(6 * n * L + 12 * cfg.num_layers * d * L * L + 6 * d * 2 * L for L in lengths)
+    got = QATask(qa_tokenizer.pad_token_id).batch_flops(batch, cfg)
+    assert got == pytest.approx(by_hand)
+    assert got < len(feats) * training_flops_per_sample(cfg) / 4  # the old count: 512 positions + a 30k-word head

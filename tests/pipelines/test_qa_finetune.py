@@ -89,7 +89,13 @@ def test_finetune_from_a_transformers_checkpoint_v2_and_release_loads_back(cloze
     run = tmp_path / "run"
     metrics = json.loads((run / "metrics.json").read_text())["metrics"]
     assert metrics == result["metrics"]
-    assert {"exact_match", "f1", "HasAns_f1", "NoAns_f1"} <= set(metrics) and metrics["NoAns_total"] == 10
+    assert {"exact_match", "f1", "HasAns_f1", "NoAns_f1", "best_exact", "best_f1"} <= set(metrics) and metrics["NoAns_total"] == 10
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(run / "release" / "README.md")  # Hub metadata carrying the metrics.json scores
+    assert card.data.pipeline_tag == "question-answering" and card.data.base_model == str(base)
+    scores = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert scores["f1"] == pytest.approx(metrics["f1"], abs=1e-4) and scores["best_f1"] == pytest.approx(metrics["best_f1"], abs=1e-4)
     predictions = json.loads((run / "predictions.json").read_text())
     assert set(predictions) == {e.qid for e in dev_ex} and all(isinstance(v, str) for v in predictions.values())
     # the saved config is the fine-tuning config, and the release is a transformers QA model

@@ -50,7 +50,7 @@ def test_export_of_a_zero_checkpoint_never_runs_a_planted_payload(ckpt, tmp_path
 
 def test_finetune_from_a_run_checkpoint_never_runs_a_planted_payload(ckpt, tmp_path):
     from pipelines.engine import distributed as dist
-    from pipelines.finetune.classification import resolve_release
+    from pipelines.finetune.runner import resolve_release
 
     marker = tmp_path / "PWNED"
     as_zero2(ckpt, marker, "optim_states")
