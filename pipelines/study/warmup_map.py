@@ -15,7 +15,7 @@ the need. ``configs/sweeps/warmup_map.yaml`` runs that grid; this module turns i
    (norm placement, depth, lr) by more than ``k`` pooled seed standard deviations of that cell
    (``sqrt`` of the mean per-arm seed variance over the cell's non-diverged arms, floored at
    ``min_std``). The best arm is the one with the lowest mean final loss among its runs that did
-   not fail by 1 or 2.
+   not fail by 1 or 2. A cell where no arm has two such seeds has no seed spread: rule 3 is skipped.
 
 The *final loss* is the validation loss logged at the last step (the same batches for every run)
 when there is one, else the mean of the last three logged training losses. A cell's *failure
@@ -122,7 +122,9 @@ def classify(results: Iterable[dict[str, Any]], k: float = DEFAULT_K, min_std: f
             continue
         best = min(statistics.fmean(v) for v in by_arm.values())
         variances = [statistics.variance(v) for v in by_arm.values() if len(v) > 1]
-        std = max(math.sqrt(statistics.fmean(variances)) if variances else 0.0, min_std)
+        if not variances:  # no arm has two good seeds here: no seed spread to compare with, rule 3 is skipped
+            continue
+        std = max(math.sqrt(statistics.fmean(variances)), min_std)
         for r in rows:
             r["cell_best"], r["cell_std"] = best, std
             if not r["fail"] and r["final"] > best + k * std:
