@@ -202,7 +202,7 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
     vmin, vmax = (0.0, 1.0) if value == "rate" else (min(finals, default=0.0), max(finals, default=1.0))
     fig = Figure(figsize=(2.4 * len(arms) + 1.2, 2.0 * len(norms) + 0.9), layout="constrained")
     what = "failure rate (failed seeds / seeds)" if value == "rate" else "mean final loss (non-diverged seeds)"
-    fig.suptitle(f"{what} per depth × learning rate; rows: norm placement, columns: arm")
+    fig.suptitle(f"{what}\nper depth × lr; rows: norm placement, columns: arm", fontsize=9)
     panels, image = [], None
     for i, norm in enumerate(norms):
         for j, arm in enumerate(arms):
@@ -216,8 +216,9 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
                     v = s["rate"] if value == "rate" else s["final"]
                     grid[di][li] = math.nan if v is None else v
                     label = f"{s['fail']}/{s['runs']}" if value == "rate" else ("div" if v is None else f"{v:.2f}")
-                    bright = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
-                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color="k" if bright else "w")
+                    high = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
+                    dark = high if value == "rate" else not high  # Reds: high = dark; viridis: high = light
+                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color="w" if dark else "k")
             cmap = "Reds" if value == "rate" else "viridis"
             image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
             ax.set_xticks(range(len(lrs)), [_lr_text(lr) for lr in lrs], fontsize=7)
