@@ -218,7 +218,8 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
                     label = f"{s['fail']}/{s['runs']}" if value == "rate" else ("div" if v is None else f"{v:.2f}")
                     high = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
                     dark = high if value == "rate" else not high  # Reds: high = dark; viridis: high = light
-                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color="w" if dark else "k")
+                    color = "w" if dark and v is not None else "k"  # a diverged cell is blank: black "div"
+                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color=color)
             cmap = "Reds" if value == "rate" else "viridis"
             image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
             ax.set_xticks(range(len(lrs)), [_lr_text(lr) for lr in lrs], fontsize=7)
