@@ -13,6 +13,7 @@ grid point shares (an optional ``base`` RunConfig file plus ``run:`` sections) a
     lrs: [1.0e-3]
     seeds: [0, 1, 2]
     only: [adam-*, radam-none]                # keep these optimizer-warmup arms (fnmatch); [] = all
+    axes: {depth: {L2: [model.overrides.num_layers=2], L6: [model.overrides.num_layers=6]}}  # more axes
 
 ``expand`` turns it into ``RunSpec`` s named ``{optimizer}-{warmup}-lr{lr}-s{seed}`` (e.g.
 ``adam-none-lr1e-3-s0``), each run in ``SWEEP_DIR/runs/NAME``. Indices are seed-major, so adding a

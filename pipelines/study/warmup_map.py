@@ -15,7 +15,7 @@ the need. ``configs/sweeps/warmup_map.yaml`` runs that grid; this module turns i
    (norm placement, depth, lr) by more than ``k`` pooled seed standard deviations of that cell
    (``sqrt`` of the mean per-arm seed variance over the cell's non-diverged arms, floored at
    ``min_std``). The best arm is the one with the lowest mean final loss among its runs that did
-   not fail by 1 or 2.
+   not fail by 1 or 2. A cell where no arm has two such seeds has no seed spread: rule 3 is skipped.
 
 The *final loss* is the validation loss logged at the last step (the same batches for every run)
 when there is one, else the mean of the last three logged training losses. A cell's *failure
@@ -122,7 +122,9 @@ def classify(results: Iterable[dict[str, Any]], k: float = DEFAULT_K, min_std: f
             continue
         best = min(statistics.fmean(v) for v in by_arm.values())
         variances = [statistics.variance(v) for v in by_arm.values() if len(v) > 1]
-        std = max(math.sqrt(statistics.fmean(variances)) if variances else 0.0, min_std)
+        if not variances:  # no arm has two good seeds here: no seed spread to compare with, rule 3 is skipped
+            continue
+        std = max(math.sqrt(statistics.fmean(variances)), min_std)
         for r in rows:
             r["cell_best"], r["cell_std"] = best, std
             if not r["fail"] and r["final"] > best + k * std:
@@ -200,7 +202,7 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
     vmin, vmax = (0.0, 1.0) if value == "rate" else (min(finals, default=0.0), max(finals, default=1.0))
     fig = Figure(figsize=(2.4 * len(arms) + 1.2, 2.0 * len(norms) + 0.9), layout="constrained")
     what = "failure rate (failed seeds / seeds)" if value == "rate" else "mean final loss (non-diverged seeds)"
-    fig.suptitle(f"{what} per depth × learning rate; rows: norm placement, columns: arm")
+    fig.suptitle(f"{what}\nper depth × lr; rows: norm placement, columns: arm", fontsize=9)
     panels, image = [], None
     for i, norm in enumerate(norms):
         for j, arm in enumerate(arms):
@@ -214,8 +216,10 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
                     v = s["rate"] if value == "rate" else s["final"]
                     grid[di][li] = math.nan if v is None else v
                     label = f"{s['fail']}/{s['runs']}" if value == "rate" else ("div" if v is None else f"{v:.2f}")
-                    bright = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
-                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color="k" if bright else "w")
+                    high = v is not None and (v - vmin) / ((vmax - vmin) or 1.0) > 0.6
+                    dark = high if value == "rate" else not high  # Reds: high = dark; viridis: high = light
+                    color = "w" if dark and v is not None else "k"  # a diverged cell is blank: black "div"
+                    ax.text(li, di, label, ha="center", va="center", fontsize=7, color=color)
             cmap = "Reds" if value == "rate" else "viridis"
             image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
             ax.set_xticks(range(len(lrs)), [_lr_text(lr) for lr in lrs], fontsize=7)
