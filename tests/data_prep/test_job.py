@@ -61,7 +61,7 @@ def test_bert_corpus_matches_manifest(bert_corpus):
     assert manifest["schema_version"] == "2.0" and manifest["kind"] == "bert_pairs" and manifest["token_dtype"] == "uint16"
     assert manifest["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     labels = []
-    for split, info in manifest["splits"].items():
+    for _split, info in manifest["splits"].items():
         assert len(info["shards"]) >= 1
         n_samples = n_tokens = 0
         for shard in info["shards"]:
