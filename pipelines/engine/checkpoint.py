@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.config import save_config
-from core.files import atomic_write_text, clean_trash, discard, replace_dir, sha256_file
+from core.config import ConfigError, save_config
+from core.files import atomic_write_text, claim_output_dir, clean_trash, discard, replace_dir, sha256_file
 from pipelines.engine.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
-           "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError"]
+           "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError", "claim_run_dir",
+           "refuse_fresh_start_over_checkpoints", "agree_on_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,6 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
     if resume != "auto":
         path = Path(resume)
         if not (path / "trainer_state.json").is_file():
-            from core.config import ConfigError
-
             raise ConfigError(f"train.resume={resume} is not a complete checkpoint (no trainer_state.json). Point it at a "
                               f"run_dir/checkpoints/step-NNNNNNNN directory, or use auto / never.")
         verify_checkpoint(path)
@@ -194,6 +193,56 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
             continue
         return path
     return None
+
+
+def claim_run_dir(run_dir: str | os.PathLike) -> Path:
+    """Make ``run_dir`` ours (a ``run`` marker); a non-empty folder pretrain did not create is refused.
+
+    A run dir written before markers existed (``config.yaml`` next to ``checkpoints/``) is adopted.
+    """
+    return claim_output_dir(run_dir, "run", what="train.run_dir", adopt=("config.yaml", "checkpoints"))
+
+
+
+def refuse_fresh_start_over_checkpoints(run_dir: Path, train_cfg: Any) -> None:
+    """resume=never where checkpoints exist: refused (they would mix with the new run's), or, with
+    ``train.overwrite``, the old checkpoints and metrics are deleted (trash first) before starting."""
+    old = list_checkpoints(run_dir)
+    if train_cfg.resume != "never" or not old:
+        return
+    if not train_cfg.overwrite:
+        raise ConfigError(
+            f"train.resume=never, but {run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}). "
+            f"A fresh run there would mix with them. Use another train.run_dir, resume with train.resume=auto, or "
+            f"set train.overwrite=true to delete the old checkpoints and metrics and start over."
+        )
+    log.warning("train.overwrite=true: deleting the old checkpoints and metrics of %s.", run_dir)
+    for name in ("checkpoints", "metrics.jsonl", "tb"):
+        discard(Path(run_dir) / name)
+
+
+def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError | None) -> Path | None:
+    """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets its choice (or its error)."""
+    if engine.world_size == 1:
+        if error is not None:
+            raise error
+        return find_resume(run_dir, resume)
+    found = None
+    if engine.rank == 0 and error is None:
+        try:
+            found = find_resume(run_dir, resume)
+        except ConfigError as exc:
+            error = exc
+    code = -2 if error is not None else (-1 if found is None else int(found.name.split("-")[-1]) if
+                                          resume == "auto" else 0)
+    code = int(engine.all_reduce(torch.tensor([float(code if engine.rank == 0 else 0)], dtype=torch.float64), "sum")[0].item())
+    if error is not None:
+        raise error
+    if code == -2:
+        raise ConfigError(f"rank 0 refused to start in {run_dir} (see its message).")
+    if code == -1:
+        return None
+    return Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)
 
 
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, trainer_state: dict[str, Any],

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 
 from core.config import ConfigError, save_config, to_dict
-from core.files import claim_output_dir, discard
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
 
-__all__ = ["Trainer", "train", "build_model", "claim_run_dir"]
+__all__ = ["Trainer", "train", "build_model"]
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +91,6 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
             raise ConfigError(f"model.activation_checkpointing: {cfg.model.name} does not support it.")
         model.set_activation_checkpointing(True)
     return model, {"name": cfg.model.name, "overrides": overrides}
-
-
-def claim_run_dir(run_dir: str | os.PathLike) -> Path:
-    """Make ``run_dir`` ours (a ``run`` marker); a non-empty folder pretrain did not create is refused.
-
-    A run dir written before markers existed (``config.yaml`` next to ``checkpoints/``) is adopted.
-    """
-    return claim_output_dir(run_dir, "run", what="train.run_dir", adopt=("config.yaml", "checkpoints"))
 
 
 @dataclasses.dataclass
@@ -204,12 +195,12 @@ class Trainer:
         error = None
         if self.is_main:
             try:
-                claim_run_dir(self.run_dir)
-                self._refuse_fresh_start_over_checkpoints()
+                ckpt.claim_run_dir(self.run_dir)
+                ckpt.refuse_fresh_start_over_checkpoints(self.run_dir, self.cfg.train)
                 save_config(self.config_to_save or cfg, self.run_dir / "config.yaml")
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
-        resume = self._agree_on_resume(error)
+        resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
         logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg))
         health = HealthMonitor(cfg.logging, logger)
         meter = ThroughputMeter(self._flops_per_sample(),
@@ -392,47 +383,6 @@ class Trainer:
         self.step = self.last_good_step
         health.consecutive_nan = 0  # the saved state is a good one: a resumed run starts a fresh count
         return self.save(health, meter)
-
-    def _refuse_fresh_start_over_checkpoints(self) -> None:
-        """resume=never where checkpoints exist: refused (they would mix with the new run's), or, with
-        ``train.overwrite``, the old checkpoints and metrics are deleted (trash first) before starting."""
-        t = self.cfg.train
-        old = ckpt.list_checkpoints(self.run_dir)
-        if t.resume != "never" or not old:
-            return
-        if not t.overwrite:
-            raise ConfigError(
-                f"train.resume=never, but {self.run_dir} already holds checkpoints ({old[0].name} .. {old[-1].name}). "
-                f"A fresh run there would mix with them. Use another train.run_dir, resume with train.resume=auto, or "
-                f"set train.overwrite=true to delete the old checkpoints and metrics and start over."
-            )
-        log.warning("train.overwrite=true: deleting the old checkpoints and metrics of %s.", self.run_dir)
-        for name in ("checkpoints", "metrics.jsonl", "tb"):
-            discard(self.run_dir / name)
-
-    def _agree_on_resume(self, error: ConfigError | None) -> Path | None:
-        """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets its choice (or its error)."""
-        t, engine = self.cfg.train, self.engine
-        if engine.world_size == 1:
-            if error is not None:
-                raise error
-            return ckpt.find_resume(self.run_dir, t.resume)
-        found = None
-        if self.is_main and error is None:
-            try:
-                found = ckpt.find_resume(self.run_dir, t.resume)
-            except ConfigError as exc:
-                error = exc
-        code = -2 if error is not None else (-1 if found is None else int(found.name.split("-")[-1]) if
-                                              t.resume == "auto" else 0)
-        code = int(engine.all_reduce(torch.tensor([float(code if self.is_main else 0)], dtype=torch.float64), "sum")[0].item())
-        if error is not None:
-            raise error
-        if code == -2:
-            raise ConfigError(f"rank 0 refused to start in {self.run_dir} (see its message).")
-        if code == -1:
-            return None
-        return Path(t.resume) if t.resume != "auto" else self.run_dir / "checkpoints" / ckpt.step_dir_name(code)
 
     def _restore(self, path: Path, health: Any, meter: Any) -> None:
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)

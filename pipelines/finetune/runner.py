@@ -48,8 +48,8 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     if (path / "config.json").is_file():
         return path
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
+        from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint
-        from pipelines.engine.trainer import claim_run_dir
 
         target = run_dir / "base-release"
         if env.rank == 0:

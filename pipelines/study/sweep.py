@@ -313,8 +313,8 @@ def run_one(
         if sweep.num_processes == 1 and sweep.launcher != "python" and not subprocess_run:
             _train_in_process(cfg, sweep.threads)
         else:
+            from pipelines.engine.checkpoint import claim_run_dir
             from pipelines.engine.distributed import launch
-            from pipelines.engine.trainer import claim_run_dir
 
             claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
             resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`

@@ -25,7 +25,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def good_run(tmp_path_factory, tokenizer_dir) -> Path:
     """A run dir with complete checkpoints at steps 10 and 20 (read-only: tests copy it)."""
     run = tmp_path_factory.mktemp("good") / "run"
-    from pipelines.engine.trainer import claim_run_dir
+    from pipelines.engine.checkpoint import claim_run_dir
 
     claim_run_dir(run)
     save_steps(run, [10, 20], tokenizer=tokenizer_dir)
