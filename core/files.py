@@ -26,7 +26,7 @@ from pathlib import Path
 from core.errors import ConfigError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
-           "claim_output_dir", "check_output_dir", "discard", "clean_trash", "replace_dir"]
+           "claim_output_dir", "check_output_dir", "discard", "clean_trash", "replace_dir", "fsync_dir"]
 
 MARKER = ".pretrain-output.json"
 
@@ -131,7 +131,7 @@ def discard(path: str | os.PathLike) -> None:
         return
     trash = p.parent / f".trash-{p.name}-{uuid.uuid4().hex[:8]}"
     os.replace(p, trash)
-    _fsync_dir(p.parent)
+    fsync_dir(p.parent)
     if trash.is_dir() and not trash.is_symlink():
         shutil.rmtree(trash, ignore_errors=True)
     else:
@@ -161,16 +161,16 @@ def replace_dir(new: str | os.PathLike, dst: str | os.PathLike) -> None:
     new, dst = Path(new), Path(dst)
     if not dst.exists():
         os.replace(new, dst)
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         return
     if _exchange(new, dst):  # dst now holds the new tree, `new` the old one
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         discard(new)
         return
     trash = dst.parent / f".trash-{dst.name}-{uuid.uuid4().hex[:8]}"
     os.replace(dst, trash)
     os.replace(new, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -184,7 +184,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new entry in ``path`` durable (the directory's own metadata)."""
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -332,7 +331,7 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
             import ray
 
             ray.shutdown()
-    print(format_summary(summary), file=sys.stderr if os.environ.get("DATA_PREP_SUMMARY_STDERR") else sys.stdout, flush=True)
+    print(format_summary(summary), flush=True)
     return summary
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from core.config import ConfigError, save_config
-from core.files import atomic_write_text, claim_output_dir, clean_trash, discard, replace_dir, sha256_file
+from core.files import atomic_write_text, claim_output_dir, clean_trash, discard, fsync_dir, replace_dir, sha256_file
 from pipelines.engine.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
@@ -86,15 +86,7 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -286,7 +278,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
         ) from None
     if rank == 0:
         replace_dir(tmp, final)  # re-saving a step (signal right after a periodic save): one atomic swap
-        _fsync_dir(ck)
+        fsync_dir(ck)
         atomic_write_text(ck / "latest", final.name + "\n")
         older = [p for p in list_checkpoints(run_dir) if p.name < final.name]
         for old in older[: max(0, len(older) - (keep_last - 1))] if keep_last > 0 else []:

@@ -67,9 +67,12 @@ def test_bert_pairs_follow_the_recipe():
 def test_bert_pairs_skip_empty_random_documents():
     docs = [[np.arange(5) + 10, np.arange(7) + 10], [], [np.array([], dtype=np.int64)], [np.arange(9) + 10]]
     rng = random.Random(1)
-    for _ in range(50):
-        for k in (0, 3):
-            list(create_pairs(docs, k, max_seq_len=16, cls_id=2, sep_id=3, rng=rng, random_next_prob=1.0))
+    pairs = [pair for _ in range(50) for k in (0, 3)
+             for pair in create_pairs(docs, k, max_seq_len=16, cls_id=2, sep_id=3, rng=rng, random_next_prob=1.0)]
+    assert sum(label for *_, label in pairs) >= 100  # random next documents were drawn, never an empty one
+    for ids, len_a, len_b, _label in pairs:
+        assert len_a >= 1 and len_b >= 1 and len(ids) == len_a + len_b + 3
+        assert all(10 <= t < 19 for t in ids[1: 1 + len_a]) and all(10 <= t < 19 for t in ids[2 + len_a: -1])
 
 
 def test_packing_keeps_everything_but_the_tail():
