@@ -27,6 +27,7 @@ from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from core.files import claim_output_dir
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
+from data_prep.context import JobContext
 from data_prep.errors import PrepError
 from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
@@ -97,15 +98,14 @@ def _stable_order(entries: list[dict[str, Any]], seed: int) -> list[dict[str, An
     return sorted(entries, key=key)
 
 
-def _base_ctx(cfg: PrepConfig) -> dict[str, Any]:
+def _base_ctx(cfg: PrepConfig, slow_shards_s: float = 0.0) -> JobContext:
     d = to_dict(cfg)
-    return {
-        "kind": cfg.kind, "sources": d["sources"], "clean": d["clean"], "images": d["images"], "seed": cfg.seed,
-        "seq_len": cfg.seq_len, "short_seq_prob": cfg.short_seq_prob, "nsp_random_prob": cfg.nsp_random_prob,
-        "dupe_factor": cfg.dupe_factor, "validation_fraction": cfg.validation_fraction, "output": str(Path(cfg.output).resolve()),
-        "slow_shards_s": float(os.environ.get("DATA_PREP_SLOW_SHARDS_S", "0") or 0),
-        "job_id": uuid.uuid4().hex,  # workers build the tokenizer afresh for every job (no warm caches)
-    }
+    return JobContext(
+        kind=cfg.kind, sources=d["sources"], clean=d["clean"], images=d["images"], seed=cfg.seed,
+        seq_len=cfg.seq_len, short_seq_prob=cfg.short_seq_prob, nsp_random_prob=cfg.nsp_random_prob,
+        dupe_factor=cfg.dupe_factor, validation_fraction=cfg.validation_fraction, output=str(Path(cfg.output).resolve()),
+        job_id=uuid.uuid4().hex, slow_shards_s=slow_shards_s,
+    )
 
 
 def _sample_files(cfg: PrepConfig, entries, limit: int) -> tuple[list[dict[str, Any]], int]:
@@ -119,7 +119,7 @@ def _sample_files(cfg: PrepConfig, entries, limit: int) -> tuple[list[dict[str, 
     return chosen, size
 
 
-def _read_sample(cfg: PrepConfig, chunks, ctx, workers: int, estimate: bool) -> tuple[Stats, dict[str, str], int, float]:
+def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimate: bool) -> tuple[Stats, dict[str, str], int, float]:
     """Run `sample_texts` over `chunks` in Ray: (stats, texts by hash, documents, estimated shard bytes)."""
     import ray
 
@@ -144,7 +144,7 @@ def _read_sample(cfg: PrepConfig, chunks, ctx, workers: int, estimate: bool) -> 
     return stats, docs, n_docs, out_bytes
 
 
-def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> tuple[dict[str, Any], float]:
+def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:
     """Install the configured tokenizer; size the shards from a small sample, estimated in Ray tasks.
 
     The sample is cut into a fixed number of chunks (not one per worker) so the estimate, hence
@@ -154,13 +154,13 @@ def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> 
 
     tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
     install_tokenizer(cfg.tokenizer.path, out / "tokenizer")
-    tok_info = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
+    tok_info, ctx = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
     chosen, size = _sample_files(cfg, entries, min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES))
     _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True)
-    return tok_info, out_bytes / max(1, size)
+    return tok_info, out_bytes / max(1, size), ctx
 
 
-def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> tuple[dict[str, Any], float]:
+def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:
     """Train the tokenizer on a deterministic sample read in Ray; size the shards from that sample."""
     from data_prep.tokenizer import save_tokenizer, train_tokenizer
 
@@ -175,12 +175,12 @@ def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx, workers: int) -> 
     tok = train_tokenizer(texts, cfg.tokenizer)
     del texts
     save_tokenizer(tok, out / "tokenizer", cfg.tokenizer.type, model_max_length=cfg.seq_len, lowercase=cfg.tokenizer.lowercase)
-    tok_info = _tokenizer_ctx(cfg, out, tok, cfg.tokenizer.type, ctx)
-    return tok_info, _out_bytes_per_input_byte(docs, size, ctx, tok)
+    tok_info, ctx = _tokenizer_ctx(cfg, out, tok, cfg.tokenizer.type, ctx)
+    return tok_info, _out_bytes_per_input_byte(docs, size, ctx, tok), ctx
 
 
-def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    """Check the corpus tokenizer fits the kind; put what workers need into `ctx`; return its manifest entry."""
+def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: JobContext) -> tuple[dict[str, Any], JobContext]:
+    """Check the corpus tokenizer fits the kind; return its manifest entry and `ctx` with what workers need of it."""
     from data_prep.tokenizer import tokenizer_info
 
     tok_info = tokenizer_info(out, ttype, tok)
@@ -189,12 +189,12 @@ def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: dict[str, A
         raise PrepError(f"The tokenizer in {out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs needs a WordPiece (BERT) tokenizer.")
     if cfg.kind == "packed_lm" and "eos" not in specials:
         specials["eos"] = specials.get("sep", 0)
-    ctx.update(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
-               token_dtype="uint16" if tok_info["vocab_size"] <= 65535 else "uint32")
-    return tok_info
+    ctx = ctx.with_(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
+                    token_dtype="uint16" if tok_info["vocab_size"] <= 65535 else "uint32")
+    return tok_info, ctx
 
 
-def _out_bytes_per_input_byte(docs: dict[str, str], sample_file_bytes: int, ctx, tok) -> float:
+def _out_bytes_per_input_byte(docs: dict[str, str], sample_file_bytes: int, ctx: JobContext, tok) -> float:
     """Shard bytes per byte of input file, measured by building samples from ~0.5 MB of the sample."""
     from data_prep.stages import estimate_shard_bytes
 
@@ -217,17 +217,17 @@ def _plan_buckets(cfg: PrepConfig, entries, out_per_in: float) -> dict[str, int]
     return {"train": max(1, round(est * (1 - val) / target)), "validation": max(1, round(est * val / target))}
 
 
-def _near_dups(cfg: PrepConfig, entries, ctx, workers: int) -> frozenset[str]:
+def _near_dups(cfg: PrepConfig, entries, ctx: JobContext, workers: int) -> frozenset[str]:
     from data_prep import stages
 
     bands, rows = lsh_params(cfg.clean.minhash_perms, cfg.clean.near_dedup_threshold)
-    ctx = {**ctx, "lsh": (bands, rows)}
+    ctx = ctx.with_(lsh=(bands, rows))
     ds = _dataset(entries, workers).map_batches(stages.minhash_bands, batch_size=None, batch_format="numpy", fn_kwargs={"ctx": ctx}, compute=_pool(workers))
     out = ds.groupby("band").map_groups(stages.near_dup_group, batch_format="numpy", fn_kwargs={"ctx": ctx}).take_all()
     return frozenset(r["hash"] for r in out)
 
 
-def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: int, stats: Stats,
+def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, stats: Stats,
                        stage_s: dict[str, float], task_s: dict[str, float]) -> list[dict[str, Any]]:
     """Map tasks (read, clean, tokenize, route) -> reduce tasks (dedup, build, write shards).
 
@@ -241,10 +241,10 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: dict[str, Any], entries, workers: i
 
     from data_prep import stages
 
-    names = sorted(f"{split}-{i:06d}" for split, n in ctx["buckets"].items() for i in range(n))
+    names = sorted(f"{split}-{i:06d}" for split, n in ctx.buckets.items() for i in range(n))
     total_in = sum(e["size"] for e in entries)
     groups = min(len(names), max(4 * workers, math.ceil(total_in / _REDUCE_INPUT_BYTES)))
-    ctx = {**ctx, "groups": groups, "group_of": {name: i % groups for i, name in enumerate(names)}}
+    ctx = ctx.with_(groups=groups, group_of={name: i % groups for i, name in enumerate(names)})
     ctx_ref = ray.put(ctx)
     chunks = chunk_entries(entries, max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
     mapper = ray.remote(num_cpus=1)(stages.map_images if cfg.kind == "images" else stages.map_text)
@@ -337,7 +337,7 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
 
 def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str, Any]:
     workers = _workers(cfg)
-    ctx = _base_ctx(cfg)
+    ctx = _base_ctx(cfg, slow_shards_s=float(os.environ.get("DATA_PREP_SLOW_SHARDS_S", "0") or 0))
     _clean_stale(out, keep={p.name for p in out.glob("*.tar")})  # temp files only
     stats = Stats()
     stage_s: dict[str, float] = {"list inputs, start Ray": time.time() - t0}
@@ -347,15 +347,15 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     t1 = time.perf_counter()
     if cfg.kind != "images":
         prepare = _reuse_tokenizer if cfg.tokenizer.path else _train_tokenizer
-        tok_info, out_per_in = prepare(cfg, out, entries, ctx, workers)
+        tok_info, out_per_in, ctx = prepare(cfg, out, entries, ctx, workers)
         stage_s["tokenizer: sample, " + ("size shards" if cfg.tokenizer.path else "train")] = time.perf_counter() - t1
-    ctx["buckets"] = _plan_buckets(cfg, entries, out_per_in)
-    ctx["fingerprint"] = hashlib.sha256(
-        json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], ctx["buckets"], class_map], sort_keys=True).encode()
-    ).hexdigest()
+    buckets = _plan_buckets(cfg, entries, out_per_in)
+    ctx = ctx.with_(buckets=buckets, fingerprint=hashlib.sha256(
+        json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], buckets, class_map], sort_keys=True).encode()
+    ).hexdigest())
     if cfg.clean.near_dedup and cfg.kind != "images":
         t1 = time.perf_counter()
-        ctx["near_dups"] = _near_dups(cfg, entries, ctx, workers)
+        ctx = ctx.with_(near_dups=_near_dups(cfg, entries, ctx, workers))
         stage_s["near-dedup (MinHash)"] = time.perf_counter() - t1
 
     records = _shuffle_and_write(cfg, ctx, entries, workers, stats, stage_s, task_s)
@@ -378,7 +378,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
         "kind": cfg.kind,
         "seq_len": cfg.seq_len if cfg.kind != "images" else None,
         "tokenizer": tok_info,
-        "token_dtype": ctx.get("token_dtype"),
+        "token_dtype": ctx.token_dtype,
         "class_map": class_map,
         "prep_config": manifest_config(cfg),
         "splits": dict(sorted(splits.items())),
