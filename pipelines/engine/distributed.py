@@ -258,7 +258,9 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
 
     A run installs signal handlers, may switch torch to deterministic kernels or change its thread
     count, creates accelerate's process-wide state and a process group. The demo, sweeps, notebooks
-    and tests run several jobs in one process, so all of that is undone afterwards.
+    and tests run several jobs in one process, so all of that is undone afterwards -- including
+    ZeRO-3's replacement of ``torch.nn.functional.linear`` (DeepSpeed: "persists unless manually
+    reset"), which would otherwise route every later model's linear layers through its autograd wrapper.
     """
     import faulthandler
     import signal
@@ -266,6 +268,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    linear = torch.nn.functional.linear
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -276,6 +279,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
         faulthandler.unregister(signal.SIGUSR2)  # the run's stack dump on SIGUSR2 (pipelines.loading.workers)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(num_threads)
+        torch.nn.functional.linear = linear
         try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
             from accelerate.state import AcceleratorState
 
