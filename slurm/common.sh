@@ -74,10 +74,12 @@ pretrain_job_env() {
     "rendezvous $MASTER_ADDR:$MASTER_PORT (head $HEAD_NODE); python $PRETRAIN_PYTHON"
 }
 
-# Validate KIND (pretrain | finetune) CONFIG [k=v ...] before any srun and learn where the run writes.
+# Validate KIND (pretrain | finetune) CONFIG [k=v ...] before any srun, learn where the run writes, and
+# claim that run dir (its marker) before the logs go into it.
 pretrain_resolve_run() {
   local out
-  out=$("$PRETRAIN_PYTHON" -m pipelines.ops.submit resolve "$@") || _pretrain_die "the run config is invalid (message above)"
+  out=$("$PRETRAIN_PYTHON" -m pipelines.ops.submit resolve --claim "$@") \
+    || _pretrain_die "the run config or its run dir was refused (message above)"
   eval "$out"  # RUN_DIR=... MAX_STEPS=... RESUME=... (shell-quoted by pipelines.ops.submit)
   export RUN_DIR MAX_STEPS RESUME LOG_DIR=$RUN_DIR/logs
   mkdir -p "$LOG_DIR"

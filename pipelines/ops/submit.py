@@ -286,6 +286,9 @@ class SubmittedJob:
 
 def submit_job(job: RenderedJob, *, sbatch: str = "sbatch") -> SubmittedJob:
     """Write the script into the run's log dir and ``sbatch --parsable`` it; returns the job id."""
+    from pipelines.engine.checkpoint import claim_run_dir
+
+    claim_run_dir(job.run.run_dir)  # marked as our run dir before the logs go in (a user's folder is refused)
     job.log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create the --output directory
     stamp = time.strftime("%Y%m%d-%H%M%S")
     script_path = job.log_dir / f"submit-{stamp}.sbatch"
@@ -320,19 +323,25 @@ def describe_submitted(sub: SubmittedJob, job: RenderedJob) -> str:
 
 def _cmd_resolve(args: argparse.Namespace) -> int:
     run = resolve_run(args.kind, args.config, args.overrides)
+    if args.claim:
+        from pipelines.engine.checkpoint import claim_run_dir
+
+        claim_run_dir(run.run_dir)
     values = {"RUN_DIR": str(run.run_dir), "MAX_STEPS": str(run.max_steps), "RESUME": run.resume}
     print("\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items()))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipelines.ops.submit resolve KIND CONFIG k=v…`` (used by slurm/common.sh)."""
+    """``python -m pipelines.ops.submit resolve [--claim] KIND CONFIG k=v…`` (used by slurm/common.sh)."""
     parser = argparse.ArgumentParser(prog="python -m pipelines.ops.submit", description="Helpers for the slurm/ scripts.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("resolve", help="Check a run config and print RUN_DIR=, MAX_STEPS=, RESUME= for a shell.")
     p.add_argument("kind", choices=("pretrain", "finetune"))
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--claim", action="store_true",
+                   help="Also create RUN_DIR as a pretrain run dir (refused if it is a folder pretrain did not create).")
     p.set_defaults(handler=_cmd_resolve)
     args = parser.parse_args(argv)
     try:

@@ -207,13 +207,15 @@ def test_tasks_never_exceed_the_worker_count(ray_cluster):
 def test_split_is_a_function_of_the_document():
     """A document's split comes from its hash alone (never its position, worker or shard count), so
     no document's text is in both splits; the validation share follows ``validation_fraction``."""
+    from types import SimpleNamespace
+
     from data_prep.clean import doc_hash
     from data_prep.stages import route
 
     docs = [f"Paragraph {i} of the reference: every document is routed as a whole." for i in range(4000)]
     hashes = [doc_hash(d) for d in docs]
-    few = {"validation_fraction": 0.1, "buckets": {"train": 3, "validation": 1}}
-    many = {"validation_fraction": 0.1, "buckets": {"train": 17, "validation": 5}}
+    few = SimpleNamespace(validation_fraction=0.1, buckets={"train": 3, "validation": 1})
+    many = SimpleNamespace(validation_fraction=0.1, buckets={"train": 17, "validation": 5})
     split_of = [route(h, few).split("-")[0] for h in hashes]
     assert split_of == [route(h, many).split("-")[0] for h in hashes]  # shard counts do not move documents
     assert split_of == [route(doc_hash(d), few).split("-")[0] for d in docs]  # same text, same split

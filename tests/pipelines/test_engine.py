@@ -13,7 +13,7 @@ from pathlib import Path
 
 import corpus_fixtures as cf
 import pytest
-from conftest import read_trace, run_pretrain, summary_of, train_losses
+from job_helpers import read_trace, run_pretrain, summary_of, train_losses
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import job_env, summary_of
+from job_helpers import job_env, summary_of
 
 from core.config import ConfigError
 from pipelines.engine.distributed import accelerate_file_settings, load_launched_config

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, job_env
+from job_helpers import REPO, job_env
 
 from pipelines.engine import checkpoint as ckpt
 from pipelines.pretrain import main

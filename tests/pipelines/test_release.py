@@ -124,7 +124,7 @@ def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     import io
 
     import corpus_fixtures as cf
-    from conftest import run_pretrain, summary_of
+    from job_helpers import run_pretrain, summary_of
     from PIL import Image
     from transformers import pipeline
 

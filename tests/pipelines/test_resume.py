@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, job_env, read_trace, run_pretrain, summary_of
+from job_helpers import REPO, job_env, read_trace, run_pretrain, summary_of
 
 pytestmark = pytest.mark.slow
 

@@ -106,7 +106,7 @@ def test_prepare_ray_on_two_nodes_matches_local(slurm_cluster, tmp_path):
     text = _pydoc_text(tmp_path / "text")
     cfg = tmp_path / "prep.yaml"
     cfg.write_text(f"extends: {REPO}/configs/data/demo_bert.yaml\nsources: [{{type: text, paths: ['{text}/*.txt']}}]\n"
-                   "seq_len: 64\nshard_target_mb: 0.5\nprogress: false\ntokenizer: {vocab_size: 2000}\n")
+                   "seq_len: 64\nshard_target_mb: 0.1\nprogress: false\ntokenizer: {vocab_size: 2000}\n")
     proc = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--cpus-per-task=2",
                            str(REPO / "slurm/prepare_ray.sbatch"), str(cfg), f"output={tmp_path / 'ray_corpus'}"],
                           env=job_env(), capture_output=True, text=True, check=True)

@@ -1,0 +1,56 @@
+"""Run real jobs from the tests and read what they leave (summary line, traces, metrics).
+
+A module of its own, not conftest.py: several test folders have a conftest, and ``from conftest import``
+gets whichever one was imported last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_env(trace_dir: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if trace_dir is not None:
+        env["PRETRAIN_TRACE_DIR"] = str(trace_dir)
+    return env
+
+
+def run_pretrain(config: str, overrides: list[str], *, processes: int = 1, launcher: str = "accelerate",
+                 trace_dir: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a real job (``distributed.launch`` in a child python, or one plain process); capture its output."""
+    code = (
+        "import sys; from pipelines.engine.distributed import launch; "
+        f"sys.exit(launch({config!r}, {overrides!r}, {processes}, launcher={launcher!r}))"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(trace_dir), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert proc.returncode == 0 and lines, f"job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("SUMMARY "):])
+
+
+def read_trace(trace_dir: Path, rank: int) -> dict[int, dict]:
+    """step -> {loss, keys} of one rank; a step redone after a crash keeps its last record."""
+    out: dict[int, dict] = {}
+    path = trace_dir / f"rank-{rank}.jsonl"
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("split") == "train" and "loss" in r]
