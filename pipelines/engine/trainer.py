@@ -334,7 +334,7 @@ class Trainer:
         if periodic or stop_reason:  # the last step is saved at the end of fit, after the final evaluation
             last_saved = self.save(run.health, run.meter)
         if stop_reason:
-            logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.")
+            logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.", reason=stop_reason)
             return last_saved, True
         return last_saved, False
 

@@ -230,6 +230,7 @@ def run_status(run_dir: str | os.PathLike, max_steps: int) -> dict[str, Any]:
         "final_loss": last_loss if finite else None,
         "events": len(events),
         "nan_stop": any(e["event"] == "nan_stop" for e in events),
+        "stopped_by": next((e.get("reason") for e in reversed(events) if e["event"] == "stop"), None),
     }
     if info["nan_stop"] or (last_loss is not None and not finite):
         return {"status": "diverged", **info}
@@ -353,7 +354,13 @@ def run_local(
     specs = expand(sweep)
     write_manifest(sweep, specs)
     if sweep.jobs == 1:
-        results = [run_one(sweep, spec, extra, force=force) for spec in specs]
+        results = []
+        for spec in specs:
+            results.append(run_one(sweep, spec, extra, force=force))
+            if results[-1].get("stopped_by") == "signal":  # SIGTERM/SIGUSR1 stopped (and saved) this run: stop the sweep
+                print(f"sweep stopped by a signal after run {spec.index}; run the same command again to resume it.",
+                      flush=True)
+                break
     else:  # each run in its own process; a thread per slot only waits on it
         from concurrent.futures import ThreadPoolExecutor
 

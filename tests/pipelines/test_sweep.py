@@ -233,3 +233,36 @@ def test_sweep_config_is_documented():
     from core.config import describe
 
     assert all(help_text for _key, _default, help_text in describe(SweepConfig))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_local_sweep_after_saving_the_current_run(tmp_path, bert_corpus):
+    """SIGTERM (a pre-empted or cancelled job) checkpoints the running grid point and ends the sweep;
+    it does not go on to start the next one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    long_run = {**TINY_RUN, "train": {**TINY_RUN["train"], "max_steps": 100_000}}
+    path = write_sweep(tmp_path / "two.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=long_run,
+                       lrs=[1e-3, 2e-3], seeds=[0])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(path), "--local"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = tmp_path / "sw" / "runs"
+    metrics = runs / "adam-none-lr1e-3-s0" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(1 for r in read_metrics_lines(metrics) if r.get("split") == "train") >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert "sweep stopped by a signal" in out, out[-3000:]
+    assert not (runs / "adam-none-lr2e-3-s0").exists(), out[-3000:]
+    record = json.loads((tmp_path / "sw" / "sweep.jsonl").read_text())
+    assert record["status"] == "interrupted" and record["stopped_by"] == "signal"
+    assert (runs / "adam-none-lr1e-3-s0" / "checkpoints" / "latest").is_file()
+    assert [s.name for s in pending(load_sweep(path))] == ["adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0"]

@@ -93,3 +93,24 @@ def test_resolve_prints_shell_assignments(tmp_path):
                            f"train.run_dir={tmp_path}/a b", "train.max_steps=7"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"RUN_DIR='{tmp_path}/a b'", "MAX_STEPS=7", "RESUME=auto"]
+
+
+def test_submit_and_sbatch_claim_the_run_dir_and_refuse_a_users_folder(bert_corpus, tmp_path):
+    """The job's logs go into the run dir, so the run dir is claimed first: an empty one gets the marker
+    (the trainer then accepts a run dir holding only ``logs/``); a user's folder is refused before sbatch."""
+    from core.files import MARKER
+    from pipelines.ops.submit import submit_job
+
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("keep me")
+    job = render_job(CONFIG, _overrides(bert_corpus, users), SubmitOptions(nodes=1, gpus_per_node=0), cwd=tmp_path)
+    with pytest.raises(ConfigError, match="not created by pretrain"):
+        submit_job(job, sbatch=str(tmp_path / "no-sbatch-here"))
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt"]
+
+    resolve = [sys.executable, "-m", "pipelines.ops.submit", "resolve", "--claim", "pretrain", str(CONFIG)]
+    proc = subprocess.run([*resolve, f"train.run_dir={users}"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "not created by pretrain" in proc.stderr and "notes.txt" not in proc.stdout
+    proc = subprocess.run([*resolve, f"train.run_dir={tmp_path / 'new'}"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and json.loads((tmp_path / "new" / MARKER).read_text())["kind"] == "run", proc.stderr
