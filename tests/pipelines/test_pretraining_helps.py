@@ -5,8 +5,9 @@ The checkpoint is made the way a user makes one: the demo corpus (Python's own d
 with the classification task's validation docstrings held out) prepared by the Ray job, tiny BERT
 pretrained with MLM + NSP by `pipelines.engine.distributed.launch` (one `python -m pipelines.pretrain`; 900 steps, about two
 minutes: the demo's 300 steps end before MLM leaves the unigram plateau, see docs/finetune.md),
-then exported to a transformers directory. Both downstream forms of the docstring task are
-compared: classification, and extractive QA with the options in the context.
+then exported to a transformers directory. Classification is compared with random init; extractive
+QA with the options in the context is checked to learn from the release (its comparison with random
+init is within seed noise at this scale, see docs/finetune.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pipelines.finetune import FinetuneConfig, run_finetune
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 PRETRAIN_STEPS = 900
-pytestmark = pytest.mark.slow  # about 6 minutes for the module: pretraining ~2-3, 12 fine-tuning runs ~3.5
+pytestmark = pytest.mark.slow  # about 6 minutes for the module: pretraining ~2-3, 9 fine-tuning runs ~3
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +53,12 @@ def pretrained(tmp_path_factory):
             "eval": final_eval}
 
 
-def finetune_both_inits(config: str, release: Path, tmp_path: Path, metric: str, overrides: list[str]):
-    """Seeds 0-2, each from `init=pretrained` and from `init=random`: per init, the final dev `metric`
-    and the mean over the epochs of the dev `accuracy` (the learning curve)."""
-    final: dict[str, list[float]] = {"pretrained": [], "random": []}
-    curve: dict[str, list[float]] = {"pretrained": [], "random": []}
+def finetune_both_inits(config: str, release: Path, tmp_path: Path, metric: str, overrides: list[str],
+                        inits: tuple[str, ...] = ("pretrained", "random")):
+    """Seeds 0-2, each from every init in `inits`: per init, the final dev `metric` and the mean over
+    the epochs of the dev `accuracy` (the learning curve)."""
+    final: dict[str, list[float]] = {init: [] for init in inits}
+    curve: dict[str, list[float]] = {init: [] for init in inits}
     for seed in (0, 1, 2):
         for init in final:
             cfg = load_config(CONFIGS / config, [
@@ -92,20 +94,20 @@ def test_classification_pretrained_beats_random_init(pretrained, tmp_path):
     assert statistics.mean(curve["pretrained"]) > statistics.mean(curve["random"]) + 0.05, curve
 
 
-def test_qa_with_options_pretrained_beats_random_init(pretrained, tmp_path):
+def test_qa_with_options_learns_from_the_pretrained_release(pretrained, tmp_path):
     """Extractive QA on the same docstrings: "Packages: <the five names, shuffled per question>.
     <docstring>" -> the span that names its package (configs/demo/finetune_package_qa.yaml: 4 epochs,
     lr 1e-3, seeds 0-2). The answer's position changes with every question, so the span head must read
-    the options; which one is right depends on what the encoder knows about the text.
+    the options; the majority package scores 31.3 EM.
 
-    Measured on the 2-core dev machine: dev EM after 4 epochs pretrained 77.1 / 84.6 / 77.1 vs random
-    init 68.2 / 68.7 / 65.7; mean over the 4 epochs of the dev windows with start and end right 0.622
-    vs 0.529 (0.574 vs 0.513 from another 900-step checkpoint); the majority package scores 31.3.
+    Only the pretrained side is asserted. Pretrained vs random init on this task is within seed noise
+    at this scale (docs/finetune.md: one more training window moves a run by up to 10 EM); measured
+    2026-11-23 on this fixture's checkpoint, 4 epochs, pretrained 69.7 / 58.7 / 81.1 vs random init
+    67.7 / 74.1 / 59.7 in this test's process, 69.7 / 63.2 / 76.1 vs 59.7 / 70.1 / 47.8 one process
+    per run at 1 thread.
     """
     qa = pretrained["qa"]
-    em, curve = finetune_both_inits("demo/finetune_package_qa.yaml", pretrained["release"], tmp_path, "exact_match", [
-        f"data.train={qa / 'train.json'}", f"data.validation={qa / 'dev.json'}"])
-    print("dev EM after 4 epochs:", em, "mean window accuracy over epochs:", curve)
-    assert min(em["pretrained"]) > 100 * pretrained["majority"] + 20, em
-    assert statistics.mean(em["pretrained"]) > statistics.mean(em["random"]) + 3.0, em
-    assert statistics.mean(curve["pretrained"]) > statistics.mean(curve["random"]) + 0.03, curve
+    em, _curve = finetune_both_inits("demo/finetune_package_qa.yaml", pretrained["release"], tmp_path, "exact_match", [
+        f"data.train={qa / 'train.json'}", f"data.validation={qa / 'dev.json'}"], inits=("pretrained",))
+    print("dev EM after 4 epochs:", em)
+    assert statistics.mean(em["pretrained"]) > 100 * pretrained["majority"] + 25, em
