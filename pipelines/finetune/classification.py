@@ -9,7 +9,6 @@ same architecture from random init) → `Trainer` with one evaluation and one ch
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune.card import write_card
 from pipelines.finetune.data import (
     FinetuneError,
     collate_classification,
@@ -29,7 +26,7 @@ from pipelines.finetune.data import (
     read_examples,
 )
 from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
-from pipelines.finetune.runner import best_epoch, early_stopping, epoch_run_config, load_tokenizer, resolve_release
+from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 
 
 class ClassificationTask(Task):
@@ -98,14 +95,6 @@ class ClassificationTask(Task):
         return encoder_training_flops(config, rows.sum(1).tolist())
 
 
-def _padded(features: list[dict[str, Any]], multiple: int, pad_label: int | float) -> list[dict[str, Any]]:
-    """Mark real items valid and pad with invalid ones so every rank evaluates the whole dev set."""
-    out = [{**f, "valid": True} for f in features]
-    filler = {"input_ids": features[0]["input_ids"][:2], "token_type_ids": [0, 0], "label": pad_label, "valid": False}
-    out += [filler] * (-len(out) % multiple)
-    return out
-
-
 def _collate_with_valid(task: ClassificationTask):
     def collate(items):
         batch = collate_classification(items, task.pad_id)
@@ -142,9 +131,7 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
 
 
 def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
-    from pipelines.engine.trainer import Trainer
-    from pipelines.loading.loader import MapStyleSource
-
+    """Read and tokenize the labelled files, build the classifier, then the shared fit/export/score skeleton."""
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env)
@@ -158,37 +145,20 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(release)
     task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0, d.max_seq_len)
-    pad_label: int | float = 0.0 if d.regression else 0
-    train_feats = [{**f, "valid": True} for f in encode_examples(train_ex, tokenizer, d.max_seq_len)]
-    val_feats = _padded(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size, pad_label)
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
-
-    run_cfg, steps_per_epoch = epoch_run_config(cfg, len(train_feats), env.world_size, "bert-classifier")
-    collate = _collate_with_valid(task)
-    common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
-    trainer = Trainer(
-        run_cfg, model=model, task=task, env=env,
-        train_data=MapStyleSource(train_feats, collate, micro_batch_size=d.micro_batch_size, shuffle=True, **common),
-        eval_data=MapStyleSource(val_feats, collate, micro_batch_size=d.micro_batch_size, shuffle=False, **common),
+    return fit_export_score(cfg, env, release, FinetuneJob(
+        model=model, task=task, model_name="bert-classifier",
+        train_feats=encode_examples(train_ex, tokenizer, d.max_seq_len),
+        val_feats=padded_for_eval(encode_examples(val_ex, tokenizer, d.max_seq_len), env.world_size * d.micro_batch_size,
+                                  label=0.0 if d.regression else 0),
+        collate=_collate_with_valid(task),
         model_build={"name": "bert-classifier", "checkpoint": str(release), "labels": labels},
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
-        should_stop=early_stopping(cfg), config_to_save=cfg,
-    )
-    summary = trainer.fit()
-    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
-    result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
-                              "history": history, "steps": summary["steps"]}
-    if env.rank == 0:
-        out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", labels, d.regression)
-        result["metrics"] = evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression)
-        write_card(out, name=f"{Path(release).name}-classifier", base=release, pipeline_tag="text-classification",
-                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
-                   body=(out / "README.md").read_text(encoding="utf-8"))
-        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
-    dist.barrier_if_initialized()
-    if env.rank != 0:
-        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
-    return result
+        export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels,
+                                         d.regression),
+        score=lambda out: evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression),
+        card_name="classifier", pipeline_tag="text-classification",
+    ))
 
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool) -> Path:

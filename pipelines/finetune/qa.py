@@ -22,9 +22,8 @@ from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
-from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError, ReadReport
-from pipelines.finetune.runner import best_epoch, early_stopping, epoch_run_config, load_tokenizer, resolve_release
+from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 from pipelines.finetune.squad import (
     QAExample,
     check_bad_share,
@@ -126,12 +125,6 @@ def build_qa_model(release: Path, init: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _padded(features: list[dict[str, Any]], multiple: int) -> list[dict[str, Any]]:
-    out = [{**f, "valid": True} for f in features]
-    filler = {"input_ids": features[0]["input_ids"][:2], "token_type_ids": [0, 0], "valid": False}
-    return out + [filler] * (-len(out) % multiple)
-
-
 def _read(path: str, cfg: FinetuneConfig, tokenizer: Any, *, labels_report: bool) -> tuple[list[QAExample], list[dict[str, Any]], ReadReport]:
     """Examples + labelled windows; questions whose answer fits no window count as bad (training file)."""
     q, d = cfg.qa, cfg.data
@@ -148,9 +141,6 @@ def _read(path: str, cfg: FinetuneConfig, tokenizer: Any, *, labels_report: bool
 
 def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune a span head, export the best epoch, decode the dev set with the export; returns metrics + paths."""
-    from pipelines.engine.trainer import Trainer
-    from pipelines.loading.loader import MapStyleSource
-
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env)
@@ -167,38 +157,21 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
         print(train_report.summary(), val_report.summary(), f"{len(train_feats)} training windows, "
               f"{len(val_feats)} dev windows", sep="\n", flush=True)
 
-    task = QATask(tokenizer.pad_token_id or 0)
-    run_cfg, steps_per_epoch = epoch_run_config(cfg, len(train_feats), env.world_size, "bert-qa")
-    collate = task.collate
-    common = dict(rank=env.rank, world=env.world_size, seed=cfg.train.seed)
-    trainer = Trainer(
-        run_cfg, model=model, task=task, env=env,
-        train_data=MapStyleSource([{**f, "valid": True} for f in train_feats], collate,
-                                  micro_batch_size=d.micro_batch_size, shuffle=True, **common),
-        eval_data=MapStyleSource(_padded(val_feats, env.world_size * d.micro_batch_size), collate,
-                                 micro_batch_size=d.micro_batch_size, shuffle=False, **common),
-        model_build={"name": "bert-qa", "checkpoint": str(release)},
-        data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
-        should_stop=early_stopping(cfg), config_to_save=cfg,
-    )
-    summary = trainer.fit()
-    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
-    result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
-                              "history": history, "steps": summary["steps"],
-                              "predictions": str(run_dir / "predictions.json")}
-    if env.rank == 0:
-        out = _export_best(model, run_dir / "checkpoints", best_step, release, run_dir / "release", cfg)
+    def score(out: Path) -> dict[str, Any]:
         predictions, null_odds = predict_release(out, val_ex, cfg)
         atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
-        result["metrics"] = squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
-        write_card(out, name=f"{Path(release).name}-qa", base=release, pipeline_tag="question-answering",
-                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
-                   body=(out / "README.md").read_text(encoding="utf-8"))
-        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
-    dist.barrier_if_initialized()
-    if env.rank != 0:
-        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
-    return result
+        return squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
+
+    task = QATask(tokenizer.pad_token_id or 0)
+    return fit_export_score(cfg, env, release, FinetuneJob(
+        model=model, task=task, model_name="bert-qa", train_feats=train_feats,
+        val_feats=padded_for_eval(val_feats, env.world_size * d.micro_batch_size), collate=task.collate,
+        model_build={"name": "bert-qa", "checkpoint": str(release)},
+        data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
+        export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", cfg),
+        score=score, card_name="qa", pipeline_tag="question-answering",
+        result_extra={"predictions": str(run_dir / "predictions.json")},
+    ))
 
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg: FinetuneConfig) -> Path:

@@ -10,20 +10,82 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from core.files import atomic_write_text
 from pipelines.engine import distributed as dist
 from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
 from pipelines.finetune import FinetuneConfig
+from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
-__all__ = ["LOWER_IS_BETTER", "epoch_run_config", "resolve_release", "load_tokenizer", "early_stopping", "best_epoch"]
+__all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
+           "resolve_release", "load_tokenizer", "early_stopping", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
+
+
+@dataclass
+class FinetuneJob:
+    """What a task module hands `fit_export_score`: its data, head and task, and how to export and score."""
+
+    model: Any
+    task: Any
+    model_name: str  # the name recorded in the run config ("bert-classifier", "bert-qa")
+    train_feats: list[dict[str, Any]]
+    val_feats: list[dict[str, Any]]  # padded to whole evaluation batches (`padded_for_eval`)
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    model_build: dict[str, Any]
+    data_info: dict[str, Any]
+    export: Callable[[int], Path]  # best step -> the exported release directory
+    score: Callable[[Path], dict[str, Any]]  # the export -> dev metrics (it may write side files first)
+    card_name: str  # the release card's name is "<base release>-<card_name>"
+    pipeline_tag: str
+    result_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job: FinetuneJob) -> dict[str, Any]:
+    """Train `epochs` passes, export the best epoch, score the export, write its card and metrics.json."""
+    from pipelines.engine.trainer import Trainer
+    from pipelines.loading.loader import MapStyleSource
+
+    d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    run_cfg, steps_per_epoch = epoch_run_config(cfg, len(job.train_feats), env.world_size, job.model_name)
+    common = dict(micro_batch_size=d.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
+    trainer = Trainer(
+        run_cfg, model=job.model, task=job.task, env=env,
+        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True, **common),
+        eval_data=MapStyleSource(job.val_feats, job.collate, shuffle=False, **common),
+        model_build=job.model_build, data_info=job.data_info, should_stop=early_stopping(cfg), config_to_save=cfg,
+    )
+    summary = trainer.fit()
+    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
+                              "history": history, "steps": summary["steps"], **job.result_extra}
+    if env.rank == 0:
+        out = job.export(best_step)
+        result["metrics"] = job.score(out)
+        write_card(out, name=f"{Path(release).name}-{job.card_name}", base=release, pipeline_tag=job.pipeline_tag,
+                   train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
+                   body=(out / "README.md").read_text(encoding="utf-8"))
+        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
+    dist.barrier_if_initialized()
+    if env.rank != 0:
+        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
+    return result
+
+
+def padded_for_eval(features: list[dict[str, Any]], multiple: int, **filler_fields: Any) -> list[dict[str, Any]]:
+    """Mark real items valid and pad with invalid ones so every rank evaluates the whole dev set."""
+    out = [{**f, "valid": True} for f in features]
+    filler = {"input_ids": features[0]["input_ids"][:2], "token_type_ids": [0, 0], **filler_fields, "valid": False}
+    return out + [filler] * (-len(out) % multiple)
 
 
 def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model_name: str) -> tuple[RunConfig, int]:
