@@ -27,7 +27,6 @@ class JobContext:
     validation_fraction: float
     output: str
     job_id: str  # workers build the tokenizer afresh for every job (no warm caches across jobs)
-    slow_shards_s: float = 0.0  # seconds to wait per shard (widens the window a kill-resume test aims at)
     # once the tokenizer is known
     tokenizer_json: str = ""
     tokenizer_sha256: str = ""

@@ -98,13 +98,13 @@ def _stable_order(entries: list[dict[str, Any]], seed: int) -> list[dict[str, An
     return sorted(entries, key=key)
 
 
-def _base_ctx(cfg: PrepConfig, slow_shards_s: float = 0.0) -> JobContext:
+def _base_ctx(cfg: PrepConfig) -> JobContext:
     d = to_dict(cfg)
     return JobContext(
         kind=cfg.kind, sources=d["sources"], clean=d["clean"], images=d["images"], seed=cfg.seed,
         seq_len=cfg.seq_len, short_seq_prob=cfg.short_seq_prob, nsp_random_prob=cfg.nsp_random_prob,
         dupe_factor=cfg.dupe_factor, validation_fraction=cfg.validation_fraction, output=str(Path(cfg.output).resolve()),
-        job_id=uuid.uuid4().hex, slow_shards_s=slow_shards_s,
+        job_id=uuid.uuid4().hex,
     )
 
 
@@ -337,7 +337,7 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
 
 def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str, Any]:
     workers = _workers(cfg)
-    ctx = _base_ctx(cfg, slow_shards_s=float(os.environ.get("DATA_PREP_SLOW_SHARDS_S", "0") or 0))
+    ctx = _base_ctx(cfg)
     _clean_stale(out, keep={p.name for p in out.glob("*.tar")})  # temp files only
     stats = Stats()
     stage_s: dict[str, float] = {"list inputs, start Ray": time.time() - t0}

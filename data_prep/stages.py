@@ -349,8 +349,6 @@ def build_shard(name: str, group: pa.Table, ctx: JobContext, committer: Executor
             record.pop("index_rows", None)
         else:
             commit_shard(tmp, path, record)
-        if ctx.slow_shards_s:  # test hook: widen the window in which a kill lands mid-job
-            time.sleep(ctx.slow_shards_s)
         save_record(out_dir, f"{name}.tar", record)
         return record
 

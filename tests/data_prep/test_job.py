@@ -113,6 +113,25 @@ def test_inspect(bert_corpus):
     assert "samples" in inspect_corpus(str(shard), n=1)
 
 
+KILLED_AFTER_FIRST_REDUCE_GROUP = """
+import os, signal, sys
+import data_prep.job as job
+from data_prep.__main__ import main
+
+def run_limited(remote_fn, calls, workers, **kw):
+    if kw.get("on_done") is None:  # not the reduce stage
+        return real(remote_fn, calls, workers, **kw)
+    def on_done(i):
+        kw_done(i)
+        os.kill(os.getpid(), signal.SIGKILL)
+    kw_done = kw["on_done"]
+    return real(remote_fn, calls, workers, **{**kw, "on_done": on_done})
+
+real, job.run_limited = job.run_limited, run_limited
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_one_and_two_workers_and_a_killed_run_give_identical_bytes(bert_corpus, real_text, ray_cluster, tmp_path):
     out, _ = bert_corpus
     reference = _digest(out)
@@ -120,20 +139,18 @@ def test_one_and_two_workers_and_a_killed_run_give_identical_bytes(bert_corpus, 
     run_prepare(_bert_cfg(real_text, one, num_workers=1))
     assert _digest(one) == reference
 
-    # A separate driver (connected to the same Ray cluster) is SIGKILLed after a few shards.
+    # A separate driver (connected to the same Ray cluster) SIGKILLs itself as soon as the first of its
+    # reduce groups has written its shards (one worker: the other groups have not started).
     killed = tmp_path / "killed"
     cfg_file = tmp_path / "cfg.yaml"
     cfg = _bert_cfg(real_text, killed, num_workers=1)
     data = json.loads(json.dumps(cfg, default=lambda o: o.__dict__))
     cfg_file.write_text(yaml.safe_dump(data))
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster, "DATA_PREP_SLOW_SHARDS_S": "1.5"}
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep", str(cfg_file)], env=env, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(killed.glob("*.tar"))) < 1 and proc.poll() is None:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_AFTER_FIRST_REDUCE_GROUP, str(cfg_file)], env=env, cwd=REPO,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
     time.sleep(2)
     assert not (killed / "manifest.json").exists()
     done_before = {p.name for p in killed.glob("*.tar")}
