@@ -257,8 +257,9 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     """Run a training job inside the caller's process and leave its global state as it found it.
 
     A run installs signal handlers, may switch torch to deterministic kernels or change its thread
-    count, creates accelerate's process-wide state and a process group. The demo, sweeps, notebooks
-    and tests run several jobs in one process, so all of that is undone afterwards -- including
+    count, writes its world (RANK, MASTER_PORT, ...) into os.environ, creates accelerate's process-wide
+    state and a process group. The demo, sweeps, notebooks and tests run several jobs in one process
+    (and start jobs from it, which would inherit a stale world), so all of that is undone afterwards -- including
     ZeRO-3's replacement of ``torch.nn.functional.linear`` (DeepSpeed: "persists unless manually
     reset"), which would otherwise route every later model's linear layers through its autograd wrapper.
     """
@@ -269,6 +270,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     linear = torch.nn.functional.linear
+    rendezvous = {k: os.environ.get(k) for k in _RENDEZVOUS_VARS}
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -280,6 +282,11 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(num_threads)
         torch.nn.functional.linear = linear
+        for k, v in rendezvous.items():  # init_env() wrote this run's world (its MASTER_PORT) into os.environ
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:  # the next run builds a fresh Accelerator (its state is a process-wide singleton)
             from accelerate.state import AcceleratorState
 
@@ -294,6 +301,9 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
 def _forget_deepspeed_groups() -> None:
     """DeepSpeed caches process groups module-wide; once the group is destroyed the next in-process
     run would broadcast over a dead one ("group is not registered")."""
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and hasattr(comm, "cdb"):
+        comm.cdb = None  # its backend holds the destroyed group (and its TCPStore, i.e. the port)
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is None:
         return
