@@ -112,13 +112,16 @@ def ours(task: str, release: Path, data: Path, run_dir: Path, args: argparse.Nam
     return metrics["f1"] if task == "qa" else 100.0 * metrics["accuracy"]
 
 
-def hf_training_args(out: Path, args: argparse.Namespace, seed: int):
+def hf_training_args(out: Path, args: argparse.Namespace, seed: int, *, per_epoch: bool = False):
+    """``per_epoch``: evaluate and save every epoch and reload the best at the end (our cadence)."""
     from transformers import TrainingArguments
 
+    cadence = "epoch" if per_epoch else "no"
     return TrainingArguments(
         output_dir=str(out), num_train_epochs=args.epochs, per_device_train_batch_size=args.batch, learning_rate=args.lr,
         weight_decay=0.01, warmup_steps=args.warmup, lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed,
-        save_strategy="no", eval_strategy="no", logging_strategy="no", report_to=[], use_cpu=True,
+        save_strategy=cadence, eval_strategy=cadence, load_best_model_at_end=per_epoch, metric_for_best_model="loss",
+        per_device_eval_batch_size=args.batch, logging_strategy="no", report_to=[], use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True)
 
 
@@ -146,7 +149,10 @@ def hf_qa_features(examples, tokenizer, args: argparse.Namespace) -> list[dict[s
     return feats
 
 
-def hf(task: str, release: Path, data: Path, out: Path, args: argparse.Namespace, seed: int) -> float:
+def hf(task: str, release: Path, data: Path, out: Path, args: argparse.Namespace, seed: int, *,
+       per_epoch: bool = False) -> float:
+    """Train with `transformers.Trainer`, save the release, score it with our dev scorer (``per_epoch``:
+    evaluate the dev set and save a checkpoint every epoch, keep the best, as our fine-tuning does)."""
     import transformers
     from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer
 
@@ -163,6 +169,7 @@ def hf(task: str, release: Path, data: Path, out: Path, args: argparse.Namespace
         train_ex, _ = read_squad(data / "train.json")
         model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(release))
         train = hf_qa_features(train_ex, tokenizer, args)
+        dev = hf_qa_features(read_squad(data / "dev.json")[0], tokenizer, args) if per_epoch else None
     else:
         from pipelines.finetune.classification import evaluate_release
         from pipelines.finetune.data import read_examples
@@ -171,10 +178,15 @@ def hf(task: str, release: Path, data: Path, out: Path, args: argparse.Namespace
         val_ex, _, _ = read_examples(data / "validation.tsv", text_column="text", label_column="label", label_names=labels)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             str(release), num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
-        enc = tokenizer([e.text for e in train_ex], truncation=True, max_length=args.seq, return_token_type_ids=True)
-        train = [{"input_ids": ids, "token_type_ids": tt, "attention_mask": am, "labels": e.label}
-                 for ids, tt, am, e in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], train_ex, strict=True)]
-    Trainer(model=model, args=hf_training_args(out / "hf-trainer", args, seed), train_dataset=train, data_collator=collator).train()
+
+        def encode(examples):
+            enc = tokenizer([e.text for e in examples], truncation=True, max_length=args.seq, return_token_type_ids=True)
+            return [{"input_ids": ids, "token_type_ids": tt, "attention_mask": am, "labels": e.label} for ids, tt, am, e
+                    in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], examples, strict=True)]
+
+        train, dev = encode(train_ex), (encode(val_ex) if per_epoch else None)
+    Trainer(model=model, args=hf_training_args(out / "hf-trainer", args, seed, per_epoch=per_epoch), train_dataset=train,
+            eval_dataset=dev, data_collator=collator).train()
     model.save_pretrained(str(out / "release"))
     tokenizer.save_pretrained(str(out / "release"))
     if task == "qa":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -224,19 +223,19 @@ def test_deepspeed_fields():
 
 @pytest.fixture(scope="module")
 def ds_world():
+    """A world of one for DeepSpeed, torn down as the product tears down an in-process run: later tests
+    assert that no process group exists, and jobs they start must not inherit this world's port."""
     deepspeed = pytest.importorskip("deepspeed")
     import torch.distributed as dist
 
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="gloo")
-    yield deepspeed
-    if created and dist.is_initialized():  # later tests assert that no process group exists
-        dist.destroy_process_group()
+    from pipelines.engine.distributed import free_port, in_process_run
+
+    with in_process_run():
+        if not dist.is_initialized():
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+            deepspeed.init_distributed(dist_backend="gloo")
+        yield deepspeed
 
 
 def batches(n=3):

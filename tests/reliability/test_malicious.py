@@ -54,7 +54,7 @@ def test_finetune_from_a_run_checkpoint_never_runs_a_planted_payload(ckpt, tmp_p
 
     marker = tmp_path / "PWNED"
     as_zero2(ckpt, marker, "optim_states")
-    with pytest.raises(ConfigError, match="optim_states.pt is not plain tensor data"):
+    with dist.in_process_run(), pytest.raises(ConfigError, match="optim_states.pt is not plain tensor data"):
         resolve_release(str(ckpt), tmp_path / "ft", dist.init_env())
     assert not marker.exists() and not (tmp_path / "ft" / "base-release").exists()
 
