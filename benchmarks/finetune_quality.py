@@ -198,20 +198,25 @@ def hf(task: str, release: Path, data: Path, out: Path, args: argparse.Namespace
     return 100.0 * evaluate_release(out / "release", val_ex, args.seq, labels, False)["accuracy"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="qa,classification", help="comma-separated: qa, classification")
-    parser.add_argument("--qa-data", default="package", choices=["package", "cloze"])
+def add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    """The release and the fine-tuning recipe both sides share (also used by finetune_throughput.py)."""
     parser.add_argument("--release", default="", help="BERT release dir; default: a random-init one built here")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seeds", default="0")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--stride", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="qa,classification", help="comma-separated: qa, classification")
+    parser.add_argument("--qa-data", default="package", choices=["package", "cloze"])
+    add_recipe_args(parser)
+    parser.add_argument("--seeds", default="0")
     parser.add_argument("--max-train", type=int, default=1200, help="cloze: training questions kept")
     parser.add_argument("--max-dev", type=int, default=300, help="cloze: dev questions kept")
     parser.add_argument("--threads", type=int, default=2)

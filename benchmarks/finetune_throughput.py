@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from finetune_quality import hf, make_release, ours  # noqa: E402  (it also puts the repo on sys.path)
+from finetune_quality import add_recipe_args, hf, make_release, ours  # noqa: E402  (it also puts the repo on sys.path)
 
 
 def timed(fn, *args, **kwargs) -> tuple[float, float]:
@@ -49,15 +49,7 @@ def train_size(task: str, data: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="classification,qa", help="comma-separated: classification, qa")
-    parser.add_argument("--release", default="", help="BERT release dir; default: a random-init one built here")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--stride", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=10)
+    add_recipe_args(parser)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
