@@ -11,7 +11,9 @@ import os
 
 import pytest
 
-WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from pipelines.engine.distributed import _RENDEZVOUS_VARS
+
+WORLD_VARS = _RENDEZVOUS_VARS  # what init_env() writes and in_process_run puts back
 
 
 @pytest.fixture(autouse=True)

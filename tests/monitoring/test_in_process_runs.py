@@ -8,7 +8,9 @@ import pytest
 import torch
 from trainer_job import run_job
 
-WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from pipelines.engine.distributed import _RENDEZVOUS_VARS
+
+WORLD_VARS = _RENDEZVOUS_VARS  # what init_env() writes and in_process_run puts back
 
 
 @pytest.mark.slow
