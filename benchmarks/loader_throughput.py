@@ -1,27 +1,28 @@
 """Corpus format 2 and the loader against stock WebDataset, in one run.
 
 1. Size: ``pretrain prepare`` (``run_prepare``) writes ``bert_pairs`` and ``packed_lm`` corpora from
-   real text in two shapes: *short* documents (dictionary-style: every line of the Python docs'
-   reST sources is its own document; mean < 60 tokens) and *long* ones (one document per file). It
+   ``--size-mb`` MB of real text in two shapes: *short* documents (dictionary-style: every line of
+   at least 20 characters is its own document; mean < 60 tokens) and *long* ones (one document per
+   source file). It
    prints shard bytes (tars + index sidecars) / payload, where payload = token bytes + per-sample
    metadata (bert_pairs: len_a, len_b as uint16 and the NSP label as uint8 = 5 bytes; packed_lm:
    none). Goal <= 1.15.
-2. Throughput: on the largest of those corpora (``--kind``), samples/s of ``StreamingSource``
+2. Throughput: on a ``--kind`` corpus of long documents from ``--text-mb`` MB of text (1 GB by
+   default), samples/s of ``StreamingSource``
    (``--workers`` workers, micro batch ``--mb``, shuffle buffer 1000) against stock
    ``webdataset.WebDataset(urls).shuffle(1000)`` over the same shards, whose records are split
    into samples by the same ``core.records.decode_record`` and batched by the same task collate,
    in a ``DataLoader`` with the same workers (stock WebDataset gives each worker whole shards, so
-   the corpus has several shards per worker). Both read one epoch's worth of batches, ``--repeat``
-   times interleaved, the fastest run of each counting. Goal >= 1.0x.
+   the corpus has several shards per worker). Both read ``--batches`` batches (default: one epoch),
+   ``--repeat`` times interleaved, the fastest run of each counting. Goal >= 1.0x.
 3. Seek: time to read a 1000-sample window at the end of the largest shard / at its start, each
    with a fresh reader (goal <= 1.5), and the same for the deprecated format 1 (for reference).
 4. Resume: time from ``load_state_dict`` at the middle of an epoch to the first batch (goal < 2 s).
 
-The text: the reST sources of the Python docs (Debian ``python3.11-doc``), repeated ``--copies``
-times; copy c > 0 prefixes every document with ``Copy c.`` and rewraps it (lines joined or
-split at a different width), so exact dedup keeps it and the tokens differ.
+The text: ``benchmarks/corpus_text.py`` (the Python docs, the Linux kernel docs and Perl's POD
+from Debian's packages, then rewrapped and reordered variants of them until the size is reached).
 
-    python benchmarks/loader_throughput.py [--copies 3] [--kind bert_pairs] [--workers 2] [--shard-mb 2] [--repeat 3]
+    python benchmarks/loader_throughput.py [--text-mb 1000] [--size-mb 50] [--kind bert_pairs] [--workers 2] [--shard-mb 16] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -32,30 +33,12 @@ import os
 import shutil
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PY_DOC = Path("/usr/share/doc/python3.11-doc/html/_sources")
-
-
-def build_text(root: Path, copies: int, short: bool) -> Path:
-    """The Python docs' reST sources, ``copies`` times with rewrapping; ``short``: one document per line."""
-    root.mkdir(parents=True, exist_ok=True)
-    files = sorted(PY_DOC.rglob("*.txt"))
-    for c in range(copies):
-        for k, f in enumerate(files):
-            text = f.read_text(encoding="utf-8", errors="replace")
-            if c:
-                width = 60 + 7 * c
-                paras = [textwrap.fill(" ".join(p.split()), width) for p in text.split("\n\n") if p.strip()]
-                text = "\n\n".join(f"Copy {c}. {p}" for p in paras)
-            if short:
-                text = "\n\n".join(line.strip() for line in text.splitlines() if len(line.strip()) >= 20)
-            (root / f"{c:02d}-{k:04d}.txt").write_text(text, encoding="utf-8")
-    return root
+from benchmarks.corpus_text import build_text  # noqa: E402
 
 
 def prepare(kind: str, text: Path, out: Path, short: bool, tokenizer: str, workers: int, shard_mb: float) -> dict:
@@ -157,12 +140,14 @@ def window_times(m, version: int) -> tuple[float, float]:
 
 
 def as_format_1(m, out: Path) -> Path:
-    """The same samples written in the deprecated format 1 (two members per sample), for the seek reference."""
+    """The largest train shard's samples in the deprecated format 1 (two members per sample), for the seek reference."""
     from core.corpus import read_shard
     from data_prep.shards import write_shard
 
     out.mkdir(parents=True, exist_ok=True)
-    raw = dict(m.raw, schema_version="1.0")
+    largest = max(m.shards("train"), key=lambda s: s.samples).name
+    raw = json.loads(json.dumps(m.raw)) | {"schema_version": "1.0"}  # a deep copy
+    raw["splits"] = {"train": dict(raw["splits"]["train"], shards=[s for s in raw["splits"]["train"]["shards"] if s["name"] == largest])}
     shutil.copytree(m.root / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
     for split in raw["splits"].values():
         for s in split["shards"]:
@@ -192,12 +177,13 @@ def resume_time(m, workers: int, mb: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--copies", type=int, default=3)
+    p.add_argument("--text-mb", type=float, default=1000.0, help="text behind the throughput corpus")
+    p.add_argument("--size-mb", type=float, default=50.0, help="text behind each of the four size corpora")
     p.add_argument("--kind", default="packed_lm", choices=["packed_lm", "bert_pairs"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--mb", type=int, default=32)
     p.add_argument("--batches", type=int, default=0, help="batches to time (default: one epoch)")
-    p.add_argument("--shard-mb", type=float, default=2.0, help="prep shard_target_mb (several shards per worker)")
+    p.add_argument("--shard-mb", type=float, default=16.0, help="prep shard_target_mb (several shards per worker)")
     p.add_argument("--repeat", type=int, default=3, help="throughput runs of each, interleaved; the fastest counts")
     p.add_argument("--work", default="", help="keep corpora here (reused when present)")
     args = p.parse_args()
@@ -205,27 +191,27 @@ def main() -> None:
     from core.corpus import load_manifest
 
     work = Path(args.work or tempfile.mkdtemp(prefix="loader-bench-"))
-    text = {shape: work / f"text-{shape}" for shape in ("short", "long")}
+    text = {shape: work / f"text-{shape}" for shape in ("short", "long", "big")}
     for shape, path in text.items():
         if not path.exists():
-            build_text(path, args.copies, shape == "short")
-    print(f"text: {sum(f.stat().st_size for t in text.values() for f in t.iterdir()) / 1e6:.1f} MB in {work}", flush=True)
+            build_text(path, args.text_mb if shape == "big" else args.size_mb, file_per_document=True, short=shape == "short")
+        print(f"text {shape}: {sum(f.stat().st_size for f in path.iterdir()) / 1e6:.1f} MB in {path}", flush=True)
     tokenizer = ""
     corpora = {}
-    for kind in ("bert_pairs", "packed_lm"):
-        for shape in ("short", "long"):
-            out = work / f"{kind}-{shape}"
-            if not (out / "manifest.json").is_file():
-                t0 = time.perf_counter()
-                prepare(kind, text[shape], out, shape == "short", tokenizer, args.workers, args.shard_mb)
-                print(f"prepared {out.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-            tokenizer = tokenizer or str(out / "tokenizer")
-            corpora[(kind, shape)] = out
+    for kind, shape in [(k, s) for k in ("bert_pairs", "packed_lm") for s in ("short", "long")] + [(args.kind, "big")]:
+        out = work / f"{kind}-{shape}"
+        if not (out / "manifest.json").is_file():
+            t0 = time.perf_counter()
+            prepare(kind, text[shape], out, shape == "short", tokenizer, args.workers, args.shard_mb)
+            print(f"prepared {out.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+        tokenizer = tokenizer or str(out / "tokenizer")
+        corpora[(kind, shape)] = out
     print("\n1. size: shard bytes (tar + index) / payload (token bytes + 5 B/sample for bert_pairs), goal <= 1.15")
     for (kind, shape), out in corpora.items():
-        print(f"  {kind:<10} {shape:<5} {json.dumps(size_ratio(out))}")
+        if shape != "big":
+            print(f"  {kind:<10} {shape:<5} {json.dumps(size_ratio(out))}")
 
-    m = load_manifest(corpora[(args.kind, "long")])
+    m = load_manifest(corpora[(args.kind, "big")])
     total = sum(s.samples for s in m.shards("train"))
     batches = args.batches or total // args.mb
     print(f"\n2. throughput on {m.root.name}: {total:,} train samples, {len(m.shards('train'))} shards, "

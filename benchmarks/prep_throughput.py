@@ -1,7 +1,8 @@
 """Throughput of the Ray data-preparation jobs against a `datasets.map` baseline, in one run.
 
-On the same real corpus (the Python documentation sources from Debian's python3.11-doc, else
-Python's own pydoc topics) and with the same fast tokenizer, this times:
+On the same real corpus (`corpus_text.py`: the Python docs, the Linux kernel docs and Perl's POD
+that Debian ships, repeated as rewrapped, reordered variants up to `--mb` MB) and with the same
+fast tokenizer, this times:
   * ours: `run_prepare` for packed_lm (GPT) and bert_pairs, 2 Ray workers (and 1 for scaling);
   * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)` tokenization plus
     the equivalent grouping (GPT: concatenate + cut seq_len+1 windows; BERT: the same NSP pair
@@ -15,7 +16,7 @@ Each contender runs `--repeat` times, interleaved, and its fastest run counts (t
 for ours and the baseline: on a shared machine the fastest run is the least disturbed one); the
 ratios of the medians are printed too, as a check that the fastest runs are not flukes.
 
-    python benchmarks/prep_throughput.py [--mb 3] [--seq-len 128] [--repeat 3]
+    python benchmarks/prep_throughput.py [--mb 1000] [--kinds packed_lm,bert_pairs] [--seq-len 128] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -34,39 +35,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PY_DOC = Path("/usr/share/doc/python3.11-doc/html/_sources")
+from benchmarks.corpus_text import build_text, documents, text_mb  # noqa: E402
 
 
-def build_corpus(root: Path, mb: float, copies: int = 1) -> Path:
-    """`mb` MB of real text as files; `copies` > 1 repeats it with a marker so dedup keeps it."""
-    root.mkdir(parents=True, exist_ok=True)
-    if PY_DOC.is_dir():
-        texts = [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in sorted(PY_DOC.rglob("*.txt"))]
-    else:
-        from pydoc_data.topics import topics
-
-        texts = sorted(topics.items())
-    budget = mb * 1e6
-    chosen = []
-    for name, text in texts:
-        if budget <= 0:
-            break
-        chosen.append((name, text))
-        budget -= len(text.encode())
-    for c in range(copies):
-        for k, (_name, text) in enumerate(chosen):
-            body = text if c == 0 else "\n\n".join(f"Copy {c}. {p}" for p in text.split("\n\n"))
-            (root / f"{c:02d}-{k:04d}.txt").write_text(body, encoding="utf-8")
-    return root
-
-
-def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int) -> dict:
+def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int, shard_mb: float = 1.0) -> dict:
     from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
     from data_prep.job import run_prepare
 
     cfg = PrepConfig(
         kind=kind, output=str(out), seq_len=seq_len, num_workers=workers, progress=False, validation_fraction=0.0,
-        shard_target_mb=1, sources=[SourceConfig(type="text", paths=[str(corpus / "*.txt")], text_mode="paragraphs")],
+        shard_target_mb=shard_mb, sources=[SourceConfig(type="text", paths=[str(corpus / "*.txt")], text_mode="paragraphs")],
         tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000),
     )
     cfg.clean.dedup = False  # the baseline does not dedup either
@@ -117,6 +95,7 @@ def task_concurrency(timeline: list[dict], window: tuple[float, float]) -> dict:
 
 def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int) -> dict:
     import datasets
+    import pyarrow.compute as pc
     from tokenizers import Tokenizer
 
     from data_prep.bert_pairs import create_pairs, split_sentences
@@ -160,15 +139,15 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
 
     ds = ds.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
     ds = ds.map(group, batched=True, num_proc=2, remove_columns=["ids"])
-    tokens = sum(len(x) for batch in ds.with_format("arrow").iter(1000) for x in batch.column("input_ids").to_pylist())
+    tokens = sum(pc.sum(pc.list_value_length(b.column("input_ids"))).as_py() for b in ds.with_format("arrow").iter(100_000))
     return {"tokens": tokens, "seconds": time.perf_counter() - t0, "cpu_s": _self_and_children_cpu_s() - cpu0}
 
 
-def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, address: str) -> float:
+def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, address: str, shard_mb: float) -> float:
     code = (
         f"import resource, sys; sys.path.insert(0, {str(REPO)!r}); from benchmarks.prep_throughput import ours; "
         f"ours({kind!r}, __import__('pathlib').Path({str(corpus)!r}), __import__('pathlib').Path({str(out)!r}), "
-        f"{tokenizer!r}, {seq_len:d}, 2); print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        f"{tokenizer!r}, {seq_len:d}, 2, {shard_mb!r}); print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     )
     env = {**os.environ, "RAY_ADDRESS": address, "TOKENIZERS_PARALLELISM": "false"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
@@ -182,6 +161,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=3.0, help="corpus size in MB")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--kinds", default="packed_lm,bert_pairs")
+    parser.add_argument("--shard-mb", type=float, default=1.0, help="our shard_target_mb")
+    parser.add_argument("--tokenizer-mb", type=float, default=50.0, help="train the shared tokenizers on the first N MB")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender (interleaved); the fastest counts")
     args = parser.parse_args()
@@ -194,8 +176,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="prep_bench_"))
     try:
-        corpus = build_corpus(work / "corpus", args.mb)
-        texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+        corpus = build_text(work / "corpus", args.mb)
+        print(f"corpus: {text_mb(corpus):.1f} MB in {len(list(corpus.glob('*.txt')))} files", flush=True)
+        texts = [text for _, text in documents(min(args.mb, args.tokenizer_mb))]
         toks = {}
         for kind, ttype in (("packed_lm", "bpe"), ("bert_pairs", "wordpiece")):
             toks[kind] = str(work / f"tok-{ttype}" / "tokenizer")
@@ -203,14 +186,16 @@ def main() -> None:
             save_tokenizer(tok, toks[kind], ttype, model_max_length=args.seq_len, lowercase=True)
         ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
         address = ctx.address_info["gcs_address"]
-        results: dict = {"corpus_mb": round(sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6, 2)}
-        for kind in ("packed_lm", "bert_pairs"):
-            ours(kind, corpus, work / f"warm-{kind}", toks[kind], args.seq_len, 2)  # warm the workers
+        results: dict = {"corpus_mb": round(text_mb(corpus), 2)}
+        for kind in args.kinds.split(","):
+            ours(kind, build_text(work / "warm", 2), work / f"warm-{kind}", toks[kind], args.seq_len, 2)  # warm the workers
             runs: dict[str, list[dict]] = {"ours_2w": [], "ours_1w": [], "baseline": []}
             for rep in range(args.repeat):  # interleaved; fresh output and cache dirs every time
-                runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2))
-                runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1))
+                runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2, args.shard_mb))
+                runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1, args.shard_mb))
                 runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len))
+                for out in (f"ours2-{kind}-{rep}", f"ours1-{kind}-{rep}", f"cache-{kind}-{rep}"):  # ~1 GB each at scale
+                    shutil.rmtree(work / out, ignore_errors=True)
             o2, o1, b = (min(runs[name], key=lambda x: x["seconds"]) for name in ("ours_2w", "ours_1w", "baseline"))
             r = {name: round(x["tokens"] / x["seconds"]) for name, x in (("ours_2w", o2), ("ours_1w", o1), ("baseline", b))}
             med = {name: statistics.median(x["seconds"] for x in xs) for name, xs in runs.items()}
@@ -228,10 +213,10 @@ def main() -> None:
             results[kind] = r
             print(kind, json.dumps(r), flush=True)
         if not args.skip_memory:
-            big = build_corpus(work / "corpus4x", args.mb, copies=4)
+            big = build_text(work / "corpus4x", 4 * args.mb)
             results["peak_driver_rss_mib"] = {
-                "1x": round(peak_rss("packed_lm", corpus, work / "m1", toks["packed_lm"], args.seq_len, address)),
-                "4x": round(peak_rss("packed_lm", big, work / "m4", toks["packed_lm"], args.seq_len, address)),
+                "1x": round(peak_rss("packed_lm", corpus, work / "m1", toks["packed_lm"], args.seq_len, address, args.shard_mb)),
+                "4x": round(peak_rss("packed_lm", big, work / "m4", toks["packed_lm"], args.seq_len, address, args.shard_mb)),
             }
         print(json.dumps(results, indent=2))
     finally:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from core.config import ConfigError, load_config, option
 
 __all__ = [
+    "CorpusWeight",
     "DataConfig",
     "ModelConfig",
     "OptimConfig",
@@ -30,10 +31,28 @@ __all__ = [
 
 
 @dataclass(kw_only=True)
+class CorpusWeight:
+    """One corpus of a mixture (``data.corpora``)."""
+
+    path: str = option(help="Corpus directory written by `pretrain prepare`.")
+    weight: float = option(help="Share of the training samples (weights are normalised to sum to 1).")
+    name: str = option("", help="Name in metrics and checkpoints (default: the directory's name).")
+    url_prefix: str = option("", help="As data.url_prefix, for this corpus.")
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ConfigError(f"data.corpora: the weight of {self.path!r} must be > 0, got {self.weight}.")
+        self.name = self.name or os.path.basename(os.path.normpath(self.path))
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Where the training samples come from and how they are batched."""
 
     corpus: str = option("", help="Corpus directory written by `pretrain prepare` (has manifest.json).")
+    corpora: list[CorpusWeight] = option([], help="A weighted mixture instead of `corpus`: [{path: A, weight: 0.3}, "
+                                                  "{path: B, weight: 0.7}], same kind and tokenizer; evaluation uses "
+                                                  "the first corpus's eval split.")
     micro_batch_size: int = option(32, help="Samples per process per forward pass.")
     num_workers: int = option(2, help="DataLoader worker processes per rank (0 = load in the main process).")
     shuffle_buffer: int = option(1000, help="Samples held in the per-worker shuffle buffer.")
@@ -56,6 +75,9 @@ class DataConfig:
     eval_split: str = option("validation", help="Manifest split used for periodic evaluation.")
 
     def __post_init__(self) -> None:
+        if self.corpus and self.corpora:
+            raise ConfigError(f"data.corpus={self.corpus!r} and data.corpora are both set. Use one: data.corpus for a single "
+                              f"corpus, data.corpora for a weighted mixture (list the single corpus there too).")
         if not 0.0 <= self.max_bad_share <= 1.0:
             raise ConfigError(f"data.max_bad_share must be in [0, 1], got {self.max_bad_share}.")
 

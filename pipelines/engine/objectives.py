@@ -65,7 +65,8 @@ class Task:
     """Base objective. Subclasses set ``name``/``corpus_kind``/``family`` and override as needed.
 
     - ``collate(samples, epoch=, train=) -> dict`` (runs in DataLoader workers; samples come from
-      ``data.decode_sample`` for streaming corpora or from your dataset for ``MapStyleSource``);
+      ``data.decode_sample`` for streaming corpora or from your dataset for ``MapStyleSource``; a
+      sample's own ``epoch`` field, set by a corpus mixture, wins over ``epoch``);
     - ``forward(model, batch) -> dict`` with a scalar ``loss`` (default: ``model(**model_inputs)``);
     - ``tokens(batch) -> int`` counted toward ``train.max_tokens`` and throughput;
     - ``eval_sums(outputs, batch) -> {name: float}`` additive over batches and ranks;
@@ -171,7 +172,7 @@ class MLMNSPTask(Task):
     def collate(self, samples, *, epoch, train):
         ids, labels, types = [], [], []
         for s in samples:
-            masked, lab = self.mask(s["input_ids"], _rng(self.seed, epoch if train else -1, s["key"]))
+            masked, lab = self.mask(s["input_ids"], _rng(self.seed, s.get("epoch", epoch) if train else -1, s["key"]))
             ids.append(masked)
             labels.append(lab)
             types.append(np.r_[np.zeros(s["len_a"] + 2, np.int64), np.ones(s["len_b"] + 1, np.int64)])
@@ -321,12 +322,13 @@ class ImageClsTask(Task):
         return (x - self.mean) / self.std
 
     def collate(self, samples, *, epoch, train):
-        px = torch.stack([self.transform(s["image"], _rng(self.seed, epoch, s["key"]) if train else None) for s in samples])
+        px = torch.stack([self.transform(s["image"], _rng(self.seed, s.get("epoch", epoch), s["key"]) if train else None)
+                          for s in samples])
         labels = torch.tensor([s["label"] for s in samples], dtype=torch.long)
         batch = {"pixel_values": px, "labels": labels, "keys": [s["key"] for s in samples],
                  "num_bad": sum(1 for s in samples if s.get("bad"))}
         if train and self.alpha > 0:
-            lam = float(_rng(self.seed, epoch, samples[0]["key"], "mixup").beta(self.alpha, self.alpha))
+            lam = float(_rng(self.seed, samples[0].get("epoch", epoch), samples[0]["key"], "mixup").beta(self.alpha, self.alpha))
             onehot = torch.nn.functional.one_hot(labels, self.num_labels).float()
             batch["pixel_values"] = lam * px + (1 - lam) * px.roll(1, 0)
             batch["labels"] = lam * onehot + (1 - lam) * onehot.roll(1, 0)

@@ -292,8 +292,11 @@ class Trainer:
             run.logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
         if self.step % cfg.train.log_every == 0 or self.step == 1:
             extra = {"loss_scale": step.result["loss_scale"]} if "loss_scale" in step.result else {}
+            data = self.train_data.state_dict()
+            # a mixture: samples each corpus has given so far, all ranks (every rank follows the same schedule)
+            extra.update({f"samples/{name}": n * engine.world_size for name, n in data.get("consumed", {}).items()})
             run.logger.log(self.step, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
-                                       "tokens": self.tokens, "epoch": self.train_data.state_dict().get("epoch", 0),
+                                       "tokens": self.tokens, "epoch": data.get("epoch", 0),
                                        **extra, **step.rates})
 
     def _stop_reason(self, step: _StepResult, verdict: str | None) -> str | None:
@@ -440,6 +443,7 @@ class Trainer:
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
     from pipelines.engine import objectives as tasks
+    from pipelines.loading import blend
     from pipelines.loading import loader as data_mod
 
     env = dist.init_env()
@@ -447,26 +451,37 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     kind = {"mlm_nsp": "bert_pairs", "causal_lm": "packed_lm", "image_cls": "images"}.get(cfg.train.task)
     if kind is None:
         raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports mlm_nsp, causal_lm, image_cls.")
-    manifest = data_mod.load_manifest(cfg.data.corpus, kind=kind, url_prefix=cfg.data.url_prefix)
-    splits = ["train"] + ([cfg.data.eval_split] if cfg.data.eval_split in manifest.splits else [])
-    data_mod.verify_shards(manifest, splits, checksums=cfg.data.verify_checksums,
-                           rank=env.rank, world=env.world_size)
+    d = cfg.data
+    specs = [(c.name, c.weight, c.path, c.url_prefix or d.url_prefix) for c in d.corpora] or [("", 1.0, d.corpus, d.url_prefix)]
+    manifests = [data_mod.load_manifest(path, kind=kind, url_prefix=prefix) for _, _, path, prefix in specs]
+    blend.check_blendable(manifests, [name or str(m.root) for (name, *_), m in zip(specs, manifests, strict=True)])
+    manifest = manifests[0]  # the task, the eval split and the release's tokenizer come from the first corpus
+    for i, m in enumerate(manifests):
+        data_mod.verify_shards(m, ["train"] + ([d.eval_split] if i == 0 and d.eval_split in m.splits else []),
+                               checksums=d.verify_checksums, rank=env.rank, world=env.world_size)
     task = tasks.build_task(cfg, manifest)
     model, build = build_model(cfg, task)
-    d = cfg.data
-    common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers, seed=cfg.train.seed,
+    common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers,
                   prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
                   max_bad_share=d.max_bad_share, verify_checksums=d.verify_checksums,
                   start_method=d.worker_start_method)
-    train_src = data_mod.StreamingSource(manifest, "train", task.collate, micro_batch_size=d.micro_batch_size,
-                                         shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)
+    train_kw = dict(micro_batch_size=d.micro_batch_size, shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)
+    if d.corpora:  # each corpus its own source (own epochs and shuffle seed), interleaved by weight
+        train_src = blend.BlendedSource(
+            [(name, weight, data_mod.StreamingSource(m, "train", blend.tag_samples, seed=cfg.train.seed + 7919 * i, **train_kw))
+             for i, ((name, weight, _, _), m) in enumerate(zip(specs, manifests, strict=True))],
+            task.collate, micro_batch_size=d.micro_batch_size)
+    else:
+        train_src = data_mod.StreamingSource(manifest, "train", task.collate, seed=cfg.train.seed, **train_kw)
     eval_src = None
     if cfg.data.eval_split in manifest.splits:
         total = sum(s.samples for s in manifest.shards(cfg.data.eval_split))
         eval_mb = max(1, min(d.micro_batch_size, total // env.world_size))
         eval_src = data_mod.StreamingSource(manifest, cfg.data.eval_split, task.collate, micro_batch_size=eval_mb,
-                                            shuffle=False, train=False, **common)
-    info = {"corpus": str(manifest.root), "kind": manifest.kind, "seq_len": manifest.seq_len, "class_map": manifest.class_map,
+                                            shuffle=False, train=False, seed=cfg.train.seed, **common)
+    mixture = [{"name": n, "weight": w, "path": str(m.root)} for (n, w, _, _), m in zip(specs, manifests, strict=True)]
+    info = {"corpus": str(manifest.root), "corpora": mixture if d.corpora else [], "kind": manifest.kind,
+            "seq_len": manifest.seq_len, "class_map": manifest.class_map,
             "splits": {k: v.get("samples") for k, v in manifest.raw.get("splits", {}).items()},
             "tokens": {k: v.get("tokens") for k, v in manifest.raw.get("splits", {}).items()},
             "tokenizer": manifest.raw.get("tokenizer", {})}
