@@ -293,8 +293,8 @@ class Trainer:
         if self.step % cfg.train.log_every == 0 or self.step == 1:
             extra = {"loss_scale": step.result["loss_scale"]} if "loss_scale" in step.result else {}
             data = self.train_data.state_dict()
-            # a mixture: samples each corpus has given so far, all ranks (every rank follows the same schedule)
-            extra.update({f"samples/{name}": n * engine.world_size for name, n in data.get("consumed", {}).items()})
+            # a mixture: samples each corpus has given so far (global: the mixture is over global sample slots)
+            extra.update({f"samples/{name}": n for name, n in data.get("consumed", {}).items()})
             run.logger.log(self.step, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
                                        "tokens": self.tokens, "epoch": data.get("epoch", 0),
                                        **extra, **step.rates})
@@ -443,8 +443,8 @@ class Trainer:
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
     from pipelines.engine import objectives as tasks
-    from pipelines.loading import blend
     from pipelines.loading import loader as data_mod
+    from pipelines.loading.blend import check_blendable
 
     env = dist.init_env()
     dist.validate(cfg, env)
@@ -454,7 +454,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.data
     specs = [(c.name, c.weight, c.path, c.url_prefix or d.url_prefix) for c in d.corpora] or [("", 1.0, d.corpus, d.url_prefix)]
     manifests = [data_mod.load_manifest(path, kind=kind, url_prefix=prefix) for _, _, path, prefix in specs]
-    blend.check_blendable(manifests, [name or str(m.root) for (name, *_), m in zip(specs, manifests, strict=True)])
+    check_blendable(manifests, [name or str(m.root) for (name, *_), m in zip(specs, manifests, strict=True)])
     manifest = manifests[0]  # the task, the eval split and the release's tokenizer come from the first corpus
     for i, m in enumerate(manifests):
         data_mod.verify_shards(m, ["train"] + ([d.eval_split] if i == 0 and d.eval_split in m.splits else []),
@@ -465,14 +465,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                   prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
                   max_bad_share=d.max_bad_share, verify_checksums=d.verify_checksums,
                   start_method=d.worker_start_method)
-    train_kw = dict(micro_batch_size=d.micro_batch_size, shuffle=True, shuffle_buffer=d.shuffle_buffer, train=True, **common)
-    if d.corpora:  # each corpus its own source (own epochs and shuffle seed), interleaved by weight
-        train_src = blend.BlendedSource(
-            [(name, weight, data_mod.StreamingSource(m, "train", blend.tag_samples, seed=cfg.train.seed + 7919 * i, **train_kw))
-             for i, ((name, weight, _, _), m) in enumerate(zip(specs, manifests, strict=True))],
-            task.collate, micro_batch_size=d.micro_batch_size)
-    else:
-        train_src = data_mod.StreamingSource(manifest, "train", task.collate, seed=cfg.train.seed, **train_kw)
+    corpus = [(name, weight, m) for (name, weight, _, _), m in zip(specs, manifests, strict=True)] if d.corpora else manifest
+    train_src = data_mod.StreamingSource(corpus, "train", task.collate, micro_batch_size=d.micro_batch_size,
+                                         grad_accum=cfg.train.grad_accum_steps, seed=cfg.train.seed, shuffle=True,
+                                         shuffle_buffer=d.shuffle_buffer, train=True, **common)
     eval_src = None
     if cfg.data.eval_split in manifest.splits:
         total = sum(s.samples for s in manifest.shards(cfg.data.eval_split))

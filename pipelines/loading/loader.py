@@ -1,26 +1,27 @@
-"""Corpus manifest -> seekable, rank-balanced streams of WebDataset samples.
+"""Corpus manifests -> seekable, rank-balanced batches in an order no topology changes.
 
-The data position is a pure function of ``(epoch, batches consumed by each rank)``, so a checkpoint
-stores two integers and resume *seeks* instead of replaying the stream:
+The training sample sequence is a pure function of ``(seed, global position)``: not of the number
+of ranks, of loader workers or of the micro-batch size. A run therefore resumes exactly on another
+world size or worker count (same global batch: no sample repeated, none skipped), and a checkpoint
+stores one integer per corpus.
 
-1. Epoch order: the split's shards are permuted with ``rng(seed, epoch)``; concatenating their
-   samples (manifest counts) gives the epoch's global sample sequence of length T.
-2. Balance: every rank gets ``nb = T // (world * micro_batch)`` batches; the tail of the permuted
-   sequence is dropped (a different tail every epoch). Equal counts mean no rank waits at the end
-   of an epoch for a rank that has no data (the uneven-shards hang).
-3. Layout: rank r owns the contiguous range ``[r*nb*mb, (r+1)*nb*mb)``. Within it, DataLoader
-   worker w serves rank batches ``b % W == w`` and owns a contiguous span of that range, so each
-   worker reads ~1/(world*W) of the bytes. A resumed loader rotates worker ids so that its first
-   batch is the next one due; one loader runs epoch after epoch (the rotation is re-derived per
-   epoch), so epoch boundaries cost no worker start-up.
-4. Shuffle: block shuffle. Each worker's span is cut into windows of ``shuffle_buffer`` samples,
-   each permuted by ``rng(seed, epoch, window start)``. Seeking costs at most one window re-read;
-   the trade-off against a rolling buffer is that samples only mix within a window (plus the
-   per-epoch shard permutation). A window is read at once but each sample is decoded only when
-   its batch is built, so a batch never waits for the whole window's decoding.
+1. Corpus sequence (``CorpusSequence``): epoch e permutes the split's shards with ``rng(seed, e)``
+   and concatenates their samples (manifest counts, T in all); global index k is sample ``k % T``
+   of epoch ``k // T``. Epochs follow each other without a dropped tail.
+2. Shuffle: the concatenation is cut into windows of ``shuffle_buffer`` samples, each permuted by
+   ``rng(seed, epoch, window start)``; seeking costs at most one window read. Samples mix within a
+   window (plus the per-epoch shard permutation), the trade-off for reading each byte about once.
+3. Mixture (``data.corpora``, ``blend.SlotCursor``): global slot q takes the next sample of the
+   corpus furthest behind its weight; one corpus maps slot q to k = q.
+4. Ranks: optimizer step s consumes the global slots ``[s G, (s+1) G)`` (G = world x micro batch x
+   accumulation steps); rank r takes the contiguous block ``[s G + r G/world, s G + (r+1) G/world)``
+   cut into its micro-batches, so every rank has the same number of batches and none waits.
+5. Workers: a rank's micro-batches go to DataLoader workers in items of ``group`` consecutive
+   micro-batches (about one shuffle window), item i to worker ``i % W`` — the order in which the
+   DataLoader returns them — so each window is read by about one worker.
 
-Reading (``shard_io.ShardReader``, one per worker): local shards are read by seeking through their
-index, ``pipe:`` URLs (``data.url_prefix``) in one streaming pass per worker span, hashed on the way.
+Reading (``shard_io.ShardReader``, one per worker and corpus): local shards by seeking through
+their index, ``pipe:`` URLs (``data.url_prefix``) in one forward streaming pass, hashed on the way.
 
 Bad samples (undecodable, truncated shard) keep their slot: with ``on_bad_sample=skip`` they are
 replaced by another sample of the same window (deterministically), counted, and logged with the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +44,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
+from pipelines.loading.blend import SlotCursor
 from pipelines.loading.shard_io import ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
@@ -51,9 +54,9 @@ __all__ = [
     "ShardInfo",
     "load_manifest",
     "verify_shards",
+    "CorpusSequence",
     "StreamingSource",
     "MapStyleSource",
-    "epoch_layout",
     "shard_order",
     "read_samples",
     "decode_sample",
@@ -61,10 +64,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
-# --------------------------------------------------------------------------------------------
-# Epoch layout (pure functions of seed, epoch and topology)
-# --------------------------------------------------------------------------------------------
+_WINDOWS_KEPT = 2  # per corpus and worker: the window being read and the one before (a batch may straddle)
+_MAX_GROUP = 16  # micro-batches per worker item, at most
 
 
 def shard_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -73,74 +74,37 @@ def shard_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     return [int(i) for i in np.random.default_rng([seed, epoch, 7]).permutation(n)]
 
 
-def epoch_layout(total: int, world: int, workers: int, mb: int) -> tuple[int, list[int]]:
-    """``(batches per rank, batches per worker)`` for one epoch; workers = max(1, num_workers)."""
-    nb = total // (world * mb)
-    return nb, [max(0, math.ceil((nb - w) / workers)) for w in range(workers)]
+class CorpusSequence:
+    """One corpus split's endless sample sequence: global index k -> (epoch, window, slot in it)."""
 
+    def __init__(self, manifest: Manifest, split: str, *, seed: int, shuffle: bool, window: int):
+        self.manifest, self.split = manifest, split
+        self.shards = manifest.shards(split)
+        self.total = sum(s.samples for s in self.shards)
+        if self.total == 0:
+            raise DataError(f"Split {split!r} of {manifest.path} has no samples. Re-run `pretrain prepare` or pick another split.")
+        self.seed, self.shuffle, self.window = seed, shuffle, max(1, window)
 
-def _worker_batches_done(start_batch: int, w: int, workers: int) -> int:
-    """Rank batches b < start_batch with b % workers == w."""
-    return max(0, math.ceil((start_batch - w) / workers))
+    def order(self, epoch: int) -> list[ShardInfo]:
+        return [self.shards[i] for i in shard_order(len(self.shards), self.seed, epoch, self.shuffle)]
 
+    def locate(self, k: int) -> tuple[int, int, int, int]:
+        """``(epoch, window start, window length, slot in the window)`` of global index ``k``."""
+        epoch, offset = divmod(k, self.total)
+        start = offset - offset % self.window
+        return epoch, start, min(self.window, self.total - start), offset - start
 
-class _Stream(IterableDataset):
-    """One rank's batches from ``(epoch, start_batch)`` on, epoch after epoch (``count`` of them, or
-    without end); collated inside the worker.
-
-    The loader's k-th batch comes from worker ``k % W`` (DataLoader polls workers in turn), so a
-    worker derives, per epoch, which logical worker's batches (``b % W == w``) are its own. One
-    loader (one set of worker processes) thus serves the whole run: workers run on into the next
-    epoch while the current one's last batches are consumed, so an epoch boundary costs no worker
-    start-up and no wait for the next epoch's first window.
-    """
-
-    def __init__(self, src: StreamingSource, epoch: int, start_batch: int, count: int | None):
-        self.src, self.epoch, self.start_batch, self.count = src, epoch, start_batch, count
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        src, W = self.src, max(1, self.src.num_workers)
-        info = get_worker_info()
-        p = info.id if info else 0
-        epoch, start, base = self.epoch, self.start_batch, 0  # base: loader index of batch `start` of `epoch`
-        reader = _Reader(src)
-        try:
-            while self.count is None or base < self.count:
-                end = src.batches_per_epoch if self.count is None else min(src.batches_per_epoch, start + self.count - base)
-                yield from self._epoch(epoch, (p + start - base) % W, start, end, reader)
-                base += src.batches_per_epoch - start
-                epoch, start = epoch + 1, 0
-        finally:
-            reader.close()
-
-    def _epoch(self, epoch: int, w: int, start: int, end: int, reader: _Reader) -> Iterator[dict[str, Any]]:
-        """Logical worker ``w``'s batches ``b`` of ``epoch`` with ``start <= b < end``."""
-        src, W = self.src, max(1, self.src.num_workers)
-        order = [src.shards[i] for i in shard_order(len(src.shards), src.seed, epoch, src.shuffle)]
-        nb, per_worker = epoch_layout(src.total, src.world, W, src.mb)
-        span_start = src.rank * nb * src.mb + src.mb * sum(per_worker[:w])
-        pos = _worker_batches_done(start, w, W) * src.mb
-        stop = _worker_batches_done(end, w, W) * src.mb
-        window = src.window if src.shuffle and src.window > 1 else src.mb
-        k = pos // window
-        samples: list[dict[str, Any]] = []
-        while k * window < stop:
-            lo = k * window
-            hi = min(lo + window, per_worker[w] * src.mb)  # the window's extent does not depend on where we stop
-            block = _Window(src, epoch, order, span_start + lo, hi - lo, reader)
-            for j in range(max(0, pos - lo), min(hi, stop) - lo):
-                samples.append(block.sample(j))
-                if len(samples) == src.mb:
-                    yield src.collate(samples, epoch=epoch, train=src.train)
-                    samples = []
-            k += 1
+    def permutation(self, epoch: int, start: int, length: int) -> np.ndarray:
+        if self.shuffle and length > 1:
+            return np.random.default_rng([self.seed, epoch, start, 11]).permutation(length)
+        return np.arange(length)
 
 
 class _Reader(ShardReader):
-    """A worker's shard reader plus its running count of samples decoded and found bad."""
+    """A worker's shard reader for one corpus plus its running count of samples decoded and found bad."""
 
-    def __init__(self, src: StreamingSource):
-        super().__init__(src.manifest, verify=src.verify_checksums)
+    def __init__(self, src: StreamingSource, manifest: Manifest):
+        super().__init__(manifest, verify=src.verify_checksums)
         self.seen = self.bad = 0
 
 
@@ -153,11 +117,10 @@ class _Window:
     end), counted via ``bad``; the result is the same whatever order the slots are taken in.
     """
 
-    def __init__(self, src: StreamingSource, epoch: int, order: list[ShardInfo], start: int, length: int, reader: _Reader):
-        self.src, self.start, self.reader = src, start, reader
-        self.raw = list(read_samples(src.manifest, order, start, length, reader))
-        self.perm = (np.random.default_rng([src.seed, epoch, start, 11]).permutation(length)
-                     if src.shuffle and length > 1 else np.arange(length))
+    def __init__(self, src: StreamingSource, seq: CorpusSequence, epoch: int, start: int, length: int, reader: _Reader):
+        self.src, self.seq, self.start, self.reader = src, seq, start, reader
+        self.raw = list(read_samples(seq.manifest, seq.order(epoch), start, length, reader))
+        self.perm = seq.permutation(epoch, start, length)
         self.decoded: dict[int, dict[str, Any] | None] = {}
 
     def sample(self, j: int) -> dict[str, Any]:
@@ -171,29 +134,29 @@ class _Window:
             sub = self._decode(g)
             if sub is not None:
                 return {**sub, "bad": True}
-        raise DataError(f"Every sample in a window of {n} at position {self.start} of {self.src.manifest.root} is bad.")
+        raise DataError(f"Every sample in a window of {n} at position {self.start} of {self.seq.manifest.root} is bad.")
 
     def _decode(self, i: int) -> dict[str, Any] | None:
         if i in self.decoded:
             return self.decoded[i]
-        src, reader = self.src, self.reader
+        src, reader, m = self.src, self.reader, self.seq.manifest
         shard, key, parts = self.raw[i]
         reader.seen += 1
         try:
             if isinstance(parts, str):
                 raise ValueError(parts)
-            out = decode_sample(src.manifest.kind, key, parts, src.manifest.token_dtype)
+            out = decode_sample(m.kind, key, parts, m.token_dtype)
         except Exception as exc:  # noqa: BLE001 - any decode failure is a bad sample by policy
             if src.on_bad_sample == "fail":
                 raise DataError(
-                    f"Bad sample {key} in shard {shard} of {src.manifest.root}: {exc}. "
+                    f"Bad sample {key} in shard {shard} of {m.root}: {exc}. "
                     f"Fix or drop the shard, or set data.on_bad_sample=skip."
                 ) from None
             log.warning("Skipping bad sample %s in shard %s: %s", key, shard, exc)
             reader.bad += 1
             if reader.bad > src.max_bad_share * max(reader.seen, 1000):
                 raise DataError(
-                    f"{reader.bad} of the {reader.seen} samples read from {src.manifest.root} are bad (more than "
+                    f"{reader.bad} of the {reader.seen} samples read from {m.root} are bad (more than "
                     f"data.max_bad_share={src.max_bad_share}); the latest, {key} in shard {shard}: {exc}. The shard is "
                     f"truncated or corrupt: restore it or re-run `pretrain prepare` (or raise data.max_bad_share)."
                 ) from None
@@ -202,8 +165,71 @@ class _Window:
         return out
 
 
+class _Samples:
+    """What one worker reads: per corpus a shard reader and its last few windows."""
+
+    def __init__(self, src: StreamingSource):
+        self.src = src
+        self.readers = [_Reader(src, seq.manifest) for seq in src.sequences]
+        self.windows: list[OrderedDict[tuple[int, int], _Window]] = [OrderedDict() for _ in src.sequences]
+
+    def get(self, c: int, k: int) -> dict[str, Any]:
+        """Sample ``k`` of corpus ``c``'s sequence, marked with its epoch (and its corpus, in a mixture)."""
+        seq = self.src.sequences[c]
+        epoch, start, length, j = seq.locate(k)
+        cache = self.windows[c]
+        win = cache.get((epoch, start))
+        if win is None:
+            win = cache[(epoch, start)] = _Window(self.src, seq, epoch, start, length, self.readers[c])
+            while len(cache) > _WINDOWS_KEPT:
+                cache.popitem(last=False)
+        s = {**win.sample(j), "epoch": epoch}
+        if len(self.src.sequences) > 1:
+            s["key"] = f"{self.src.names[c]}/{s['key']}"
+        return s
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+class _Stream(IterableDataset):
+    """One rank's micro-batches ``first, first+1, ...`` (``count`` of them, or without end) of the
+    steps starting at global slot ``origin``, in items of ``group`` micro-batches, collated in the worker.
+
+    Worker ``p`` of ``W`` builds items ``p, p+W, ...``: the DataLoader returns item i from worker
+    ``i % W``, so the loader yields the micro-batches in order whatever W is.
+    """
+
+    def __init__(self, src: StreamingSource, cursor: dict[str, Any], origin: int, first: int, count: int | None):
+        self.src, self.cursor, self.origin, self.first, self.count = src, cursor, origin, first, count
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        src = self.src
+        info = get_worker_info()
+        p, W = (info.id, info.num_workers) if info else (0, 1)
+        cursor = SlotCursor.from_state(self.cursor)  # this worker's own copy, moved forward as it reads
+        samples = _Samples(src)
+        try:
+            i = p
+            while True:
+                lo = self.first + i * src.group
+                hi = lo + src.group if self.count is None else min(lo + src.group, self.first + self.count)
+                if lo >= hi:
+                    return
+                item = []
+                for j in range(lo, hi):
+                    picks = cursor.take(src.slot(self.origin, j), src.mb)
+                    batch = [samples.get(c, k) for c, k in picks]
+                    item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
+                yield item
+                i += W
+        finally:
+            samples.close()
+
+
 class _PositionedSource:
-    """Position bookkeeping shared by the sources: (epoch, batches consumed in it, samples seen)."""
+    """Position bookkeeping shared by the map-style source: (epoch, batches consumed in it, samples seen)."""
 
     epoch = batch_in_epoch = samples_seen = mb = batches_per_epoch = 0
 
@@ -230,22 +256,26 @@ class _PositionedSource:
         self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
 
 
-class StreamingSource(_PositionedSource):
-    """Seekable, rank-balanced batches of one manifest split; the trainer's data source.
+class StreamingSource:
+    """Seekable, rank-balanced batches of one corpus split or a weighted mixture; the trainer's data source.
 
-    ``batches()`` yields collated batches forever (epoch after epoch) from the current position;
-    ``state_dict()`` / ``load_state_dict()`` save and restore that position (two integers).
+    ``corpus``: a ``Manifest``, or ``[(name, weight, Manifest), ...]`` for a mixture (corpus i > 0
+    shuffles with ``seed + 7919 i``). ``batches()`` yields collated micro-batches from the current
+    position, ``state_dict()`` / ``load_state_dict()`` save and restore that position, which holds
+    on another world size, worker count or micro-batch size as long as the global batch
+    (world x micro batch x ``grad_accum``) is the same.
     """
 
     def __init__(
         self,
-        manifest: Manifest,
+        corpus: Manifest | list[tuple[str, float, Manifest]],
         split: str,
         collate: Callable[..., dict[str, Any]],
         *,
         micro_batch_size: int,
         rank: int,
         world: int,
+        grad_accum: int = 1,
         num_workers: int = 0,
         seed: int = 0,
         shuffle: bool = True,
@@ -258,68 +288,105 @@ class StreamingSource(_PositionedSource):
         pin_memory: bool = False,
         start_method: str = "forkserver",
     ):
-        self.manifest, self.split, self.collate = manifest, split, collate
-        self.shards = manifest.shards(split)
-        self.total = sum(s.samples for s in self.shards)
-        self.mb, self.rank, self.world = micro_batch_size, rank, world
+        mixture = corpus if isinstance(corpus, list) else [("", 1.0, corpus)]
+        if not mixture or any(not w > 0 for _, w, _ in mixture):
+            raise DataError("data.corpora needs at least one corpus and every weight > 0 (they are normalised to sum to 1).")
+        if len({n for n, _, _ in mixture}) != len(mixture):
+            raise DataError(f"data.corpora: names must differ, got {[n for n, _, _ in mixture]}. Set `name:` on each entry.")
+        total_weight = sum(w for _, w, _ in mixture)
+        self.names = [n for n, _, _ in mixture]
+        self.weights = [w / total_weight for _, w, _ in mixture]
+        self.sequences = [CorpusSequence(m, split, seed=seed + 7919 * i, shuffle=shuffle, window=shuffle_buffer)
+                          for i, (_, _, m) in enumerate(mixture)]
+        self.manifest, self.split, self.collate = mixture[0][2], split, collate
+        self.mb, self.rank, self.world, self.accum = micro_batch_size, rank, world, grad_accum
+        self.global_batch = world * micro_batch_size * grad_accum
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.window, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.on_bad_sample, self.train, self.pin_memory = on_bad_sample, train, pin_memory
         self.max_bad_share, self.verify_checksums = max_bad_share, verify_checksums
         self.start_method = start_method
+        self.group = 1 if self.manifest.kind == "images" else max(1, min(_MAX_GROUP, math.ceil(shuffle_buffer / micro_batch_size)))
         if num_workers > 0:
             worker_context(start_method)  # the forkserver starts now, while the model is being built
-        self.batches_per_epoch = self.total // (world * micro_batch_size)
+        # one epoch of the corpus that runs out first (relative to its weight), in this rank's micro-batches
+        per_epoch = min(seq.total / w for seq, w in zip(self.sequences, self.weights, strict=True))
+        self.batches_per_epoch = int(per_epoch // self.global_batch) * grad_accum
         if self.batches_per_epoch == 0:
             raise DataError(
-                f"Split {split!r} of {manifest.root} has {self.total} samples, fewer than one batch per rank "
-                f"(world {world} x micro batch {micro_batch_size}). Lower data.micro_batch_size or add data."
+                f"Split {split!r} of {self.manifest.root} has {self.sequences[0].total} samples, fewer than one global batch "
+                f"(world {world} x micro batch {micro_batch_size} x accumulation {grad_accum}). Lower data.micro_batch_size "
+                f"or add data."
             )
-        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
+        self.rewind()
 
-    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
-        return iter(self._loader(epoch, start, count))
+    # ------------------------------------------------------------------------------------ layout
+    def slot(self, origin: int, j: int) -> int:
+        """The first global slot of this rank's micro-batch ``j`` of the steps starting at ``origin``."""
+        step, micro = divmod(j, self.accum)
+        return origin + step * self.global_batch + (self.rank * self.accum + micro) * self.mb
 
-    def _loader(self, epoch: int, start: int, count: int | None = None) -> DataLoader:
+    def _rebase(self) -> None:
+        """Fold the whole steps consumed into ``origin`` (and move the mixture cursor there)."""
+        steps, self.done = divmod(self.done, self.accum)
+        self.origin += steps * self.global_batch
+        self.cursor.take(self.origin, 0)
+
+    # ----------------------------------------------------------------------------------- reading
+    def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
+        """Micro-batches from the current position; the position advances as they are consumed."""
+        self._rebase()
         kwargs = loader_kwargs(self.num_workers, self.start_method)
         if self.num_workers > 0:
             kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
         # Own generator: creating loaders never consumes the global torch RNG (exact resume).
-        gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-        return DataLoader(
-            _Stream(self, epoch, start, count), batch_size=None, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, generator=gen, **kwargs,
-        )
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + self.origin)
+        loader = DataLoader(_Stream(self, self.cursor.state(), self.origin, self.done, limit), batch_size=None,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
+        for item in loader:
+            for batch in item:
+                self.done += 1
+                self.samples_seen += self.mb
+                yield batch
 
+    def rewind(self) -> None:
+        """Back to the first sample (evaluation reads the same batches every time)."""
+        self.origin, self.done, self.samples_seen = 0, 0, 0
+        self.cursor = SlotCursor(self.weights)
+
+    # ---------------------------------------------------------------------------------- position
     def state_dict(self) -> dict[str, Any]:
-        W = max(1, self.num_workers)
-        order = shard_order(len(self.shards), self.seed, self.epoch, self.shuffle)
-        nb, per_worker = epoch_layout(self.total, self.world, W, self.mb)
-        streams = []
-        for w in range(W):  # informational: where each worker of this rank stands
-            pos = self.rank * nb * self.mb + self.mb * (sum(per_worker[:w]) + _worker_batches_done(self.batch_in_epoch, w, W))
-            off = 0
-            for i in order:
-                if pos < off + self.shards[i].samples:
-                    streams.append({"worker": w, "shard": self.shards[i].name, "sample_in_shard": pos - off})
-                    break
-                off += self.shards[i].samples
+        self._rebase()
+        counts = self.cursor.counts
         return {
-            "split": self.split, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "samples_seen": self.samples_seen, "batches_per_epoch": self.batches_per_epoch,
+            "format": 2, "position": self.origin, "micro_in_step": self.done, "global_batch": self.global_batch,
+            "split": self.split, "samples_seen": self.samples_seen, "seed": self.seed,
+            "epoch": min(c // seq.total for c, seq in zip(counts, self.sequences, strict=True)),
+            "cursor": {**self.cursor.state(), "names": self.names},
+            "consumed": {n: c for n, c in zip(self.names, counts, strict=True)} if len(self.names) > 1 else {},
+            "corpus_epochs": {n: round(c / seq.total, 4) for n, c, seq in zip(self.names, counts, self.sequences, strict=True)},
             "world_size": self.world, "rank": self.rank, "num_workers": self.num_workers,
-            "micro_batch_size": self.mb, "seed": self.seed, "workers": streams,
+            "micro_batch_size": self.mb, "grad_accum": self.accum,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        same = all(state.get(k) == getattr(self, a) for k, a in
-                   (("world_size", "world"), ("num_workers", "num_workers"), ("micro_batch_size", "mb"), ("seed", "seed")))
         self.samples_seen = int(state.get("samples_seen", 0))
-        if same:
-            self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        else:  # another topology cannot continue the same sequence; start the next epoch cleanly
-            log.warning("Data topology changed since the checkpoint; continuing at the start of epoch %d.", state["epoch"] + 1)
-            self.epoch, self.batch_in_epoch = int(state["epoch"]) + 1, 0
+        if "position" not in state:  # a checkpoint of the per-rank layout (before the global sequence)
+            log.warning("The checkpoint's data position is from an older loader layout; continuing at the start of epoch %d.",
+                        state["epoch"] + 1)
+            self.origin, self.done = (int(state["epoch"]) + 1) * self.sequences[0].total, 0
+            self.cursor = SlotCursor(self.weights, slot=self.origin, counts=[self.origin] + [0] * (len(self.names) - 1))
+            return
+        position, micro = int(state["position"]), int(state.get("micro_in_step", 0))
+        if int(state.get("global_batch", self.global_batch)) != self.global_batch:
+            log.warning("The global batch changed from %s to %d samples: the sample sequence goes on at global position %d%s.",
+                        state.get("global_batch"), self.global_batch, position,
+                        ", the rest of the checkpoint's interrupted step is skipped" if micro else "")
+            if micro:
+                position, micro = position + int(state["global_batch"]), 0
+        self.origin, self.done = position, micro
+        self.cursor = SlotCursor.resumed(state["cursor"], self.names, self.weights, position)
+        self.cursor.take(position, 0)
 
 
 class MapStyleSource(_PositionedSource):

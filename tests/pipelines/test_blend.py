@@ -1,4 +1,5 @@
-"""Weighted corpus mixtures (``data.corpora``): realised shares, determinism, exact resume, refusals."""
+"""Weighted corpus mixtures (``data.corpora``): realised shares, determinism, exact resume on any world
+size, refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from core.corpus import DataError, load_manifest
 from core.files import sha256_file
 from pipelines.engine import objectives as tasks
 from pipelines.engine.config import RunConfig
-from pipelines.loading.blend import BlendedSource, blend_schedule, check_blendable, tag_samples
+from pipelines.loading.blend import SlotCursor, check_blendable
 from pipelines.loading.loader import StreamingSource
 
 
@@ -27,16 +28,12 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _blend(corpora, weights, *, workers=0, mb=32, seed=0):
-    sources = []
-    for i, (name, w) in enumerate(weights.items()):
-        m = load_manifest(corpora[name])
-        src = StreamingSource(m, "train", tag_samples, micro_batch_size=mb, rank=0, world=1, num_workers=workers,
-                              shuffle_buffer=64, seed=seed + 7919 * i)
-        sources.append((name, w, src))
+def _blend(corpora, weights, *, workers=0, mb=32, seed=0, rank=0, world=1):
+    mixture = [(name, w, load_manifest(corpora[name])) for name, w in weights.items()]
     cfg = RunConfig()
     cfg.train.task = "causal_lm"
-    return BlendedSource(sources, tasks.build_task(cfg, load_manifest(corpora["small"])).collate, micro_batch_size=mb)
+    return StreamingSource(mixture, "train", tasks.build_task(cfg, mixture[0][2]).collate, micro_batch_size=mb, rank=rank,
+                           world=world, num_workers=workers, shuffle_buffer=64, seed=seed)
 
 
 def _keys(src, n):
@@ -44,13 +41,15 @@ def _keys(src, n):
 
 
 def test_the_schedule_keeps_every_corpus_within_one_sample_of_its_share():
-    weights, counts = [0.2, 0.5, 0.3], [0, 0, 0]
-    picks = blend_schedule(weights, counts, 10_000)
+    weights = [0.2, 0.5, 0.3]
+    picks = SlotCursor(weights).take(0, 10_000)
     running = [0, 0, 0]
-    for q, i in enumerate(picks, start=1):
+    for q, (i, k) in enumerate(picks, start=1):
+        assert k == running[i]  # the next sample of that corpus
         running[i] += 1
         assert all(abs(running[j] - weights[j] * q) < 1 for j in range(3)), q
-    assert counts == running
+    skipping = SlotCursor(weights)
+    assert skipping.take(4000, 10) == picks[4000:4010]  # a rank or worker skips other slots and agrees
 
 
 def test_shares_over_10k_samples_a_small_corpus_repeats_a_big_one_is_not_exhausted(corpora):
@@ -59,35 +58,41 @@ def test_shares_over_10k_samples_a_small_corpus_repeats_a_big_one_is_not_exhaust
     share = Counter(k.split("/")[0] for k in keys)
     assert abs(share["small"] / len(keys) - 0.3) < 0.01 and abs(share["big"] / len(keys) - 0.7) < 0.01
     small = [k for k in keys if k.startswith("small/")]
-    per_epoch = 283 // 32 * 32  # one rank, batches of 32: the epoch's tail is dropped
+    per_epoch = 150 + 133  # epochs follow each other without a dropped tail
     assert len(small) > 10 * per_epoch  # repeated ten times over ...
     assert len(set(small[:per_epoch])) == per_epoch  # ... each epoch a permutation of distinct samples
     assert small[:per_epoch] != small[per_epoch:2 * per_epoch]  # in a new order
     big = [k for k in keys if k.startswith("big/")]
     assert len(set(big)) == len(big)  # 7,000 of 10,100: nothing read twice
     state = src.state_dict()
-    assert state["consumed"] == {"small": share["small"], "big": share["big"]}
+    assert state["consumed"] == {"small": share["small"], "big": share["big"]} and state["position"] == 10_016
     assert state["corpus_epochs"]["small"] > 10 and state["corpus_epochs"]["big"] < 1
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_same_seed_same_sequence(corpora, workers):
-    a = _keys(_blend(corpora, {"small": 0.5, "big": 0.5}, workers=workers), 20)
-    assert a == _keys(_blend(corpora, {"small": 0.5, "big": 0.5}, workers=workers), 20)
-    assert a != _keys(_blend(corpora, {"small": 0.5, "big": 0.5}, workers=workers, seed=1), 20)
+def test_same_seed_same_sequence_whatever_the_workers_and_ranks(corpora):
+    a = _keys(_blend(corpora, {"small": 0.5, "big": 0.5}), 20)
+    assert a == _keys(_blend(corpora, {"small": 0.5, "big": 0.5}, workers=2), 20)
+    assert a != _keys(_blend(corpora, {"small": 0.5, "big": 0.5}, seed=1), 20)
+    ranks = [_blend(corpora, {"small": 0.5, "big": 0.5}, mb=16, rank=r, world=2, workers=2).batches(limit=20) for r in range(2)]
+    assert a == [k for b0, b1 in zip(*ranks, strict=True) for k in [*b0["keys"], *b1["keys"]]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_mixture_goes_on_with_the_next_sample_of_every_corpus(corpora, workers):
-    weights = {"small": 0.37, "big": 0.63}  # lots of 32 are consumed part-way when the checkpoint is taken
+    weights = {"small": 0.37, "big": 0.63}
     full = _keys(_blend(corpora, weights, workers=workers), 30)
     first = _blend(corpora, weights, workers=workers)
     head = _keys(first, 11)
     state = json.loads(json.dumps(first.state_dict()))  # as written to the checkpoint
-    assert state["consumed"]["small"] % 32 and state["consumed"]["big"] % 32
+    assert state["consumed"]["small"] % 32 and state["consumed"]["big"] % 32  # corpora stopped inside a window
     resumed = _blend(corpora, weights, workers=workers)
     resumed.load_state_dict(state)
     assert head + _keys(resumed, 19) == full
+    on_two = [_blend(corpora, weights, mb=16, rank=r, world=2, workers=workers) for r in range(2)]
+    for src in on_two:
+        src.load_state_dict(state)
+    tail = [k for b0, b1 in zip(*(s.batches(limit=19) for s in on_two), strict=True) for k in [*b0["keys"], *b1["keys"]]]
+    assert head + tail == full  # and on another world size, same global batch
 
 
 def test_changed_weights_hold_from_the_resume_point(corpora, caplog):

@@ -62,17 +62,53 @@ def test_manifest_refusals_name_the_file(tmp_path, uneven):
         data.verify_shards(m, ["train"])
 
 
+def _global(m, t, *, world, mb, accum=1, workers=0, steps, state=None):
+    """The keys of ``steps`` optimizer steps as the ranks of ``world`` read them, rank blocks in rank order;
+    and the state every rank would checkpoint after them."""
+    out, states = [[] for _ in range(steps)], []
+    for rank in range(world):
+        src = _src(m, t, rank=rank, world=world, mb=mb, workers=workers, grad_accum=accum)
+        if state is not None:
+            src.load_state_dict(state)
+        for j, batch in enumerate(src.batches(limit=steps * accum)):
+            out[j // accum] += list(batch["keys"])
+        states.append(src.state_dict())
+    return out, states
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_uneven_shards_every_rank_gets_the_same_batches(uneven, workers):
+def test_ranks_split_each_global_batch_and_an_epoch_is_a_permutation(uneven, workers):
     m = load_manifest(uneven)
     t = _task(m)
-    world, mb = 2, 4
-    nb = 43 // (world * mb)  # 5 batches per rank per epoch, 3 samples dropped
-    per_rank = [_keys(_src(m, t, rank=r, world=world, workers=workers, mb=mb), 2 * nb) for r in range(world)]
-    for epoch in range(2):
-        seen = [set(k for b in per_rank[r][epoch * nb:(epoch + 1) * nb] for k in b) for r in range(world)]
-        assert all(len(s) == nb * mb for s in seen) and not seen[0] & seen[1]
-    assert per_rank[0][:nb] != per_rank[0][nb:]  # a new order every epoch
+    steps, _ = _global(m, t, world=2, mb=4, workers=workers, steps=12)  # 96 samples of a 43-sample corpus
+    flat = [k for step in steps for k in step]
+    assert len(set(flat[:43])) == 43 and len(set(flat[43:86])) == 43  # epoch after epoch, nothing dropped
+    assert flat[:43] != flat[43:86]  # a new order every epoch
+    ranks = [_keys(_src(m, t, rank=r, world=2, mb=4, workers=workers), 12) for r in range(2)]
+    assert all(len(b) == 4 for r in ranks for b in r) and all(set(ranks[0][j]).isdisjoint(ranks[1][j]) for j in range(12))
+
+
+def test_the_sequence_does_not_depend_on_world_workers_or_micro_batch(uneven):
+    m = load_manifest(uneven)
+    t = _task(m)
+    one, _ = _global(m, t, world=1, mb=8, steps=9)
+    assert one == _global(m, t, world=2, mb=4, workers=2, steps=9)[0]
+    assert one == _global(m, t, world=1, mb=4, accum=2, workers=2, steps=9)[0]
+    assert one == _global(m, t, world=4, mb=1, accum=2, steps=9)[0]
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 4, 1), (1, 8, 1)), ((1, 4, 2), (2, 2, 2)), ((2, 2, 2), (1, 2, 4))])
+def test_resume_on_another_world_size_goes_on_with_the_next_global_sample(uneven, before, after):
+    """(world, micro batch, accumulation) before and after the checkpoint; the global batch stays 8."""
+    m = load_manifest(uneven)
+    t = _task(m)
+    reference, _ = _global(m, t, world=1, mb=8, steps=11)
+    (w0, mb0, a0), (w1, mb1, a1) = before, after
+    head, states = _global(m, t, world=w0, mb=mb0, accum=a0, workers=2, steps=5)
+    state = json.loads(json.dumps(states[-1]))  # as a checkpoint stores it; every rank's is the same position
+    assert all(st["position"] == 40 for st in states)
+    tail, _ = _global(m, t, world=w1, mb=mb1, accum=a1, workers=2, steps=6, state=state)
+    assert head + tail == reference
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -81,29 +117,29 @@ def test_seek_resumes_exactly_without_reading_consumed_shards(tmp_path, uneven, 
     t = _task(m)
     full = _keys(_src(m, t, rank=1, world=2, workers=workers), 12)
     first = _src(m, t, rank=1, world=2, workers=workers)
-    head = _keys(first, 7)  # into the second epoch
+    head = _keys(first, 9)  # 9 steps of 8 = 72 global samples: into the second epoch (43 samples each)
     state = first.state_dict()
-    assert state["epoch"] == 1 and state["batch_in_epoch"] == 2
+    assert state["position"] == 72 and state["epoch"] == 1
     # Shards the resumed position does not need may be unreadable: resume seeks, it does not replay.
     copy = tmp_path / "copy"
     shutil.copytree(uneven, copy)
     m2 = load_manifest(copy)
-    order = data.shard_order(3, 3, 1, True)
-    nb, per_worker = data.epoch_layout(43, 2, max(1, workers), 4)
-    start = 1 * nb * 4  # rank 1's range in epoch 1 starts here
+    seq = data.CorpusSequence(m2, "train", seed=3, shuffle=True, window=16)
+    epoch, window_start, _, _ = seq.locate(72)
     offset, untouched = 0, []
-    for i in order:
-        if offset + m2.splits["train"][i].samples <= start:
-            untouched.append(m2.splits["train"][i].name)
-        offset += m2.splits["train"][i].samples
+    for s in seq.order(epoch):
+        if offset + s.samples <= window_start:
+            untouched.append(s.name)
+        offset += s.samples
+    assert untouched
     for name in untouched:
         (copy / name).write_bytes(b"garbage")
     resumed = _src(m2, _task(m2), rank=1, world=2, workers=workers)
     resumed.load_state_dict(state)
-    assert head + _keys(resumed, 3) == full[:10]  # the rest of epoch 1 (epoch 2 needs the other shards)
+    assert head + _keys(resumed, 1) == full[:10]  # the rest of epoch 1 (epoch 2 needs the other shards)
     intact = _src(m, t, rank=1, world=2, workers=workers)
     intact.load_state_dict(state)
-    assert head + _keys(intact, 5) == full
+    assert head + _keys(intact, 3) == full
 
 
 def test_pipe_urls_stream_like_local_files(tmp_path, uneven):

@@ -39,7 +39,7 @@ def test_help_and_bad_key_exit_2_without_traceback():
     (["distributed.zero_stage=3", "model.compile=true"], "model.compile=true is not supported with distributed.zero_stage=3"),
     (["train.precision=fp16"], "fp16 needs a GPU"),
     (["distributed.engine=ddp", "distributed.offload_optimizer=true"], "need engine=deepspeed"),
-    (["data.micro_batch_size=500"], "fewer than one batch per rank"),
+    (["data.micro_batch_size=500"], "fewer than one global batch"),
     (["train.task=causal_lm", "model.name=gpt-tiny"], "holds a 'bert_pairs' corpus but the task needs 'packed_lm'"),
     (["model.name=gpt-tiny"], "needs a bert model"),
 ])
