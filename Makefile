@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast test-lowest lint clean
 
 setup: $(VENV)/.installed
 
@@ -27,8 +27,17 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The fast suite with every dependency at the lowest version pyproject.toml allows (torch: TORCH_SPEC).
+test-lowest:
+	$(PYTHON) -m venv .venv-lowest
+	.venv-lowest/bin/python -m pip install -q --upgrade pip
+	.venv-lowest/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) .ci/lowest_pins.py > .venv-lowest/constraints.txt
+	.venv-lowest/bin/python -m pip install -q -c .venv-lowest/constraints.txt -e ".[dev]"
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/.venv-lowest/torch_extensions .venv-lowest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) .venv-lowest demo_out .pytest_cache

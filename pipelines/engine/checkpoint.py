@@ -4,7 +4,8 @@ Layout of one checkpoint::
 
     engine/             model, optimizer, LR scheduler (DeepSpeed: ZeRO partitions of every rank)
     rng/rank-00000.pt   torch / numpy / python (/ cuda) RNG state of each rank (tensors + ints only)
-    data/rank-00000.json  data position of each rank and its loader workers
+    data/rank-00000.json  data position (the global sample slot and per-corpus counts; the same on every
+                        rank, so a run resumes on another world size; see docs/interfaces.md)
     trainer_state.json  step, tokens, samples, metrics, health/throughput state, model build args, and
                         ``files``: the size and sha256 of every other file (written last)
     config.yaml         the resolved run config
