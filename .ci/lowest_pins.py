@@ -4,8 +4,9 @@ torch is left out: its spec comes from TORCH_SPEC (the local CPU wheel)."""
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 project = tomllib.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml").read_text())["project"]
 for req in project["dependencies"] + project["optional-dependencies"]["dev"]:
