@@ -171,6 +171,9 @@ class DistributedConfig:
     deepspeed_config: str = option("", help="A DeepSpeed JSON to start from; our fields override its 'auto' values.")
     backend: str = option("auto", help="Process-group backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
     timeout_minutes: int = option(30, help="Collective timeout before a hung rank fails the job.")
+    world_free_checkpoints: bool = option(True, help="ZeRO 1-3: each checkpoint also holds the weights and optimizer "
+                                          "state by parameter name (+12 B/param for Adam), so the run can resume on "
+                                          "another number of GPUs or ZeRO stage.")
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

@@ -22,6 +22,7 @@ import torch
 
 from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
+from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
 __all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine"]
 
@@ -99,7 +100,8 @@ class Engine:
         """Model, optimizer, scheduler (and ZeRO partitions) into ``path/engine`` — every rank calls it."""
         raise NotImplementedError
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, saved: dict[str, Any]) -> None:
+        """Restore from ``path/engine``; ``saved`` is the checkpoint's trainer state (world size, ZeRO stage)."""
         raise NotImplementedError
 
 
@@ -169,8 +171,8 @@ class DDPEngine(Engine):
                 torch.save(self.scaler.state_dict(), path / "engine" / "grad_scaler.pt")
         self._save_scheduler(path)
 
-    def load(self, path: Path) -> None:
-        """Every file goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
+    def load(self, path: Path, saved: dict[str, Any]) -> None:
+        """Model and optimizer state are whole on every rank, so any world size loads them. Every file goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
         from pipelines.engine.safe_load import safe_torch_load
 
         e = path / "engine"
@@ -186,6 +188,11 @@ class DeepSpeedEngine(Engine):
     """A DeepSpeed engine (ZeRO 0-3, its own bf16/fp16 optimizers); our LambdaLR is stepped here."""
 
     deepspeed = True
+
+    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
+        super().__init__(accelerator, model, optimizer, scheduler, cfg)
+        self.zero_stage = cfg.distributed.zero_stage
+        self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed scales by 1/accum and applies the update at the accumulation boundary itself."""
@@ -231,12 +238,27 @@ class DeepSpeedEngine(Engine):
 
     def save(self, path: Path) -> None:
         self.model.save_checkpoint(str(path), tag="engine", save_latest=False)
+        if self.world_free:
+            save_world_free(self, path)
         self._save_scheduler(path)
 
-    def load(self, path: Path) -> None:
-        """DeepSpeed's own loaders run under ``weights_only_loads`` (no pickle of arbitrary objects)."""
+    def load(self, path: Path, saved: dict[str, Any]) -> None:
+        """The ZeRO partitions through DeepSpeed's loader when this run has the world size and stage that
+        wrote them, else from the checkpoint's world-size-free copy (``reshard``). DeepSpeed's own loaders
+        run under ``weights_only_loads`` (no pickle of arbitrary objects)."""
         from pipelines.engine.safe_load import CheckpointError, weights_only_loads
 
+        was = (saved.get("world_size"), saved.get("zero_stage"))
+        if was != (self.world_size, self.zero_stage) and (was[1] != self.zero_stage or self.zero_stage >= 1):
+            if not (path / "engine" / WORLD_FREE_DIR / "meta.json").is_file():
+                raise CheckpointError(
+                    f"{path} was written on {was[0]} ranks with ZeRO-{was[1]} and holds no world-size-free copy "
+                    f"(engine/{WORLD_FREE_DIR}: distributed.world_free_checkpoints was off, or an older version wrote "
+                    f"it); this run has {self.world_size} ranks with ZeRO-{self.zero_stage}. Resume it on {was[0]} "
+                    f"ranks with distributed.zero_stage={was[1]}.")
+            load_world_free(self, path)
+            self._load_scheduler(path)
+            return
         with weights_only_loads():
             loaded, _ = self.model.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)

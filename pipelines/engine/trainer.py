@@ -389,7 +389,7 @@ class Trainer:
 
     def _restore(self, path: Path, health: Any, meter: Any) -> None:
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
-        self.engine.load(path)
+        self.engine.load(path, state)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.last_good_step = self.step
         self.start_loss, self.last_eval = state.get("start_loss"), state.get("eval") or {}

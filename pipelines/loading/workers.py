@@ -20,6 +20,7 @@ hung).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import functools
 import multiprocessing
@@ -45,7 +46,23 @@ def worker_context(method: str) -> Any:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         _ensure_forkserver(ctx)
+    _kill_workers_at_exit()
     return ctx
+
+
+@functools.cache
+def _kill_workers_at_exit() -> None:
+    """Workers ignore SIGTERM (see ``worker_init``), and that is what multiprocessing's own exit hook
+    sends to the daemonic children still alive before it joins them: a rank that raises while its
+    loader's iterator is still referenced (by the traceback) would wait for its workers forever
+    instead of exiting. Registered after that hook, this one runs before it and SIGKILLs them
+    (they hold read-only shard data, nothing to flush)."""
+    def kill() -> None:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+
+    atexit.register(kill)
 
 
 def loader_kwargs(num_workers: int, method: str) -> dict[str, Any]:

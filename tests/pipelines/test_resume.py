@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from job_helpers import REPO, job_env, read_trace, run_pretrain, summary_of
 
 pytestmark = pytest.mark.slow
@@ -106,37 +107,70 @@ def test_exact_resume_after_sigusr1_zero3(bert_corpus, tmp_path):
     _assert_same(tmp_path / "tref", trace, steps)
 
 
+_REFERENCES: dict[str, Path] = {}  # one uninterrupted run per engine, shared by both directions
+
+
+def _elastic_overrides(corpus: Path, run_dir: Path, engine: str, steps: int, mb: int, accum: int) -> list[str]:
+    stage = {"ddp": [], "zero2": ["distributed.zero_stage=2"], "zero3": ["distributed.zero_stage=3"]}[engine]
+    return [f"data.corpus={corpus}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=3",
+            f"distributed.engine={'ddp' if engine == 'ddp' else 'deepspeed'}", *stage, f"data.micro_batch_size={mb}",
+            f"train.grad_accum_steps={accum}", "data.num_workers=2", "data.shuffle_buffer=16", "train.eval_every=0",
+            "train.eval_batches=2", "train.log_every=1", "optim.lr=3e-3", "schedule.warmup_steps=2",
+            "schedule.decay=constant",  # constant: the first leg stops at max_steps=3 with the same LRs
+            "train.deterministic=true", "model.overrides={hidden_dropout: 0.0, attention_dropout: 0.0}"]
+
+
+def _world_free(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((step_dir / "engine/world_free").glob("rank-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3"])
 @pytest.mark.parametrize(("first", "then"), [((2, 4, 1), (1, 4, 2)), ((1, 4, 2), (2, 2, 2))],
                          ids=["2-ranks-then-1", "1-rank-then-2"])
-def test_resume_on_another_world_size_continues_the_global_sample_sequence(gpt_corpus, tmp_path, first, then):
-    """DDP (ZeRO-0: model and optimizer state are world-free): (processes, micro batch, accumulation)
-    before and after the switch, global batch 8 throughout. The samples of every step are the
-    uninterrupted run's, in the same order; without dropout (whose draws are per rank) the losses
-    continue it to 1e-4 (not bitwise: the reduction order changes with the world size)."""
-    def overrides(run_dir, steps, mb, accum):
-        return [f"data.corpus={gpt_corpus}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=3",
-                "distributed.engine=ddp", f"data.micro_batch_size={mb}", f"train.grad_accum_steps={accum}",
-                "data.num_workers=2", "data.shuffle_buffer=16", "train.eval_every=0", "train.eval_batches=2",
-                "train.log_every=1", "optim.lr=3e-3", "schedule.warmup_steps=2", "schedule.decay=constant",
-                "train.deterministic=true",  # constant: the first leg stops at max_steps=3 with the same LRs
-                "model.overrides={hidden_dropout: 0.0, attention_dropout: 0.0}"]
-
+def test_resume_on_another_world_size_continues_the_global_sample_sequence(gpt_corpus, tmp_path_factory, tmp_path,
+                                                                           engine, first, then):
+    """(processes, micro batch, accumulation) before and after the switch, global batch 8 throughout.
+    The samples of every step are the uninterrupted run's, in the same order; without dropout (whose
+    draws are per rank) the losses continue it to 1e-4 (not bitwise: the reduction order changes with
+    the world size). DDP state is whole on every rank; ZeRO-2/3 partitions are rebuilt from the
+    checkpoint's world-size-free copy, and at the switch (the new world re-saves the step it resumed
+    from) every fp32 master weight and Adam moment is the same tensor as the old world saved."""
     config = "configs/train/gpt_tiny_cpu.yaml"
-    summary_of(run_pretrain(config, overrides(tmp_path / "ref", 6, 4, 2), trace_dir=tmp_path / "t-ref"))
+    if engine not in _REFERENCES:
+        ref_dir = tmp_path_factory.mktemp(f"elastic-ref-{engine}")
+        summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, ref_dir / "run", engine, 6, 4, 2),
+                                trace_dir=ref_dir / "trace"))
+        _REFERENCES[engine] = ref_dir
+    ref_dir = _REFERENCES[engine]
     (p0, mb0, a0), (p1, mb1, a1) = first, then
-    summary_of(run_pretrain(config, overrides(tmp_path / "run", 3, mb0, a0), processes=p0, trace_dir=tmp_path / "t-a"))
-    resumed = summary_of(run_pretrain(config, overrides(tmp_path / "run", 6, mb1, a1), processes=p1, trace_dir=tmp_path / "t-b"))
+    run = tmp_path / "run"
+    summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 3, mb0, a0), processes=p0,
+                            trace_dir=tmp_path / "t-a"))
+    if engine != "ddp":
+        before = _world_free(run / "checkpoints/step-00000003")
+        switch = summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 3, mb1, a1), processes=p1))
+        assert switch["resumed_from"].endswith("step-00000003") and switch["world_size"] == p1
+        after = _world_free(run / "checkpoints/step-00000003")  # written by the new world from what it loaded
+        assert sorted(before) == sorted(after) and any(k.startswith("exp_avg_sq/") for k in before)
+        assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    resumed = summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 6, mb1, a1), processes=p1,
+                                      trace_dir=tmp_path / "t-b"))
     assert resumed["resumed_from"].endswith("step-00000003") and resumed["world_size"] == p1
 
     def global_keys(trace: Path, processes: int) -> dict[int, list[str]]:
         per_rank = [read_trace(trace, r) for r in range(processes)]
         return {step: [k for recs in per_rank for k in recs[step]["keys"]] for step in per_rank[0]}
 
-    ref = global_keys(tmp_path / "t-ref", 1)
+    ref = global_keys(ref_dir / "trace", 1)
     got = {**global_keys(tmp_path / "t-a", p0), **global_keys(tmp_path / "t-b", p1)}
     assert sorted(got) == list(range(1, 7)) and all(got[s] == ref[s] for s in ref)  # no sample repeated or skipped
-    losses = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "run/metrics.jsonl").read_text().splitlines())
+    losses = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if r.get("split") == "train" and "loss" in r}
-    ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "ref/metrics.jsonl").read_text().splitlines())
+    ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref_dir / "run/metrics.jsonl").read_text().splitlines())
                   if r.get("split") == "train" and "loss" in r}
     assert all(abs(losses[s] - ref_losses[s]) < 1e-4 * ref_losses[s] for s in range(1, 7)), (losses, ref_losses)

@@ -150,3 +150,30 @@ def test_workers_and_forkserver_exit_when_their_rank_is_killed(corpus, tmp_path)
         time.sleep(0.2)
     assert not [p for p in spawned if Path(f"/proc/{p}").exists()], "left running after their rank was killed"
     assert proc.stdout.read() == ""  # and nobody holds the job's stdout open any more
+
+
+RAISING_OWNER = textwrap.dedent("""
+    import sys
+    from core.corpus import load_manifest
+    from pipelines.loading.loader import StreamingSource
+    from pipelines.engine.objectives import build_task
+    from pipelines.engine.config import RunConfig
+
+    if __name__ == "__main__":
+        m = load_manifest(sys.argv[1], kind="bert_pairs")
+        src = StreamingSource(m, "train", build_task(RunConfig(), m).collate, micro_batch_size=4, rank=0, world=1,
+                              num_workers=2, shuffle_buffer=16)
+        stream = src.batches()
+        next(stream)
+        raise ValueError("a failure in the training loop")  # the traceback keeps `stream` (and its workers) alive
+""")
+
+
+def test_a_rank_that_raises_exits_although_its_workers_ignore_sigterm(corpus, tmp_path):
+    """A failed rank must end (non-zero) so the launcher and the job end: it used to wait forever for
+    workers that ignore the SIGTERM multiprocessing sends them at exit."""
+    script = tmp_path / "raises.py"
+    script.write_text(RAISING_OWNER)
+    proc = subprocess.run([sys.executable, str(script), str(corpus.root)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=tmp_path)
+    assert proc.returncode == 1 and "ValueError: a failure in the training loop" in proc.stderr, proc.stderr[-3000:]

@@ -91,6 +91,29 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, bert_corpus,
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:08d}"
 
 
+def test_resume_on_fewer_nodes_continues_the_sample_sequence(slurm_cluster, bert_corpus, tmp_path):
+    """A run checkpointed by a 2-node job (ZeRO-2, one rank per node) goes on as a 1-node job in the same
+    run dir, the global batch kept at 8 by accumulation: no step twice, no sample twice, ZeRO state
+    rebuilt from the checkpoint's world-size-free copy."""
+    run_dir, trace = tmp_path / "run", tmp_path / "trace"
+    env = job_env(PRETRAIN_TRACE_DIR=str(trace))
+    first = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 4), "--nodes", "2",
+                                      "--gpus-per-node", "0", "--time", "10:00", env=env, cwd=tmp_path))
+    assert wait_job(first, 240, logs=run_dir / "logs")["JobState"] == "COMPLETED", dump_logs(run_dir / "logs")
+    second = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 8, "train.grad_accum_steps=2"),
+                                       "--nodes", "1", "--gpus-per-node", "0", "--time", "10:00", env=env, cwd=tmp_path))
+    info = wait_job(second, 240, logs=run_dir / "logs")
+    logs = dump_logs(run_dir / "logs")
+    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "1", logs
+    text = (run_dir / "logs" / f"job-{second}-r0-node0.log").read_text()
+    summary = json.loads(next(ln for ln in text.splitlines() if ln.startswith("SUMMARY "))[8:])
+    assert summary["world_size"] == 1 and summary["steps"] == 8 and summary["resumed_from"].endswith("step-00000004"), logs
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, 9))
+    keys = [k for rank in (0, 1) for line in (trace / f"rank-{rank}.jsonl").read_text().splitlines()
+            for k in json.loads(line)["keys"]]
+    assert len(keys) == 8 * 8 and len(set(keys)) == len(keys)  # 64 of the corpus's 128 training samples, each once
+
+
 def _pydoc_text(root: Path, per_file: int = 20) -> Path:
     """Python's own pydoc topics as text files of blank-line-separated documents (always installed)."""
     from pydoc_data.topics import topics
