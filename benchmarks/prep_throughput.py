@@ -4,9 +4,11 @@ On the same real corpus (`corpus_text.py`: the Python docs, the Linux kernel doc
 that Debian ships, repeated as rewrapped, reordered variants up to `--mb` MB) and with the same
 fast tokenizer, this times:
   * ours: `run_prepare` for packed_lm (GPT) and bert_pairs, 2 Ray workers (and 1 for scaling);
-  * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)` tokenization plus
-    the equivalent grouping (GPT: concatenate + cut seq_len+1 windows; BERT: the same NSP pair
-    builder applied per map batch), written to the datasets cache as usual;
+  * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)`: our default cleaning
+    (`clean_text`, so both sides do the same work and drop the same short documents; `--raw-baseline`
+    skips it) and tokenization, plus the equivalent grouping (GPT: concatenate + cut seq_len+1
+    windows; BERT: the same NSP pair builder applied per map batch), written to the datasets cache
+    as usual;
 and prints tokens/s of each and the ratios. From `ray.timeline()` it reports, per run of ours,
 how many Ray worker processes ran tasks, the most tasks running at once (must equal the configured
 `num_workers`) and the workers' busy share. It also runs the packed_lm job on 1x and 4x the
@@ -93,10 +95,23 @@ def task_concurrency(timeline: list[dict], window: tuple[float, float]) -> dict:
     return {"worker_processes": workers, "max_concurrent_tasks": peak, "busy_share": round(busy, 2)}
 
 
-def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int) -> dict:
+def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int, clean: bool = True) -> dict:
+    """`clean`: the documents go through our default cleaning first (`clean_text`: NFC, control characters,
+    whitespace, the length filter), so both sides do the same work and keep the same tokens."""
     import datasets
     import pyarrow.compute as pc
     from tokenizers import Tokenizer
+
+    from data_prep.clean import Stats, clean_text
+    from data_prep.config import CleanConfig
+
+    clean_cfg = CleanConfig()
+
+    def cleaned(texts: list[str]) -> list[str]:
+        if not clean:
+            return texts
+        stats = Stats()
+        return [t for t in (clean_text(x, clean_cfg, stats) for x in texts) if t is not None]
 
     from data_prep.bert_pairs import create_pairs, split_sentences
 
@@ -111,7 +126,7 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
         eos = tok.token_to_id("<|endoftext|>")
 
         def tokenize(batch):
-            return {"ids": [e.ids + [eos] for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
+            return {"ids": [e.ids + [eos] for e in tok.encode_batch_fast(cleaned(batch["text"]), add_special_tokens=False)]}
 
         def group(batch):  # the classic `group_texts` of the HF examples, windows of seq_len + 1
             flat = [t for ids in batch["ids"] for t in ids]
@@ -121,7 +136,7 @@ def baseline(kind: str, corpus: Path, cache: Path, tokenizer: str, seq_len: int)
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
 
         def tokenize(batch):
-            sents = [split_sentences(t) for t in batch["text"]]
+            sents = [split_sentences(t) for t in cleaned(batch["text"])]
             flat = [e.ids for e in tok.encode_batch_fast([s for d in sents for s in d], add_special_tokens=False)]
             out, k = [], 0
             for d in sents:
@@ -165,6 +180,8 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=1.0, help="our shard_target_mb")
     parser.add_argument("--tokenizer-mb", type=float, default=50.0, help="train the shared tokenizers on the first N MB")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-1-worker", action="store_true", help="skip our 1-worker runs (no 1 -> 2 scaling figure)")
+    parser.add_argument("--raw-baseline", action="store_true", help="baseline without our cleaning (less work than ours)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender (interleaved); the fastest counts")
     args = parser.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both sides
@@ -192,24 +209,31 @@ def main() -> None:
             runs: dict[str, list[dict]] = {"ours_2w": [], "ours_1w": [], "baseline": []}
             for rep in range(args.repeat):  # interleaved; fresh output and cache dirs every time
                 runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2, args.shard_mb))
-                runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1, args.shard_mb))
-                runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len))
+                if not args.skip_1_worker:
+                    runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1, args.shard_mb))
+                runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len,
+                                                 clean=not args.raw_baseline))
                 for out in (f"ours2-{kind}-{rep}", f"ours1-{kind}-{rep}", f"cache-{kind}-{rep}"):  # ~1 GB each at scale
                     shutil.rmtree(work / out, ignore_errors=True)
-            o2, o1, b = (min(runs[name], key=lambda x: x["seconds"]) for name in ("ours_2w", "ours_1w", "baseline"))
-            r = {name: round(x["tokens"] / x["seconds"]) for name, x in (("ours_2w", o2), ("ours_1w", o1), ("baseline", b))}
+            if not runs["ours_1w"]:
+                del runs["ours_1w"]
+            best = {name: min(xs, key=lambda x: x["seconds"]) for name, xs in runs.items()}
+            o2, b = best["ours_2w"], best["baseline"]
+            r = {name: round(x["tokens"] / x["seconds"]) for name, x in best.items()}
             med = {name: statistics.median(x["seconds"] for x in xs) for name, xs in runs.items()}
-            r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2), speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),
+            r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2),
                      median_ratio_vs_baseline=round((o2["tokens"] / med["ours_2w"]) / (b["tokens"] / med["baseline"]), 2),
-                     median_speedup_1_to_2=round(med["ours_1w"] / med["ours_2w"], 2),
-                     tokens_ours=o2["tokens"], tokens_baseline=b["tokens"],
+                     tokens_ours=o2["tokens"], tokens_baseline=b["tokens"], baseline_cleans=not args.raw_baseline,
                      seconds_all_runs={name: [round(x["seconds"], 2) for x in xs] for name, xs in runs.items()})
+            if "ours_1w" in best:
+                r.update(speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),
+                         median_speedup_1_to_2=round(med["ours_1w"] / med["ours_2w"], 2))
             # CPU cost per token (min over runs): far less sensitive to other load than wall time
             cpu = {name: min(x["cpu_s"] for x in xs) for name, xs in runs.items()}
             r["tokens_per_cpu_s"] = {name: round((b if name == "baseline" else o2)["tokens"] / c) for name, c in cpu.items()}
             r["cpu_efficiency_vs_baseline"] = round((o2["tokens"] / cpu["ours_2w"]) / (b["tokens"] / cpu["baseline"]), 2)
             timeline = ray.timeline()
-            r["ray_tasks_2w"], r["ray_tasks_1w"] = task_concurrency(timeline, o2["window"]), task_concurrency(timeline, o1["window"])
+            r["ray_tasks"] = {name: task_concurrency(timeline, best[name]["window"]) for name in best if name != "baseline"}
             results[kind] = r
             print(kind, json.dumps(r), flush=True)
         if not args.skip_memory:

@@ -85,7 +85,6 @@ def save_world_free(engine: Any, path: Path) -> None:
             "format": _FORMAT, "world_size": world, "zero_stage": engine.model.zero_optimization_stage(),
             "params": [n for n, _ in params], "state_keys": keys, "group_scalars": scalars,
             "group_settings": [_settings(g) for g in zero_opt.optimizer.param_groups],
-            "group_sizes": [len(g) for g in groups],
             "counters": {k: int(getattr(engine.model, k, 0)) for k in ("global_steps", "global_samples", "skipped_steps")},
             "loss_scale": float(getattr(scaler, "cur_scale", 0.0)) if scaler is not None else None,
         }
@@ -110,10 +109,32 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
             (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v)))}
 
 
-def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class _Tensors:
+    """The world-free tensors by key, read one at a time from the memory-mapped shards: a rank never
+    holds more than the parameter it is setting (the whole copy is 12 B/param for Adam)."""
 
+    def __init__(self, src: Path, world_size: int):
+        from safetensors import SafetensorError, safe_open
+
+        self._where: dict[str, Any] = {}
+        for r in range(world_size):
+            f = src / f"rank-{r:05d}.safetensors"
+            try:
+                shard = safe_open(str(f), framework="pt")
+            except (OSError, SafetensorError) as exc:
+                raise CheckpointError(f"{f} cannot be read ({exc}): the world-size-free copy is incomplete. Resume on the "
+                                      f"world size that wrote the checkpoint, or use another checkpoint.") from None
+            self._where.update(dict.fromkeys(shard.keys(), shard))
+        self.src = src
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise CheckpointError(f"{self.src} holds no {key!r}: the world-size-free copy is incomplete. Resume on the "
+                                  f"world size that wrote the checkpoint, or use another checkpoint.")
+        return self._where[key].get_tensor(key)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], _Tensors]:
     src = path / "engine" / WORLD_FREE_DIR
     try:
         meta = json.loads((src / "meta.json").read_text(encoding="utf-8"))
@@ -122,15 +143,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                               f"size and ZeRO stage that wrote it. Resume it there, or use another checkpoint.") from None
     if meta.get("format") != _FORMAT:
         raise CheckpointError(f"{src / 'meta.json'} has format {meta.get('format')!r}; this version reads {_FORMAT}.")
-    tensors: dict[str, torch.Tensor] = {}
-    for r in range(int(meta["world_size"])):
-        f = src / f"rank-{r:05d}.safetensors"
-        try:
-            tensors.update(load_file(str(f)))
-        except (OSError, SafetensorError) as exc:
-            raise CheckpointError(f"{f} cannot be read ({exc}): the world-size-free copy is incomplete. Resume on the "
-                                  f"world size that wrote the checkpoint, or use another checkpoint.") from None
-    return meta, tensors
+    return meta, _Tensors(src, int(meta["world_size"]))
 
 
 def load_world_free(engine: Any, path: Path) -> None:
@@ -150,15 +163,14 @@ def load_world_free(engine: Any, path: Path) -> None:
         raise CheckpointError(f"{path}: the checkpoint's parameters differ from this model's (e.g. {missing}); resume "
                               f"with the model config that wrote it ({path / 'config.yaml'}).")
     zero_opt, keys = engine.model.optimizer, meta["state_keys"]
-    groups = _flat_states(zero_opt)
-    if len(groups) != len(meta["group_scalars"]):
+    base, flats_by_group = zero_opt.optimizer, _flat_partitions(zero_opt)
+    if len(flats_by_group) != len(meta["group_scalars"]):
         raise CheckpointError(f"{path}: {len(meta['group_scalars'])} optimizer param groups were saved, this run has "
-                              f"{len(groups)}; resume with the optim.* settings that wrote it.")
-    base = zero_opt.optimizer
+                              f"{len(flats_by_group)}; resume with the optim.* settings that wrote it.")
     for group, settings in zip(base.param_groups, meta["group_settings"], strict=True):
         # the LR scheduler only writes lr at its next step(): the first update after resume needs the saved one
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()})
-    for flats, scalars in zip(_flat_partitions(zero_opt), meta["group_scalars"], strict=True):
+    for flats, scalars in zip(flats_by_group, meta["group_scalars"], strict=True):
         for flat in flats:  # materialise the state torch optimizers create lazily at their first step
             state = base.state[flat]
             for key in keys:
