@@ -1,7 +1,8 @@
-"""Shared fixtures for the training-engine tests: tiny corpora (the job helpers are in job_helpers.py)."""
+"""Shared fixtures for the training-engine tests: tiny corpora and a one-process DeepSpeed world (the job helpers are in job_helpers.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,3 +26,20 @@ def gpt_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def image_corpus(tmp_path_factory) -> Path:
     return cf.make_image_corpus(tmp_path_factory.mktemp("corpora") / "images")
+
+
+@pytest.fixture(scope="module")
+def ds_world():
+    """A world of one for DeepSpeed, torn down as the product tears down an in-process run: later tests
+    assert that no process group exists, and jobs they start must not inherit this world's port."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+
+    from pipelines.engine.distributed import free_port, in_process_run
+
+    with in_process_run():
+        if not dist.is_initialized():
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+            deepspeed.init_distributed(dist_backend="gloo")
+        yield deepspeed

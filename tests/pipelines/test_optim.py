@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -219,23 +218,6 @@ def test_deepspeed_fields():
 # --------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2, one process on CPU (gloo)
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ds_world():
-    """A world of one for DeepSpeed, torn down as the product tears down an in-process run: later tests
-    assert that no process group exists, and jobs they start must not inherit this world's port."""
-    deepspeed = pytest.importorskip("deepspeed")
-    import torch.distributed as dist
-
-    from pipelines.engine.distributed import free_port, in_process_run
-
-    with in_process_run():
-        if not dist.is_initialized():
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                              LOCAL_RANK="0")
-            deepspeed.init_distributed(dist_backend="gloo")
-        yield deepspeed
 
 
 def batches(n=3):

@@ -6,33 +6,17 @@ on; damaged or missing copies are refused with the file named. (Across world siz
 from __future__ import annotations
 
 import json
-import os
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipelines.engine.config import OptimConfig
 from pipelines.engine.engines import DeepSpeedEngine
 from pipelines.engine.optim import build_optimizer
-from pipelines.engine.config import OptimConfig
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 from pipelines.engine.safe_load import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def ds_world():
-    deepspeed = pytest.importorskip("deepspeed")
-    import torch.distributed as dist
-
-    from pipelines.engine.distributed import free_port, in_process_run
-
-    with in_process_run():
-        if not dist.is_initialized():
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                              LOCAL_RANK="0")
-            deepspeed.init_distributed(dist_backend="gloo")
-        yield deepspeed
 
 
 def _engine(deepspeed, stage: int, name: str, seed: int):

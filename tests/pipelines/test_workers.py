@@ -113,9 +113,8 @@ def test_sigusr2_prints_the_stacks_of_the_trainer_and_its_workers(tmp_path):
     assert any(re.search(r'slow.py", line \d+ in <module>', d) for d in dumps), proc.stderr[-3000:]  # the main process
 
 
-KILLED_OWNER = textwrap.dedent("""
-    import os, signal, sys, time
-    from torch.utils.data import DataLoader
+OWNER = textwrap.dedent("""
+    import os, sys, time
     from core.corpus import load_manifest
     from pipelines.loading.loader import StreamingSource
     from pipelines.engine.objectives import build_task
@@ -127,9 +126,8 @@ KILLED_OWNER = textwrap.dedent("""
                               num_workers=2, shuffle_buffer=16)
         stream = src.batches()
         next(stream)
-        print(os.getpid(), flush=True)
-        time.sleep(60)
-""")
+""")  # a rank with two loader workers running; each test appends what the rank does next
+KILLED_OWNER = OWNER + "    print(os.getpid(), flush=True)\n    time.sleep(60)\n"
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
@@ -152,21 +150,8 @@ def test_workers_and_forkserver_exit_when_their_rank_is_killed(corpus, tmp_path)
     assert proc.stdout.read() == ""  # and nobody holds the job's stdout open any more
 
 
-RAISING_OWNER = textwrap.dedent("""
-    import sys
-    from core.corpus import load_manifest
-    from pipelines.loading.loader import StreamingSource
-    from pipelines.engine.objectives import build_task
-    from pipelines.engine.config import RunConfig
-
-    if __name__ == "__main__":
-        m = load_manifest(sys.argv[1], kind="bert_pairs")
-        src = StreamingSource(m, "train", build_task(RunConfig(), m).collate, micro_batch_size=4, rank=0, world=1,
-                              num_workers=2, shuffle_buffer=16)
-        stream = src.batches()
-        next(stream)
-        raise ValueError("a failure in the training loop")  # the traceback keeps `stream` (and its workers) alive
-""")
+# the traceback keeps `stream` (and its workers) alive while the interpreter exits
+RAISING_OWNER = OWNER + '    raise ValueError("a failure in the training loop")\n'
 
 
 def test_a_rank_that_raises_exits_although_its_workers_ignore_sigterm(corpus, tmp_path):
