@@ -172,7 +172,8 @@ class DDPEngine(Engine):
         self._save_scheduler(path)
 
     def load(self, path: Path, saved: dict[str, Any]) -> None:
-        """Model and optimizer state are whole on every rank, so any world size loads them. Every file goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
+        """Model and optimizer state are whole on every rank, so any world size loads them. Every file
+        goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
         from pipelines.engine.safe_load import safe_torch_load
 
         e = path / "engine"
@@ -249,7 +250,8 @@ class DeepSpeedEngine(Engine):
         from pipelines.engine.safe_load import CheckpointError, weights_only_loads
 
         was = (saved.get("world_size"), saved.get("zero_stage"))
-        if was != (self.world_size, self.zero_stage) and (was[1] != self.zero_stage or self.zero_stage >= 1):
+        same_layout = was == (self.world_size, self.zero_stage) or was[1] == self.zero_stage == 0  # ZeRO-0: whole state
+        if not same_layout:
             if not (path / "engine" / WORLD_FREE_DIR / "meta.json").is_file():
                 raise CheckpointError(
                     f"{path} was written on {was[0]} ranks with ZeRO-{was[1]} and holds no world-size-free copy "

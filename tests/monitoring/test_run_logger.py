@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -217,4 +218,5 @@ def test_resumed_run_logs_to_the_same_wandb_run(tmp_path: Path, monkeypatch) -> 
     assert ids[0] == ids[1], f"the requeued session started another W&B run: {ids}"
     assert (tmp_path / "wandb_run_id").read_text().strip() == ids[0]
     offline = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(name.endswith(ids[0]) for name in offline), offline
+    # one directory per session, both of that run; wandb adds "-1" when both started in the same second
+    assert len(offline) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{ids[0]}(-\d+)?", n) for n in offline), offline
