@@ -17,7 +17,7 @@ an offline pass that unpickles every rank's optimizer file (we never unpickle ch
 run on the requeued job's critical path; this copy is written while the state is in memory, through
 DeepSpeed's public fragment API (``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*``), as
 safetensors. Cost: (1 + number of moments) x 4 bytes per parameter more on disk per checkpoint (12 B for
-Adam), written in parallel by all ranks; ``train.world_free_checkpoints=false`` turns it off.
+Adam), written in parallel by all ranks; ``distributed.world_free_checkpoints=false`` turns it off.
 """
 
 from __future__ import annotations
