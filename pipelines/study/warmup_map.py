@@ -22,7 +22,8 @@ when there is one, else the mean of the last three logged training losses. A cel
 rate* is failed seeds / seeds. ``render_map`` draws ``map_failure.png`` and ``map_loss.png`` (one
 panel per norm placement x arm: depth rows x lr columns), ``map_grad_layers.png`` (per-layer
 gradient norm in the first updates, with and without warmup, from the diagnostics), and writes
-``map_table.md`` / ``map_summary.json`` with the claims computed from the runs.
+``map_table.md`` / ``map_summary.json`` with the claims computed from the runs (``claims``, and
+``grad_spread``: how far apart the blocks' gradient norms are in the first updates).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 from monitoring.report import save_figure
 
-__all__ = ["DEFAULT_K", "run_result", "classify", "cell_stats", "claims", "draw_map", "focus_runs", "render_map"]
+__all__ = ["DEFAULT_K", "run_result", "classify", "cell_stats", "claims", "draw_map", "grad_spread", "focus_runs", "render_map"]
 
 DEFAULT_K = 2.0
 MIN_STD = 1e-3
@@ -275,8 +276,40 @@ def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Pat
     return save_figure(fig, out, "map_grad_layers.png")
 
 
-def markdown(classified: list[dict[str, Any]], found: dict[str, Any]) -> str:
-    """The map as a table (one row per norm, arm, depth; failure rate and mean final loss per lr) + the claims."""
+def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 3) -> dict[str, Any]:
+    """Largest / smallest per-block gradient norm at the first ``first`` diagnostics updates, per norm
+    placement and arm, at the deepest stack and largest lr: the median over seeds (a vanishing lower
+    block shows as a ratio of many orders of magnitude; Xiong et al. 2020, Liu et al. 2020 Admin)."""
+    norms, _arms, depths, lrs = _axes(classified)
+    target = {r["name"]: r for r in classified}
+    ratios: dict[tuple[str, str], list[list[float]]] = {}
+    steps: dict[tuple[str, str], list[int]] = {}
+    for r in runs:
+        c = target.get(r.name)
+        if not c or c["depth"] != depths[-1] or c["lr"] != lrs[-1]:
+            continue
+        recs = [d for d in r.diag if any(_BLOCK.match(k) for k in d)][:first]
+        per_update = []
+        for rec in recs:
+            norms_ = [v for k, v in rec.items() if _BLOCK.match(k) and _finite(v)]
+            per_update.append(max(norms_) / min(norms_) if norms_ and min(norms_) > 0 else math.inf)
+        ratios.setdefault((c["norm"], c["arm"]), []).append(per_update)
+        steps.setdefault((c["norm"], c["arm"]), [int(rec["step"]) for rec in recs])
+    out: dict[str, Any] = {"depth": depths[-1], "lr": lrs[-1], "norms": {}}
+    for (norm, arm), rows in ratios.items():
+        n = min(len(row) for row in rows)
+        out["norms"].setdefault(norm, {})[arm] = {
+            "updates": steps[(norm, arm)][:n],
+            "median_ratio": [statistics.median(row[i] for row in rows) for i in range(n)],
+            "seeds": len(rows),
+        }
+    out["norms"] = {n: out["norms"][n] for n in norms if n in out["norms"]}
+    return out
+
+
+def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: dict[str, Any] | None = None) -> str:
+    """The map as a table (one row per norm, arm, depth; failure rate and mean final loss per lr) + the claims
+    (+ the per-block gradient spread of ``grad_spread``)."""
     stats = cell_stats(classified)
     norms, arms, depths, lrs = _axes(classified)
     head = ["norm", "arm", "layers"] + [f"lr {_lr_text(lr)}: fail · loss" for lr in lrs]
@@ -301,6 +334,13 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any]) -> str:
         for res in c["no_warmup_failures_rescued_by"]:
             ok = ", ".join(res["arms_ok"]) or "no arm"
             lines.append(f"  - {res['depth']} layers, lr {_lr_text(res['lr'])}: {ok} fine there.")
+    if spread and spread["norms"]:
+        lines.append(f"\nLargest / smallest per-block gradient norm at the first updates, {spread['depth']} layers, "
+                     f"lr {_lr_text(spread['lr'])} (median over seeds):")
+        for norm, per_arm in spread["norms"].items():
+            for arm, g in per_arm.items():
+                at = ", ".join(f"update {u}: {v:.2g}" for u, v in zip(g["updates"], g["median_ratio"], strict=True))
+                lines.append(f"- {norm} · {arm}: {at or 'no per-block diagnostics'}")
     return "\n".join(lines) + "\n"
 
 
@@ -323,8 +363,9 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
         (draw_map(classified, out, "final")[0], "Mean final loss per depth × lr"),
         (draw_grad_layers(runs, classified, out), "Per-block gradient norm in the first updates, with and without warmup"),
     ]
-    table = markdown(classified, found)
-    summary = {"claims": found, "runs": classified}
+    spread = grad_spread(runs, classified)
+    table = markdown(classified, found, spread)
+    summary = {"claims": found, "grad_spread": spread, "runs": classified}
     atomic_write_text(out / "map_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     atomic_write_text(out / "map_table.md", table)
     return images, summary, table

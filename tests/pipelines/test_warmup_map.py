@@ -129,3 +129,29 @@ def test_tiny_grid_end_to_end(tmp_path, bert_corpus):
     assert all(r["fail"] and r["reason"] == "diverged" for n, r in by_name.items() if "lr1e30" in n)
     assert {r["norm"] for r in by_name.values()} == {"post", "tfixup"}
     assert "| post | adam-none | 1 |" in (page.parent / "map_table.md").read_text()
+
+
+def test_grad_spread_reads_the_block_norms_of_the_hardest_cell():
+    """Post-LN's lower blocks losing their gradient shows as a max/min ratio over blocks; median over seeds."""
+    from types import SimpleNamespace
+
+    from pipelines.study.warmup_map import grad_spread
+
+    def diag(step, norms):
+        return {"step": step, **{f"grad_norm/bert.blocks.{i}": v for i, v in enumerate(norms)}, "grad_norm/mlm": 1.0}
+
+    rows, runs = [], []
+    for seed, bottom in enumerate((1e-6, 1e-8, 1e-7)):
+        for norm, lr, depth in (("post", 1e-1, 6), ("post", 1e-2, 6), ("pre", 1e-1, 6), ("post", 1e-1, 2)):
+            r = result("adam-none", seed, 5.0, norm=norm, depth=depth, lr=lr)
+            r["name"] += f"-{norm}"
+            rows.append(r)
+            vanishing = norm == "post" and lr == 1e-1 and depth == 6
+            runs.append(SimpleNamespace(name=r["name"], diag=[
+                diag(1, [0.04, 0.05, 0.04]), diag(5, [bottom if vanishing else 0.02, 0.03, 0.1])]))
+    spread = grad_spread(runs, classify(rows))
+    assert (spread["depth"], spread["lr"]) == (6, 1e-1)
+    post, pre = spread["norms"]["post"]["adam-none"], spread["norms"]["pre"]["adam-none"]
+    assert post["updates"] == [1, 5] and post["seeds"] == 3
+    assert post["median_ratio"] == pytest.approx([1.25, 0.1 / 1e-7])
+    assert pre["median_ratio"] == pytest.approx([1.25, 5.0])
