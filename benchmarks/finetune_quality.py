@@ -13,9 +13,10 @@ For each task, in one run and for each ``--seeds``:
   `classification.evaluate_release` for classification), so only training differs.
 
 Data are built from text that ships with Python (`pipelines.ops.demo_data`): QA = the package
-question with the five package names in the context (SQuAD v1.1 JSON) and, with ``--qa-data
-cloze``, cloze questions on `pydoc_data.topics` paragraphs; classification = which package a
-docstring comes from. The release is ``--release DIR`` (any BERT-architecture transformers
+question with the five package names in the context (SQuAD v1.1 JSON); with ``--qa-data
+cloze``, cloze questions on `pydoc_data.topics` paragraphs; with ``--qa-data where``, "Where is the
+word W?" on those paragraphs (W's one span is the answer, in any window of a long paragraph);
+classification = which package a docstring comes from. The release is ``--release DIR`` (any BERT-architecture transformers
 directory with a fast tokenizer), else a BERT of ``--layers``/``--hidden`` with a WordPiece
 tokenizer trained on the pydoc topics, random weights drawn by transformers (seed 0).
 
@@ -87,6 +88,39 @@ def cloze_task(out: Path, max_train: int, max_dev: int) -> None:
                 question = " ".join((sent[: w.start()] + "[MASK]" + sent[w.end():]).split())
                 rows.append(QAExample(f"{name}-{p}-{k}", question, para, [{"text": w.group(0), "answer_start": s0 + w.start()}],
                                       False, name))
+    write_squad(out / "train.json", split["train"][:max_train])
+    write_squad(out / "dev.json", split["dev"][:max_dev])
+
+
+def where_task(out: Path, max_train: int, max_dev: int) -> None:
+    """Word-finding QA on pydoc topic paragraphs: "Where is the word W?" asks for W's one span in the paragraph.
+
+    W is a word of 5+ letters that occurs once in the paragraph (up to 6 per paragraph, picked by a
+    seeded hash, not by position). The answer can sit in any window of a long paragraph, so a model
+    must learn which window holds it; a pretrained encoder helps by knowing W's pieces.
+    """
+    import hashlib
+    from pydoc_data.topics import topics
+
+    from pipelines.finetune.squad import QAExample, write_squad
+
+    names = sorted(topics)
+    dev_topics = set(names[::5])
+    split: dict[str, list[QAExample]] = {"train": [], "dev": []}
+    for name in names:
+        for p, para in enumerate(re.split(r"\n\s*\n", topics[name])):
+            if len(para) < 200 or any(line.startswith(" ") for line in para.splitlines()) or "***" in para:
+                continue
+            words = list(re.finditer(r"\b[A-Za-z]{5,}\b", para))
+            counts: dict[str, int] = {}
+            for m in words:
+                counts[m.group(0).lower()] = counts.get(m.group(0).lower(), 0) + 1
+            once = [m for m in words if counts[m.group(0).lower()] == 1]
+            once.sort(key=lambda m: hashlib.sha256(f"{name}/{p}/{m.group(0)}".encode()).digest())
+            rows = split["dev" if name in dev_topics else "train"]
+            for k, m in enumerate(once[:6]):
+                rows.append(QAExample(f"{name}-{p}-{k}", f"Where is the word {m.group(0)}?", para,
+                                      [{"text": m.group(0), "answer_start": m.start()}], False, name))
     write_squad(out / "train.json", split["train"][:max_train])
     write_squad(out / "dev.json", split["dev"][:max_dev])
 
@@ -214,7 +248,7 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="qa,classification", help="comma-separated: qa, classification")
-    parser.add_argument("--qa-data", default="package", choices=["package", "cloze"])
+    parser.add_argument("--qa-data", default="package", choices=["package", "cloze", "where"])
     add_recipe_args(parser)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--max-train", type=int, default=1200, help="cloze: training questions kept")
@@ -232,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[tuple[float, float]]] = {}
     for task in args.tasks.split(","):
         data = root / f"data-{task}"
-        if task == "qa" and args.qa_data == "cloze":
-            cloze_task(data, args.max_train, args.max_dev)
+        if task == "qa" and args.qa_data in ("cloze", "where"):
+            (cloze_task if args.qa_data == "cloze" else where_task)(data, args.max_train, args.max_dev)
         elif task == "qa":
             write_package_qa_task(data)
         else:

@@ -122,3 +122,95 @@ def test_bad_training_file_fails_with_file_and_question_id(cloze, hf_base, tmp_p
     with pytest.raises(FinetuneError, match=r"bad\.json.*question id tr-0-0.*over the limit of 1\.0%"):
         run_finetune(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()  # it failed before training
+
+
+def run_qa_windows(examples: list[QAExample], tokenizer, *, max_length: int, stride: int) -> list[dict]:
+    """Training windows as transformers' `run_qa` example makes them, written independently of ours:
+    every window kept, one whose context does not hold the whole answer labelled at [CLS] (0, 0)."""
+    enc = tokenizer([e.question for e in examples], [e.context for e in examples], truncation="only_second",
+                    max_length=max_length, stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True,
+                    return_token_type_ids=True)
+    windows = []
+    for i, k in enumerate(enc["overflow_to_sample_mapping"]):
+        a0 = examples[k].answers[0]["answer_start"]
+        a1 = a0 + len(examples[k].answers[0]["text"])
+        offsets, context = enc["offset_mapping"][i], [j for j, s in enumerate(enc.sequence_ids(i)) if s == 1]
+        start = end = 0
+        if offsets[context[0]][0] <= a0 and offsets[context[-1]][1] >= a1:
+            start = next(j for j in context if offsets[j][1] > a0)
+            end = next(j for j in reversed(context) if offsets[j][0] < a1)
+        windows.append({"input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
+                        "start_positions": start, "end_positions": end})
+    return windows
+
+
+def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
+    """Our QA fine-tuning takes the same steps as the loop a transformers user writes (issue #19).
+
+    Same release, head init and batch order; windows made as `run_qa` makes them; no dropout;
+    constant lr. The reference is
+    `BertForQuestionAnswering` + `torch.optim.AdamW` with the usual groups (no decay on biases and
+    LayerNorm) + `clip_grad_norm_(1.0)`, its span loss over the window's tokens (ours masks padding
+    out of the softmax: documented, applied to both). Every logged loss and the exported weights
+    must match: any difference in what the model sees, the labels, the loss averaging, the
+    parameter groups, clipping or the order of batches shows here, seed noise cannot hide it.
+    """
+    import numpy as np
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertForQuestionAnswering
+
+    from pipelines.finetune.qa import build_qa_model
+
+    base = tmp_path / "release"
+    torch.manual_seed(1)
+    BertForMaskedLM(BertConfig(vocab_size=len(cloze["tokenizer"]), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)).save_pretrained(str(base))
+    cloze["tokenizer"].save_pretrained(str(base))
+    short = [e for e in cloze["train"] if len(cloze["tokenizer"](e.question)["input_ids"]) <= 40]  # no question cut
+    train = write_squad(tmp_path / "train.json", short[:200])
+    dev = write_squad(tmp_path / "dev.json", cloze["dev"][:20])
+    lr, wd, mb, seed = 2e-3, 0.01, 8, 3
+    cfg = qa_config(base, tmp_path / "run", train, dev, epochs=1, **{
+        "optim.lr": lr, "optim.weight_decay": wd, "data.micro_batch_size": mb, "schedule.warmup": "none",
+        "schedule.decay": "constant", "train.seed": seed, "train.log_every": 1})
+    result = run_finetune(cfg)
+    ours_losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(line).get("split") == "train"]
+
+    feats = run_qa_windows(read_squad(train)[0], AutoTokenizer.from_pretrained(str(base)), max_length=96, stride=24)
+    ref = BertForQuestionAnswering.from_pretrained(str(base)).train()
+    head = build_qa_model(base, "pretrained", seed).qa_outputs  # the head our run started from
+    ref.qa_outputs.load_state_dict(head.state_dict())
+    no_decay = [p for n, p in ref.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
+    decay = [p for n, p in ref.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    steps = len(feats) // mb
+    order = np.random.default_rng([seed, 0, 13]).permutation(len(feats))[: steps * mb]  # MapStyleSource's epoch order
+    ref_losses = []
+    for k in range(steps):
+        items = [feats[i] for i in order[k * mb: (k + 1) * mb]]
+        width = max(len(f["input_ids"]) for f in items)
+        ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
+        types = torch.tensor([f["token_type_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
+        mask = (torch.arange(width)[None, :] < torch.tensor([len(f["input_ids"]) for f in items])[:, None]).long()
+        out = ref(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        s, e = out.start_logits.masked_fill(mask == 0, -1e4), out.end_logits.masked_fill(mask == 0, -1e4)
+        loss = (torch.nn.functional.cross_entropy(s, torch.tensor([f["start_positions"] for f in items]))
+                + torch.nn.functional.cross_entropy(e, torch.tensor([f["end_positions"] for f in items]))) / 2
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_losses.append(loss.item())
+
+    assert len(ours_losses) == steps >= 20
+    assert ours_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+    # A constant added to every logit of a softmax has zero gradient in exact arithmetic: the attention
+    # key biases, the span head's bias and the last LayerNorm's bias (it reaches the logits only through
+    # the head: the same shift at every position). Adam turns their rounding noise into lr-sized steps,
+    # in transformers as in ours, so they are not compared.
+    noise_driven = ("attention.self.key.bias", "qa_outputs.bias", "layer.1.output.LayerNorm.bias")
+    exported = BertForQuestionAnswering.from_pretrained(result["release_dir"]).state_dict()
+    far = {n: float((exported[n] - v).abs().max()) for n, v in ref.state_dict().items()
+           if not n.endswith(noise_driven) and not torch.allclose(exported[n], v, rtol=1e-3, atol=1e-4)}
+    assert not far, far
