@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from itertools import accumulate, chain
+from itertools import accumulate, chain, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +87,13 @@ def sample_texts(files: list[dict[str, Any]], ctx: JobContext, estimate: bool = 
     return {"docs": {} if estimate else docs, "documents": len(docs), "shard_bytes": shard_bytes, "stats": stats.to_dict()}
 
 
-def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[list[bytes], list[bytes]]:
-    """Token bytes per document, and (BERT) the int32 token count of each of its sentences.
+def tokenize_flat(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All documents' tokens in one flat array, with per-document bounds (no per-token Python).
 
-    One `encode_batch_fast` call for the whole list, then one flat numpy array built from all
-    ids at once and sliced per document (no per-token Python).
+    Returns ``(tokens, token_bounds, sentence_lengths, sentence_bounds)``: document ``i`` is
+    ``tokens[token_bounds[i]:token_bounds[i + 1]]``; for ``bert_pairs`` its sentences' token counts
+    (int32) are ``sentence_lengths[sentence_bounds[i]:sentence_bounds[i + 1]]`` (empty otherwise).
+    One `encode_batch_fast` call for the whole list.
     """
     if kind == "bert_pairs":
         sentences = [split_sentences(t) for t in texts]
@@ -104,13 +106,18 @@ def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[li
     flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(piece_len.sum()))
     piece_end = np.concatenate([[0], np.cumsum(piece_len)])
     doc_end = np.concatenate([[0], np.cumsum(per_doc)])
-    tok_bounds = piece_end[doc_end].tolist()
-    tokens = [flat[a:b].tobytes() for a, b in zip(tok_bounds[:-1], tok_bounds[1:], strict=True)]
+    if kind != "bert_pairs":
+        return flat, piece_end[doc_end], np.zeros(0, dtype="<i4"), np.zeros(len(texts) + 1, dtype=np.int64)
+    return flat, piece_end[doc_end], piece_len.astype("<i4"), doc_end
+
+
+def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[list[bytes], list[bytes]]:
+    """Token bytes per document, and (BERT) the int32 token count of each of its sentences."""
+    flat, bounds, lens, sent_bounds = tokenize_flat(texts, tok, dtype, kind)
+    tokens = [flat[a:b].tobytes() for a, b in pairwise(bounds.tolist())]
     if kind != "bert_pairs":
         return tokens, [b""] * len(tokens)
-    lens = piece_len.astype("<i4")
-    bounds = doc_end.tolist()
-    return tokens, [lens[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return tokens, [lens[a:b].tobytes() for a, b in pairwise(sent_bounds.tolist())]
 
 
 def estimate_shard_bytes(docs: dict[str, str], ctx: JobContext, tok) -> float:
@@ -133,6 +140,54 @@ def _by_group(columns: dict[str, list], schema: pa.Schema, ctx: JobContext) -> l
     return [pa.table({c: [columns[c][i] for i in rows] for c in schema.names}, schema=schema) for rows in rows_of]
 
 
+_HEX_VALUE = np.zeros(256, dtype=np.uint64)
+_HEX_VALUE[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint64)
+_HEX_WEIGHT = np.uint64(16) ** np.arange(7, -1, -1, dtype=np.uint64)
+
+
+def route_codes(hashes: list[str], ctx: JobContext) -> tuple[np.ndarray, list[str]]:
+    """`route` for many hashes at once: (index of each document's shard in `names`, `names`).
+
+    The same rule as `route` (split from hex digits 0-8, bucket from 8-16), on a numpy view of the
+    hashes instead of two `int(.., 16)` and a format per document.
+    """
+    names = [f"{split}-{b:06d}" for split in ("train", "validation") for b in range(ctx.buckets.get(split, 0))]
+    if not hashes:
+        return np.zeros(0, dtype=np.int64), names
+    digits = _HEX_VALUE[np.frombuffer("".join(h[:16] for h in hashes).encode("ascii"), dtype=np.uint8).reshape(-1, 16)]
+    split_key, bucket_key = digits[:, :8] @ _HEX_WEIGHT, digits[:, 8:] @ _HEX_WEIGHT
+    validation = split_key / 0x1_0000_0000 < ctx.validation_fraction
+    train_n, val_n = ctx.buckets.get("train", 0), ctx.buckets.get("validation", 0)
+    codes = np.where(validation, train_n + bucket_key % max(val_n, 1), bucket_key % max(train_n, 1)).astype(np.int64)
+    if (validation & (val_n == 0)).any() or (~validation & (train_n == 0)).any():
+        raise KeyError("a document routes to a split without shards")  # as `route` would, via ctx.buckets[split]
+    return codes, names
+
+
+def _binary_array(flat: np.ndarray, bounds: np.ndarray) -> pa.Array:
+    """Arrow (large) binary array whose item i is ``flat[bounds[i]:bounds[i + 1]]``'s bytes, without copying per item."""
+    offsets = (bounds * flat.dtype.itemsize).astype(np.int64)
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(bounds) - 1,
+                                            [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(flat).view(np.uint8))])
+
+
+def _text_tables(hashes: list[str], tokens: pa.Array, sents: pa.Array, ctx: JobContext) -> list[pa.Table]:
+    """One `TEXT_SCHEMA` table per reduce group, rows in document order (as `_by_group`), built column-wise."""
+    codes, names = route_codes(hashes, ctx)
+    group_of = np.array([ctx.group_of[n] for n in names], dtype=np.int64)
+    groups = group_of[codes] if len(codes) else np.zeros(0, dtype=np.int64)
+    order = np.argsort(groups, kind="stable")
+    starts = np.searchsorted(groups[order], np.arange(ctx.groups + 1))
+    columns = {"shard": pa.array(names, pa.string()).take(pa.array(codes)), "hash": pa.array(hashes, pa.string()),
+               "tokens": tokens, "sents": sents}
+    tables = []
+    for g in range(ctx.groups):
+        rows = pa.array(order[starts[g]: starts[g + 1]])
+        tables.append(pa.table({c: columns[c].take(rows).cast(TEXT_SCHEMA.field(c).type) for c in TEXT_SCHEMA.names},
+                               schema=TEXT_SCHEMA))
+    return tables
+
+
 def map_text(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
     """Map side of the shuffle: read, clean, hash, route and tokenize the documents of `files`.
 
@@ -143,20 +198,17 @@ def map_text(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
     dtype = np.dtype(ctx.token_dtype).newbyteorder("<")
     near_dups = ctx.near_dups
     stats = Stats()
-    columns: dict[str, list] = {name: [] for name in TEXT_SCHEMA.names}
-    pending: list[tuple[str, str]] = []
+    hashes: list[str] = []
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    pending: list[str] = []
     pending_chars = 0
 
     seconds = {"read_clean": 0.0, "tokenize": 0.0}
 
     def flush() -> None:
         t0 = time.perf_counter()
-        tokens, sents = tokenize_docs([t for _, t in pending], tok, dtype, ctx.kind)
+        parts.append(tokenize_flat(pending, tok, dtype, ctx.kind))
         seconds["tokenize"] += time.perf_counter() - t0
-        columns["hash"].extend(h for h, _ in pending)
-        columns["shard"].extend(route(h, ctx) for h, _ in pending)
-        columns["tokens"].extend(tokens)
-        columns["sents"].extend(sents)
         pending.clear()
 
     t_start = time.perf_counter()
@@ -164,7 +216,8 @@ def map_text(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
         if h in near_dups:
             stats.add("removed.near_duplicate")
             continue
-        pending.append((h, text))
+        hashes.append(h)
+        pending.append(text)
         pending_chars += len(text)
         if pending_chars >= _CHUNK_CHARS:
             flush()
@@ -172,7 +225,18 @@ def map_text(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
     if pending:
         flush()
     seconds["read_clean"] = time.perf_counter() - t_start - seconds["tokenize"]
-    return [{**stats.to_dict(), "seconds": seconds}, *_by_group(columns, TEXT_SCHEMA, ctx)]
+    tokens = _binary_array(*_concat_bounds([(p[0], p[1]) for p in parts], dtype))
+    sents = _binary_array(*_concat_bounds([(p[2], p[3]) for p in parts], np.dtype("<i4")))
+    return [{**stats.to_dict(), "seconds": seconds}, *_text_tables(hashes, tokens, sents, ctx)]
+
+
+def _concat_bounds(parts: list[tuple[np.ndarray, np.ndarray]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Join (flat, bounds) pieces into one flat array and one bounds array (bounds shifted by the pieces before)."""
+    if not parts:
+        return np.zeros(0, dtype=dtype), np.zeros(1, dtype=np.int64)
+    shifts = np.cumsum([0] + [len(flat) for flat, _ in parts[:-1]])
+    bounds = np.concatenate([parts[0][1][:1]] + [b[1:] + shift for (_, b), shift in zip(parts, shifts, strict=True)])
+    return np.concatenate([flat for flat, _ in parts]).astype(dtype, copy=False), bounds
 
 
 def map_images(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:

@@ -220,3 +220,18 @@ def test_split_is_a_function_of_the_document():
     assert split_of == [route(h, many).split("-")[0] for h in hashes]  # shard counts do not move documents
     assert split_of == [route(doc_hash(d), few).split("-")[0] for d in docs]  # same text, same split
     assert abs(split_of.count("validation") / len(docs) - 0.1) < 0.02
+
+
+def test_route_codes_route_every_document_as_route_does():
+    """The map side routes a whole batch at once (`route_codes`); it must pick `route`'s shard for every hash."""
+    from types import SimpleNamespace
+
+    from data_prep.clean import doc_hash
+    from data_prep.stages import route, route_codes
+
+    hashes = [doc_hash(f"document {i}") for i in range(5000)] + ["0" * 64, "f" * 64, "1999999a" + "0" * 56]
+    for fraction, buckets in ((0.1, {"train": 7, "validation": 3}), (0.0, {"train": 1}), (0.5, {"train": 64, "validation": 1})):
+        ctx = SimpleNamespace(validation_fraction=fraction, buckets=buckets)
+        codes, names = route_codes(hashes, ctx)
+        assert [names[c] for c in codes] == [route(h, ctx) for h in hashes]
+    assert route_codes([], ctx)[0].size == 0

@@ -129,6 +129,7 @@ def test_tiny_grid_end_to_end(tmp_path, bert_corpus):
     assert all(r["fail"] and r["reason"] == "diverged" for n, r in by_name.items() if "lr1e30" in n)
     assert {r["norm"] for r in by_name.values()} == {"post", "tfixup"}
     assert "| post | adam-none | 1 |" in (page.parent / "map_table.md").read_text()
+    assert set(summary["grad_spread"]["norms"]) <= {"post", "tfixup"} and summary["grad_spread"]["lr"] == 1e30
 
 
 def test_grad_spread_reads_the_block_norms_of_the_hardest_cell():
