@@ -65,31 +65,43 @@ def make_release(out: Path, layers: int, hidden: int, vocab: int = 4000) -> Path
     return out
 
 
-def cloze_task(out: Path, max_train: int, max_dev: int) -> None:
-    """Cloze QA on pydoc topic paragraphs: a sentence with its longest word blanked asks for that word."""
+def _paragraph_task(out: Path, max_train: int, max_dev: int, questions) -> None:
+    """SQuAD files of questions on `pydoc_data.topics` paragraphs: ``questions(name, index, paragraph)`` makes
+    a paragraph's `QAExample` s; every 5th topic (by name) is dev. Code samples and short paragraphs are skipped."""
     from pydoc_data.topics import topics
 
-    from pipelines.finetune.squad import QAExample, write_squad
+    from pipelines.finetune.squad import write_squad
 
     names = sorted(topics)
     dev_topics = set(names[::5])
-    split: dict[str, list[QAExample]] = {"train": [], "dev": []}
+    split: dict[str, list] = {"train": [], "dev": []}
     for name in names:
         for p, para in enumerate(re.split(r"\n\s*\n", topics[name])):
             if len(para) < 200 or any(line.startswith(" ") for line in para.splitlines()) or "***" in para:
                 continue
-            rows = split["dev" if name in dev_topics else "train"]
-            for k, m in enumerate(list(re.finditer(r"[^.!?]+[.!?]", para))[:3]):
-                sent, s0 = m.group(0), m.start()
-                words = list(re.finditer(r"[A-Za-z]{4,}", sent))[1:]
-                if len(sent.split()) < 8 or not words:
-                    continue
-                w = max(words, key=lambda x: (len(x.group(0)), -x.start()))
-                question = " ".join((sent[: w.start()] + "[MASK]" + sent[w.end():]).split())
-                rows.append(QAExample(f"{name}-{p}-{k}", question, para, [{"text": w.group(0), "answer_start": s0 + w.start()}],
-                                      False, name))
+            split["dev" if name in dev_topics else "train"].extend(questions(name, p, para))
     write_squad(out / "train.json", split["train"][:max_train])
     write_squad(out / "dev.json", split["dev"][:max_dev])
+
+
+def cloze_task(out: Path, max_train: int, max_dev: int) -> None:
+    """Cloze QA on pydoc topic paragraphs: a sentence with its longest word blanked asks for that word."""
+    from pipelines.finetune.squad import QAExample
+
+    def questions(name: str, p: int, para: str) -> list[QAExample]:
+        rows = []
+        for k, m in enumerate(list(re.finditer(r"[^.!?]+[.!?]", para))[:3]):
+            sent, s0 = m.group(0), m.start()
+            words = list(re.finditer(r"[A-Za-z]{4,}", sent))[1:]
+            if len(sent.split()) < 8 or not words:
+                continue
+            w = max(words, key=lambda x: (len(x.group(0)), -x.start()))
+            question = " ".join((sent[: w.start()] + "[MASK]" + sent[w.end():]).split())
+            rows.append(QAExample(f"{name}-{p}-{k}", question, para, [{"text": w.group(0), "answer_start": s0 + w.start()}],
+                                  False, name))
+        return rows
+
+    _paragraph_task(out, max_train, max_dev, questions)
 
 
 def where_task(out: Path, max_train: int, max_dev: int) -> None:
@@ -100,29 +112,19 @@ def where_task(out: Path, max_train: int, max_dev: int) -> None:
     must learn which window holds it; a pretrained encoder helps by knowing W's pieces.
     """
     import hashlib
-    from pydoc_data.topics import topics
+    from collections import Counter
 
-    from pipelines.finetune.squad import QAExample, write_squad
+    from pipelines.finetune.squad import QAExample
 
-    names = sorted(topics)
-    dev_topics = set(names[::5])
-    split: dict[str, list[QAExample]] = {"train": [], "dev": []}
-    for name in names:
-        for p, para in enumerate(re.split(r"\n\s*\n", topics[name])):
-            if len(para) < 200 or any(line.startswith(" ") for line in para.splitlines()) or "***" in para:
-                continue
-            words = list(re.finditer(r"\b[A-Za-z]{5,}\b", para))
-            counts: dict[str, int] = {}
-            for m in words:
-                counts[m.group(0).lower()] = counts.get(m.group(0).lower(), 0) + 1
-            once = [m for m in words if counts[m.group(0).lower()] == 1]
-            once.sort(key=lambda m: hashlib.sha256(f"{name}/{p}/{m.group(0)}".encode()).digest())
-            rows = split["dev" if name in dev_topics else "train"]
-            for k, m in enumerate(once[:6]):
-                rows.append(QAExample(f"{name}-{p}-{k}", f"Where is the word {m.group(0)}?", para,
-                                      [{"text": m.group(0), "answer_start": m.start()}], False, name))
-    write_squad(out / "train.json", split["train"][:max_train])
-    write_squad(out / "dev.json", split["dev"][:max_dev])
+    def questions(name: str, p: int, para: str) -> list[QAExample]:
+        words = list(re.finditer(r"\b[A-Za-z]{5,}\b", para))
+        counts = Counter(m.group(0).lower() for m in words)
+        once = sorted((m for m in words if counts[m.group(0).lower()] == 1),
+                      key=lambda m: hashlib.sha256(f"{name}/{p}/{m.group(0)}".encode()).digest())
+        return [QAExample(f"{name}-{p}-{k}", f"Where is the word {m.group(0)}?", para,
+                          [{"text": m.group(0), "answer_start": m.start()}], False, name) for k, m in enumerate(once[:6])]
+
+    _paragraph_task(out, max_train, max_dev, questions)
 
 
 def common_overrides(args: argparse.Namespace, seed: int) -> dict[str, object]:
