@@ -54,7 +54,9 @@ def _tokenizer(ctx: JobContext):
 
 
 def route(h: str, ctx: JobContext) -> str:
-    """Shard of a document: the split from the first 8 hex digits of its hash, the bucket from the next 8."""
+    """Shard of a document: the split from the first 8 hex digits of its hash, the bucket from the next 8.
+
+    The rule stated per document; the map tasks apply it to a whole batch with `route_codes`."""
     split = "validation" if int(h[:8], 16) / 0x1_0000_0000 < ctx.validation_fraction else "train"
     return f"{split}-{int(h[8:16], 16) % ctx.buckets[split]:06d}"
 
@@ -131,15 +133,6 @@ def estimate_shard_bytes(docs: dict[str, str], ctx: JobContext, tok) -> float:
     return float(sum(512 + -(-len(v) // 512) * 512 for _, members, _ in _records(samples, ctx, "estimate") for v in members.values()))
 
 
-def _by_group(columns: dict[str, list], schema: pa.Schema, ctx: JobContext) -> list[pa.Table]:
-    """One Arrow table per reduce group (`ctx.group_of` maps a shard name to its group)."""
-    group_of = ctx.group_of
-    rows_of: list[list[int]] = [[] for _ in range(ctx.groups)]
-    for i, shard in enumerate(columns["shard"]):
-        rows_of[group_of[shard]].append(i)
-    return [pa.table({c: [columns[c][i] for i in rows] for c in schema.names}, schema=schema) for rows in rows_of]
-
-
 _HEX_VALUE = np.zeros(256, dtype=np.uint64)
 _HEX_VALUE[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint64)
 _HEX_WEIGHT = np.uint64(16) ** np.arange(7, -1, -1, dtype=np.uint64)
@@ -171,20 +164,19 @@ def _binary_array(flat: np.ndarray, bounds: np.ndarray) -> pa.Array:
                                             [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(flat).view(np.uint8))])
 
 
-def _text_tables(hashes: list[str], tokens: pa.Array, sents: pa.Array, ctx: JobContext) -> list[pa.Table]:
-    """One `TEXT_SCHEMA` table per reduce group, rows in document order (as `_by_group`), built column-wise."""
+def _group_tables(hashes: list[str], columns: dict[str, pa.Array], schema: pa.Schema, ctx: JobContext) -> list[pa.Table]:
+    """One `schema` table per reduce group (`ctx.group_of`), rows in document order, built column-wise:
+    the `shard` and `hash` columns come from `hashes` (`route_codes`), the others from `columns`."""
     codes, names = route_codes(hashes, ctx)
     group_of = np.array([ctx.group_of[n] for n in names], dtype=np.int64)
     groups = group_of[codes] if len(codes) else np.zeros(0, dtype=np.int64)
     order = np.argsort(groups, kind="stable")
     starts = np.searchsorted(groups[order], np.arange(ctx.groups + 1))
-    columns = {"shard": pa.array(names, pa.string()).take(pa.array(codes)), "hash": pa.array(hashes, pa.string()),
-               "tokens": tokens, "sents": sents}
+    columns = {"shard": pa.array(names, pa.string()).take(pa.array(codes)), "hash": pa.array(hashes, pa.string()), **columns}
     tables = []
     for g in range(ctx.groups):
         rows = pa.array(order[starts[g]: starts[g + 1]])
-        tables.append(pa.table({c: columns[c].take(rows).cast(TEXT_SCHEMA.field(c).type) for c in TEXT_SCHEMA.names},
-                               schema=TEXT_SCHEMA))
+        tables.append(pa.table({c: columns[c].take(rows).cast(schema.field(c).type) for c in schema.names}, schema=schema))
     return tables
 
 
@@ -227,7 +219,7 @@ def map_text(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
     seconds["read_clean"] = time.perf_counter() - t_start - seconds["tokenize"]
     tokens = _binary_array(*_concat_bounds([(p[0], p[1]) for p in parts], dtype))
     sents = _binary_array(*_concat_bounds([(p[2], p[3]) for p in parts], np.dtype("<i4")))
-    return [{**stats.to_dict(), "seconds": seconds}, *_text_tables(hashes, tokens, sents, ctx)]
+    return [{**stats.to_dict(), "seconds": seconds}, *_group_tables(hashes, {"tokens": tokens, "sents": sents}, TEXT_SCHEMA, ctx)]
 
 
 def _concat_bounds(parts: list[tuple[np.ndarray, np.ndarray]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +235,8 @@ def map_images(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
     """Map side for images: read, decode, resize and re-encode; unreadable ones are counted per file."""
     cfg = ImageConfig(**ctx.images)
     stats = Stats()
-    columns: dict[str, list] = {name: [] for name in IMAGE_SCHEMA.names}
+    hashes: list[str] = []
+    columns: dict[str, list] = {"data": [], "ext": [], "label": []}
     for entry in files:
         path = str(entry["path"])
         try:
@@ -253,10 +246,11 @@ def map_images(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
             stats.bad(path, "unreadable_image")
             continue
         stats.add("documents_in")
-        h = hashlib.sha256(raw).hexdigest()
-        for name, value in zip(IMAGE_SCHEMA.names, (route(h, ctx), h, data, ext, int(entry["label"])), strict=True):
+        hashes.append(hashlib.sha256(raw).hexdigest())
+        for name, value in zip(columns, (data, ext, int(entry["label"])), strict=True):
             columns[name].append(value)
-    return [stats.to_dict(), *_by_group(columns, IMAGE_SCHEMA, ctx)]
+    arrays = {name: pa.array(values, IMAGE_SCHEMA.field(name).type) for name, values in columns.items()}
+    return [stats.to_dict(), *_group_tables(hashes, arrays, IMAGE_SCHEMA, ctx)]
 
 
 # ------------------------------------------------------------------------------------------
