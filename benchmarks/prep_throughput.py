@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.corpus_text import build_text, documents, text_mb  # noqa: E402
 
 
-def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int, shard_mb: float = 1.0) -> dict:
+def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int, shard_mb: float = 1.0,
+         worker_malloc: str = "auto") -> dict:
     from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
     from data_prep.job import run_prepare
 
@@ -48,13 +49,15 @@ def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, worke
         kind=kind, output=str(out), seq_len=seq_len, num_workers=workers, progress=False, validation_fraction=0.0,
         shard_target_mb=shard_mb, sources=[SourceConfig(type="text", paths=[str(corpus / "*.txt")], text_mode="paragraphs")],
         tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000),
+        worker_malloc=worker_malloc,
     )
     cfg.clean.dedup = False  # the baseline does not dedup either
     cpu0 = time.process_time() + ray_workers_cpu_s()
     t0, start = time.perf_counter(), time.time()
     s = run_prepare(cfg)
     seconds = time.perf_counter() - t0
-    return {"tokens": s["tokens"], "seconds": seconds, "window": (start, time.time()), "cpu_s": time.process_time() + ray_workers_cpu_s() - cpu0}
+    return {"tokens": s["tokens"], "seconds": seconds, "window": (start, time.time()), "cpu_s": time.process_time() + ray_workers_cpu_s() - cpu0,
+            "worker_malloc": s["worker_malloc"], "task_s": s["task_s"]}
 
 
 def ray_workers_cpu_s() -> float:
@@ -182,6 +185,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-1-worker", action="store_true", help="skip our 1-worker runs (no 1 -> 2 scaling figure)")
     parser.add_argument("--raw-baseline", action="store_true", help="baseline without our cleaning (less work than ours)")
+    parser.add_argument("--worker-malloc", default="auto", help="our prep config's worker_malloc (auto | system | path)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender (interleaved); the fastest counts")
     args = parser.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both sides
@@ -205,12 +209,14 @@ def main() -> None:
         address = ctx.address_info["gcs_address"]
         results: dict = {"corpus_mb": round(text_mb(corpus), 2)}
         for kind in args.kinds.split(","):
-            ours(kind, build_text(work / "warm", 2), work / f"warm-{kind}", toks[kind], args.seq_len, 2)  # warm the workers
+            ours(kind, build_text(work / "warm", 2), work / f"warm-{kind}", toks[kind], args.seq_len, 2, 1.0, args.worker_malloc)  # warm the workers
             runs: dict[str, list[dict]] = {"ours_2w": [], "ours_1w": [], "baseline": []}
             for rep in range(args.repeat):  # interleaved; fresh output and cache dirs every time
-                runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2, args.shard_mb))
+                runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2, args.shard_mb,
+                                            args.worker_malloc))
                 if not args.skip_1_worker:
-                    runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1, args.shard_mb))
+                    runs["ours_1w"].append(ours(kind, corpus, work / f"ours1-{kind}-{rep}", toks[kind], args.seq_len, 1, args.shard_mb,
+                                                args.worker_malloc))
                 runs["baseline"].append(baseline(kind, corpus, work / f"cache-{kind}-{rep}", toks[kind], args.seq_len,
                                                  clean=not args.raw_baseline))
                 for out in (f"ours2-{kind}-{rep}", f"ours1-{kind}-{rep}", f"cache-{kind}-{rep}"):  # ~1 GB each at scale
@@ -224,6 +230,7 @@ def main() -> None:
             r.update(ratio_vs_baseline=round(r["ours_2w"] / r["baseline"], 2),
                      median_ratio_vs_baseline=round((o2["tokens"] / med["ours_2w"]) / (b["tokens"] / med["baseline"]), 2),
                      tokens_ours=o2["tokens"], tokens_baseline=b["tokens"], baseline_cleans=not args.raw_baseline,
+                     our_worker_malloc=o2["worker_malloc"], our_task_s=o2["task_s"],
                      seconds_all_runs={name: [round(x["seconds"], 2) for x in xs] for name, xs in runs.items()})
             if "ours_1w" in best:
                 r.update(speedup_1_to_2=round(r["ours_2w"] / r["ours_1w"], 2),

@@ -25,6 +25,7 @@ from typing import Any
 from core.config import to_dict
 from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from core.files import claim_output_dir
+from data_prep.allocator import find_worker_malloc, worker_runtime_env
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.context import JobContext
@@ -71,6 +72,13 @@ def _data_context(cfg: PrepConfig):
         yield
     finally:
         ctx.shuffle_strategy, ctx.enable_progress_bars, ctx.enable_auto_log_stats = saved
+
+
+def _task(fn, cfg: PrepConfig):
+    """`fn` as a one-CPU Ray task whose worker processes run with the configured allocator (`data_prep.allocator`)."""
+    import ray
+
+    return ray.remote(num_cpus=1, runtime_env=worker_runtime_env(cfg.worker_malloc))(fn)
 
 
 def _workers(cfg: PrepConfig) -> int:
@@ -125,7 +133,7 @@ def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimat
 
     from data_prep import stages
 
-    remote = ray.remote(num_cpus=1)(stages.sample_texts)
+    remote = _task(stages.sample_texts, cfg)
     ctx_ref = ray.put(ctx)
     stats, docs, n_docs, out_bytes = Stats(), {}, 0, 0.0
     for ref in run_limited(remote, [(files, ctx_ref, estimate) for files in chunks], workers):
@@ -247,7 +255,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     ctx = ctx.with_(groups=groups, group_of={name: i % groups for i, name in enumerate(names)})
     ctx_ref = ray.put(ctx)
     chunks = chunk_entries(entries, max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
-    mapper = ray.remote(num_cpus=1)(stages.map_images if cfg.kind == "images" else stages.map_text)
+    mapper = _task(stages.map_images if cfg.kind == "images" else stages.map_text, cfg)
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
     for refs in mapped:
@@ -257,7 +265,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     stage_s["map: read, clean, tokenize, route"] = time.perf_counter() - t0
     t0 = time.perf_counter()
 
-    reducer = ray.remote(num_cpus=1)(stages.reduce_group)
+    reducer = _task(stages.reduce_group, cfg)
     calls = [(ctx_ref, names[g::groups], *[refs[g + 1] for refs in mapped]) for g in range(groups)]
 
     def release(g: int) -> None:  # a group's tables leave the object store once its shards are written
@@ -318,6 +326,7 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
     """Run the job described by `cfg`; write the corpus directory and return the summary dict."""
     t0 = time.time()
     out = Path(cfg.output)
+    find_worker_malloc(cfg.worker_malloc)  # a wrong path fails here, before anything is written
     # a corpus directory of ours (marker, or an older version's manifest / state) or a new one; never a user's folder
     claim_output_dir(out, "corpus", what="output (the corpus directory)", adopt=(STATE_DIR,) if _older_corpus(out) else ())
     (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
@@ -410,6 +419,7 @@ def _summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall: floa
         "bytes": sum(s["bytes"] for s in shards),
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
+        "worker_malloc": find_worker_malloc(cfg.worker_malloc) or "system",
         "manifest": str(Path(cfg.output) / "manifest.json"),
     }
     if cfg.kind == "bert_pairs" and samples:
@@ -432,6 +442,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if "tokens_kept_share" in s:
         rows.append(("tokens kept by packing", f"{s['tokens_kept_share']:.2%}"))
     rows += [("wall time", f"{s['wall_s']:.1f} s"), ("tokens/s", f"{s['tokens_per_s']:,.0f}")]
+    rows += [("workers' malloc", s["worker_malloc"])] if "worker_malloc" in s else []
     rows += [(f"  stage: {k}", f"{v:.1f} s") for k, v in s.get("stages_s", {}).items()]
     rows += [(f"  in tasks: {k}", f"{v:.1f} s") for k, v in s.get("task_s", {}).items()]
     width = max(len(k) for k, _ in rows)

@@ -161,16 +161,18 @@ def test_one_and_two_workers_and_a_killed_run_give_identical_bytes(bert_corpus, 
 
 
 def test_reused_tokenizer_gives_identical_bytes_with_one_and_two_workers(bert_corpus, real_text, ray_cluster, tmp_path):
-    """With `tokenizer.path` the shards are sized from an estimate made in Ray tasks: it must not depend on the workers."""
+    """With `tokenizer.path` the shards are sized from an estimate made in Ray tasks: it must not depend on the
+    workers. Nor may the workers' allocator change a byte (1 worker on glibc's malloc, 2 on the `auto` one)."""
     out, _ = bert_corpus
-    digests = []
-    for workers in (1, 2):
-        cfg = _bert_cfg(real_text, tmp_path / f"w{workers}", num_workers=workers)
+    digests, summaries = [], []
+    for workers, malloc in ((1, "system"), (2, "auto")):
+        cfg = _bert_cfg(real_text, tmp_path / f"w{workers}", num_workers=workers, worker_malloc=malloc)
         cfg.tokenizer.path = str(out / "tokenizer")
         cfg.shard_target_mb = 0.5
-        run_prepare(cfg)
+        summaries.append(run_prepare(cfg))
         digests.append(_digest(tmp_path / f"w{workers}"))
     assert digests[0] == digests[1] and len([k for k in digests[0] if k.endswith(".tar")]) > 2
+    assert summaries[0]["worker_malloc"] == "system" and summaries[1]["worker_malloc"] != "system"
 
 
 def test_packed_lm(ray_cluster, real_text, tmp_path):
