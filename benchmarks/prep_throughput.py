@@ -3,7 +3,8 @@
 On the same real corpus (`corpus_text.py`: the Python docs, the Linux kernel docs and Perl's POD
 that Debian ships, repeated as rewrapped, reordered variants up to `--mb` MB) and with the same
 fast tokenizer, this times:
-  * ours: `run_prepare` for packed_lm (GPT) and bert_pairs, 2 Ray workers (and 1 for scaling);
+  * ours: `run_prepare` for packed_lm (GPT) and bert_pairs, 2 Ray workers (and 1 for scaling), with the
+    config's default `worker_malloc: auto` (`--worker-malloc system` runs ours on glibc's malloc);
   * baseline: `datasets.load_dataset("text") .map(batched=True, num_proc=2)`: our default cleaning
     (`clean_text`, so both sides do the same work and drop the same short documents; `--raw-baseline`
     skips it) and tokenization, plus the equivalent grouping (GPT: concatenate + cut seq_len+1

@@ -109,7 +109,8 @@ class ViT(nn.Module):
         """Final-layer token states ``[B, 1 + P, d]`` (after the final LN)."""
         B, _, H, W = pixel_values.shape
         p = self.config.patch_size
-        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
+        # images arrive as fp32; under DeepSpeed bf16/fp16 the weights are half precision (no autocast there)
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
         x = self.drop(x + self.position_embeddings(H // p, W // p))
         for block in self.blocks:

@@ -56,17 +56,22 @@ class Engine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
-        return t
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``t`` in rank order (all ranks must call it)."""
+        """``t`` summed (or maxed) over ranks, on ``t``'s device; the collective runs on the engine's device
+        (NCCL reduces only GPU tensors, and the counters callers build are CPU tensors)."""
         if not (torch.distributed.is_initialized() and self.world_size > 1):
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, t)
-        return torch.cat(parts)
+        work = t.to(self.device)
+        torch.distributed.all_reduce(work, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
+        return work.to(t.device)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t`` in rank order (all ranks must call it), on ``t``'s device."""
+        if not (torch.distributed.is_initialized() and self.world_size > 1):
+            return t
+        work = t.to(self.device)
+        parts = [torch.empty_like(work) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, work)
+        return torch.cat(parts).to(t.device)
 
     def barrier(self) -> None:
         if torch.distributed.is_initialized() and self.world_size > 1:

@@ -354,7 +354,8 @@ class Trainer:
         self.eval_data.rewind()
         sums: dict[str, float] = {}
         for batch in self.eval_data.batches(limit=n):
-            out = self.task.forward(self.engine, self._to_device(batch))
+            batch = self._to_device(batch)  # eval_sums compares outputs with the batch's labels: same device
+            out = self.task.forward(self.engine, batch)
             for k, v in self.task.eval_sums(out, batch).items():
                 sums[k] = sums.get(k, 0.0) + v
         names = sorted(sums)

@@ -165,6 +165,14 @@ def test_vit_position_interpolation_is_identity_at_training_size_and_bicubic_oth
     assert torch.equal(pos[:, 1:], want) and torch.equal(pos[:, :1], vit.pos_embed[:, :1])
 
 
+def test_vit_in_bf16_takes_the_loaders_fp32_images():
+    """DeepSpeed's bf16 mode casts the weights, not the batch (no autocast): fp32 pixels must still work."""
+    vit = models.create("vit-tiny", **TINY_VIT)
+    pixels, labels = torch.rand(2, 3, 8, 8), torch.tensor([0, 1])
+    out = vit.to(torch.bfloat16)(pixels, labels=labels)
+    assert out["logits"].dtype == torch.bfloat16 and torch.isfinite(out["loss"])
+
+
 def test_gpt_generate_greedy_is_deterministic_and_respects_top_k():
     gpt = models.create("gpt-tiny", **TINY_TEXT)
     prompt = torch.tensor([[1, 2, 3]])

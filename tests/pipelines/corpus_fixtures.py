@@ -32,12 +32,15 @@ WORDS = [
 N_WORDS = len(WORDS)
 
 
-def write_tokenizer(out: Path) -> tuple[dict, int]:
-    """A WordPiece tokenizer.json (+ HF config files) over SPECIALS + WORDS + a few '##' pieces."""
+def write_tokenizer(out: Path, vocab_size: int = 0) -> tuple[dict, int]:
+    """A WordPiece tokenizer.json (+ HF config files) over SPECIALS + WORDS + a few '##' pieces, padded
+    with ``[unusedN]`` tokens to ``vocab_size`` when that is larger (a real model's embedding size)."""
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + ["##s", "##ed", "##ing"])}
+    tokens = SPECIALS + WORDS + ["##s", "##ed", "##ing"]
+    tokens += [f"[unused{i}]" for i in range(vocab_size - len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -122,11 +125,12 @@ def _manifest(root: Path, kind: str, seq_len: int, tok_info: dict | None, splits
 
 
 def make_bert_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0,
-                     version: int = 2) -> Path:
-    """``bert_pairs`` corpus: [CLS] A [SEP] B [SEP]; B continues A (label 0) or is random (label 1)."""
+                     version: int = 2, vocab_size: int = 0) -> Path:
+    """``bert_pairs`` corpus: [CLS] A [SEP] B [SEP]; B continues A (label 0) or is random (label 1).
+    ``vocab_size``: pad the tokenizer to this size (the samples still use only the first few ids)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tok_info, _ = write_tokenizer(root / "tokenizer")
+    tok_info, _ = write_tokenizer(root / "tokenizer", vocab_size)
 
     def make(split_seed):
         def sample(i):
@@ -150,11 +154,11 @@ def make_bert_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(3
 
 
 def make_gpt_corpus(root: str | Path, *, train_sizes=(48, 40, 40), val_sizes=(32,), seq_len: int = 32, seed: int = 0,
-                    version: int = 2) -> Path:
-    """``packed_lm`` corpus: windows of seq_len+1 tokens of stride progressions."""
+                    version: int = 2, vocab_size: int = 0) -> Path:
+    """``packed_lm`` corpus: windows of seq_len+1 tokens of stride progressions (``vocab_size``: as for BERT)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tok_info, _ = write_tokenizer(root / "tokenizer")
+    tok_info, _ = write_tokenizer(root / "tokenizer", vocab_size)
 
     def make(split_seed):
         def sample(i):
