@@ -26,8 +26,8 @@ from data_prep.errors import PrepError
 
 __all__ = ["find_worker_malloc", "worker_runtime_env"]
 
-# (label, library names for ctypes.util.find_library), fastest first (measured, see module docstring)
-_SYSTEM_LIBRARIES = (("tcmalloc", ("tcmalloc_minimal", "tcmalloc")), ("mimalloc", ("mimalloc",)))
+# names for ctypes.util.find_library, fastest first (measured, see the module docstring)
+_SYSTEM_LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "mimalloc")
 # tcmalloc reports every allocation above 1 GiB on stderr; our big Arrow/numpy buffers are expected
 _ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 
@@ -55,11 +55,10 @@ def find_worker_malloc(choice: str) -> str | None:
         return str(path.resolve())
     if not sys.platform.startswith("linux"):
         return None
-    for _label, names in _SYSTEM_LIBRARIES:
-        for name in names:
-            found = ctypes.util.find_library(name)  # the soname from the loader's cache; never loaded here
-            if found:
-                return found
+    for name in _SYSTEM_LIBRARIES:
+        found = ctypes.util.find_library(name)  # the soname from the loader's cache; never loaded here
+        if found:
+            return found
     return _ray_jemalloc()
 
 
