@@ -18,6 +18,7 @@ prints the dynamic loader's "cannot be preloaded ... ignored" and runs with its 
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import os
 import sys
 from pathlib import Path
@@ -53,8 +54,11 @@ def find_worker_malloc(choice: str) -> str | None:
                 f"prep workers (e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4), or `auto` / `system`."
             )
         return str(path.resolve())
-    if not sys.platform.startswith("linux"):
-        return None
+    return _auto_library() if sys.platform.startswith("linux") else None
+
+
+@functools.cache  # find_library runs `ldconfig -p`; a job asks once per stage
+def _auto_library() -> str | None:
     for name in _SYSTEM_LIBRARIES:
         found = ctypes.util.find_library(name)  # the soname from the loader's cache; never loaded here
         if found:
