@@ -128,3 +128,7 @@ for _name, (_layers, _width) in {"small": (12, 768), "medium": (24, 1024), "larg
         num_heads=_width // 64,
         intermediate_size=4 * _width,
     )
+# GPT-3 XL (Brown et al. 2020, Table 2.1: 1.3B, 24 layers, d_model 2048, context 2048). The table's
+# 24 heads x d_head 128 do not multiply to 2048; 16 heads of 128 is the shape open reproductions use.
+register_model("gpt3-xl", GPT, num_layers=24, hidden_size=2048, num_heads=16, intermediate_size=8192,
+               max_position_embeddings=2048)

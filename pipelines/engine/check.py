@@ -29,6 +29,7 @@ MODEL_CATALOG: dict[str, tuple[str, int]] = {
     "bert-tiny": ("bert", 128), "bert-mini": ("bert", 256), "bert-small": ("bert", 512),
     "bert-base": ("bert", 768), "bert-large": ("bert", 1024),
     "gpt-tiny": ("gpt", 128), "gpt2-small": ("gpt", 768), "gpt2-medium": ("gpt", 1024), "gpt2-large": ("gpt", 1280),
+    "gpt3-xl": ("gpt", 2048),
     "vit-tiny": ("vit", 192), "vit-small": ("vit", 384), "vit-base": ("vit", 768), "vit-large": ("vit", 1024),
 }
 

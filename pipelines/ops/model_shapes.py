@@ -1,0 +1,184 @@
+"""Torch-free shapes of the registered models: parameter counts, FLOPs and activation bytes for ``plan``.
+
+``pretrain plan`` must answer in milliseconds without importing torch, so the architecture of each
+registered size is written out here (``MODEL_SHAPES``, the registry's defaults) and the counts are
+closed forms over it. ``tests/pipelines/test_plan.py`` keeps every entry equal to
+``models.get_config(name)``, every parameter count equal to the built model's, the FLOPs equal to
+``models.flops`` and the activation bytes within a stated tolerance of what autograd really saves.
+
+Activation bytes are what a training forward leaves for backward, per micro-batch, as our blocks
+(``models/layers.py``) compute: per block 9 s b h values of the activation dtype (LN inputs and
+outputs, the fused QKV output, SDPA's output and the projection's input copy) + 2 s b d_ff (the
+MLP's GELU input and output), one byte per element for each of the two hidden-dropout masks,
+LayerNorm's fp32 mean and rstd (16 s b) and the fused attention kernel's fp32 log-sum-exp
+(4 a s b); no s^2 term, because SDPA's flash / memory-efficient kernels do not store the attention
+matrix. This is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", Sec. 4.1: 34 s b h + 5 a s^2 b) less the attention matrix and plus one s b h copy. With
+activation checkpointing each block keeps only its input (s b h) and one block is recomputed at a
+time. The LM head keeps the logits (activation dtype, held by the output dict) and the fp32
+log-softmax of the loss: (e + 4) s b V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+__all__ = ["ModelShape", "MODEL_SHAPES", "model_shape", "param_count", "largest_layer_params", "flops_per_sample",
+           "tokens_per_sample", "activation_bytes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The fields of a family's config that size it (names as in ``models/*Config``)."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
+    position_embedding: str = "learned"
+    tie_word_embeddings: bool = True
+    type_vocab_size: int = 2
+    image_size: int = 0
+    patch_size: int = 0
+    num_channels: int = 3
+    num_labels: int = 0
+    qkv_bias: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init: str = "standard"
+
+
+def _gpt(layers: int, width: int, *, context: int = 1024, heads: int = 0) -> ModelShape:
+    return ModelShape(family="gpt", num_layers=layers, hidden_size=width, num_heads=heads or width // 64,
+                      intermediate_size=4 * width, vocab_size=50257, max_position_embeddings=context)
+
+
+def _bert(layers: int, width: int, heads: int) -> ModelShape:
+    return ModelShape(family="bert", num_layers=layers, hidden_size=width, num_heads=heads, intermediate_size=4 * width,
+                      vocab_size=30522, max_position_embeddings=512)
+
+
+def _vit(layers: int, width: int, heads: int) -> ModelShape:
+    return ModelShape(family="vit", num_layers=layers, hidden_size=width, num_heads=heads, intermediate_size=4 * width,
+                      image_size=224, patch_size=16, num_labels=1000, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+#: Registered model sizes (``models.list_models()``) -> their default shape; a test keeps them equal.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "gpt-tiny": ModelShape(family="gpt", num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512,
+                           vocab_size=50257, max_position_embeddings=1024),
+    "gpt2-small": _gpt(12, 768), "gpt2-medium": _gpt(24, 1024), "gpt2-large": _gpt(36, 1280),
+    "gpt3-xl": _gpt(24, 2048, context=2048, heads=16),
+    "bert-tiny": _bert(2, 128, 2), "bert-mini": _bert(4, 256, 4), "bert-small": _bert(4, 512, 8),
+    "bert-base": _bert(12, 768, 12), "bert-large": _bert(24, 1024, 16),
+    "vit-tiny": _vit(12, 192, 3), "vit-small": _vit(12, 384, 6), "vit-base": _vit(12, 768, 12),
+    "vit-large": _vit(24, 1024, 16),
+}
+
+
+def model_shape(name: str, overrides: dict[str, Any] | None = None) -> ModelShape:
+    """The shape of ``model.name`` with ``model.overrides`` applied (keys that do not size it are ignored)."""
+    if name not in MODEL_SHAPES:
+        raise KeyError(name)
+    known = {f.name for f in fields(ModelShape)} - {"family"}
+    return replace(MODEL_SHAPES[name], **{k: v for k, v in (overrides or {}).items() if k in known})
+
+
+def _norm(m: ModelShape) -> int:
+    return 2 * m.hidden_size if m.init != "t-fixup" else 0
+
+
+def _block_params(m: ModelShape, qkv_bias: bool = True) -> int:
+    h, f = m.hidden_size, m.intermediate_size
+    return 3 * h * h + (3 * h if qkv_bias else 0) + h * h + h + 2 * h * f + f + h + 2 * _norm(m)
+
+
+def _patches(m: ModelShape) -> int:
+    return (m.image_size // m.patch_size) ** 2
+
+
+def param_count(m: ModelShape) -> int:
+    """Distinct parameters (tied weights once), as ``sum(p.numel() for p in model.parameters())``."""
+    h, V = m.hidden_size, m.vocab_size
+    if m.family == "gpt":
+        pos = m.max_position_embeddings * h if m.position_embedding == "learned" else 0
+        head = 0 if m.tie_word_embeddings else V * h
+        return V * h + pos + m.num_layers * _block_params(m) + _norm(m) + head
+    if m.family == "bert":
+        pos = m.max_position_embeddings * h if m.position_embedding == "learned" else 0
+        emb = V * h + pos + m.type_vocab_size * h + _norm(m)
+        heads = (h * h + h) + (h * h + h + _norm(m) + V) + (2 * h + 2)  # pooler, MLM transform + decoder bias, NSP
+        return emb + m.num_layers * _block_params(m) + heads
+    if m.family == "vit":
+        P = _patches(m)
+        emb = h + (P + 1) * h + m.num_channels * m.patch_size**2 * h + h  # cls, positions, patch conv + bias
+        return emb + m.num_layers * _block_params(m, m.qkv_bias) + _norm(m) + h * m.num_labels + m.num_labels
+    raise ValueError(f"no parameter count for family {m.family!r}")
+
+
+def largest_layer_params(m: ModelShape) -> int:
+    """Parameters of the largest single module (DeepSpeed's ``largest_layer_params`` for ZeRO-3's gather)."""
+    h, f, V = m.hidden_size, m.intermediate_size, m.vocab_size
+    blocks = max(3 * h * h + 3 * h, h * f + f)
+    if m.family == "gpt":
+        return max(V * h, blocks)
+    if m.family == "bert":
+        return max(V * h + V, blocks)  # the MLM decoder: the tied embedding + its bias
+    return max(m.num_channels * m.patch_size**2 * h + h, blocks, h * m.num_labels + m.num_labels)
+
+
+def tokens_per_sample(m: ModelShape, seq_len: int) -> int:
+    """Positions a sample runs through the blocks: seq_len for text, patches + CLS for ViT."""
+    return _patches(m) + 1 if m.family == "vit" else seq_len
+
+
+def flops_per_sample(m: ModelShape, seq_len: int, mlm_fraction: float = 0.15) -> float:
+    """Training FLOPs per sample, the formula of ``models.flops`` (6 N + 12 L d T per token; ViT per image).
+
+    BERT: our MLM head runs at the masked positions only (``mlm_fraction``, 0.15 by default).
+    """
+    h, L = m.hidden_size, m.num_layers
+    blocks = L * (4 * h * h + 2 * h * m.intermediate_size)
+    if m.family == "vit":
+        T = _patches(m) + 1
+        n = _patches(m) * m.num_channels * m.patch_size**2 * h + T * blocks + h * m.num_labels
+        return 6 * n + T * 12 * L * h * T
+    T = seq_len
+    per_sequence = 0.0
+    n = float(blocks)
+    if m.family == "bert":
+        n += mlm_fraction * (h * h + h * m.vocab_size)
+        per_sequence = h * h + 2 * h
+    else:
+        n += h * m.vocab_size
+    return (6 * n + 6 * per_sequence / T + 12 * L * h * T) * T
+
+
+def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int) -> float:
+    h, f = m.hidden_size, m.intermediate_size
+    masks = 2 * tokens * h if m.hidden_dropout > 0 else 0
+    return act_bytes * (9 * tokens * h + 2 * tokens * f) + masks + 16 * tokens + 4 * m.num_heads * tokens
+
+
+def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes: int, checkpointing: bool,
+                     mlm_fraction: float = 0.15) -> dict[str, float]:
+    """Bytes a forward keeps for backward per GPU: ``blocks``, ``head`` (embeddings, final norm, loss) and ``total``."""
+    T = tokens_per_sample(m, seq_len) * micro_batch
+    h = m.hidden_size
+    block = _block_activation_bytes(m, T, act_bytes)
+    blocks = m.num_layers * act_bytes * T * h + block if checkpointing else m.num_layers * block
+    emb_mask = T * h if m.hidden_dropout > 0 else 0
+    if m.family == "gpt":
+        head = emb_mask + act_bytes * 2 * T * h + (act_bytes + 4) * T * m.vocab_size  # ln_f in/out, logits, log-softmax
+    elif m.family == "bert":
+        n_masked = mlm_fraction * T
+        head = (emb_mask + act_bytes * T * h + 8 * T  # embedding LN input + its stats
+                + act_bytes * 4 * n_masked * h + (act_bytes + 4) * n_masked * m.vocab_size)
+    else:
+        pixels = micro_batch * m.num_channels * m.image_size**2
+        head = act_bytes * (pixels + 2 * T * h)  # the patch conv's input, final norm in/out
+    return {"blocks": float(blocks), "head": float(head), "total": float(blocks + head)}
