@@ -1,0 +1,398 @@
+"""``pretrain plan``: memory, checkpoint, failure, throughput and loader arithmetic for a run config on N GPUs.
+
+Torch-free and instant (``tests/pipelines/test_plan.py`` proves it): it reads the config, the model's
+shape (``model_shapes``) and the constants of ``plan_constants`` (each with its source), and prints
+
+- memory per GPU under ZeRO 0-3 (+ optimizer / parameter offload), with and without activation
+  checkpointing: weights, gradients, optimizer state, DeepSpeed's buffers, activations, and whether
+  it fits (Rajbhandari et al. 2020, "ZeRO", Sec. 3-5, with DeepSpeed's byte accounting: 2 B bf16
+  weights, 2 B bf16 grads, 4 B fp32 grads + 4 B fp32 master + 8 B Adam moments, partitioned by stage);
+- checkpoint bytes (DeepSpeed's files + our world-size-free copy) and the save time at a file system
+  bandwidth, including rank 0's sha256 of every file;
+- the checkpoint interval that minimises lost work for the job's failure rate: Young 1974 ("A first
+  order approximation to the optimum checkpoint interval", CACM 17(9)) tau = sqrt(2 delta M) and Daly
+  2006 ("A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3),
+  eq. 37), with Daly's expected wall time (eq. 13) for the days;
+- tokens/s from our measured MFU, the days to the token budget, and loader workers per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.config import ConfigError
+from pipelines.engine.check import TASK_FAMILY, check
+from pipelines.ops import plan_constants as K
+from pipelines.ops.model_shapes import (MODEL_SHAPES, ModelShape, activation_bytes, flops_per_sample, largest_layer_params,
+                                        model_shape, param_count, tokens_per_sample)
+
+__all__ = ["PlanOptions", "MemoryRow", "Plan", "make_plan", "memory_rows", "checkpoint_bytes", "young_interval",
+           "daly_interval", "daly_wall_time", "render_plan", "render_sources"]
+
+#: Adam-family optimizers keep two fp32 moments per parameter (pipelines/engine/optim.py builds them).
+MOMENTS = {"adam": 2, "adamw": 2, "radam": 2, "lamb": 2}
+
+
+@dataclass(kw_only=True)
+class PlanOptions:
+    """The job: GPUs, their kind, the failure rate and the file system."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu: str = "h100"
+    node_mtbf_hours: float = 0.0  # 0: FAILURES["node_mtbf_hours"]
+    restart_minutes: float = 0.0  # 0: FAILURES["restart_minutes"]
+    fs_gbps: float = 0.0  # aggregate write (and read) bandwidth of the checkpoint file system, GB/s; 0: required
+    global_batch: int = 0  # samples per optimizer step; 0: micro x accum x gpus of the config
+    seq_len: int = 0  # 0: the model's context length
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ConfigError(f"--gpus ({self.gpus}) and --gpus-per-node ({self.gpus_per_node}) must be >= 1.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ConfigError(f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node "
+                              f"{self.gpus_per_node}. Use a multiple of {self.gpus_per_node}.")
+        if self.gpu not in K.GPU_KINDS:
+            raise ConfigError(f"--gpu {self.gpu}: no datasheet entry. Use one of: {', '.join(K.GPU_KINDS)}.")
+        if self.fs_gbps <= 0:
+            raise ConfigError("--fs-gbps (the checkpoint file system's aggregate write bandwidth in GB/s) must be > 0: "
+                              "measure yours (e.g. fio, or benchmarks/checkpoint_hash.py --dir /shared/runs).")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.gpus / self.gpus_per_node))
+
+
+@dataclass
+class MemoryRow:
+    """Bytes per GPU (and CPU bytes per node under offload) for one ZeRO stage / offload / checkpointing choice."""
+
+    stage: int
+    offload: str  # "" | "optimizer" | "optimizer+params"
+    checkpointing: bool
+    weights: float
+    grads: float
+    optimizer: float
+    buffers: float
+    activations: float
+    cpu_per_node: float
+    limit: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.buffers + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+
+@dataclass
+class Plan:
+    """Everything ``render_plan`` prints; the numbers are plain floats (bytes, seconds, tokens)."""
+
+    config: str
+    model: str
+    shape: ModelShape
+    options: PlanOptions
+    params: int
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    tokens_per_step: int
+    token_budget: float
+    memory: list[MemoryRow]
+    run_row: MemoryRow
+    checkpoint: dict[str, float]
+    failure: dict[str, float]
+    throughput: dict[str, float]
+    loader: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+
+def _precision_bytes(precision: str) -> tuple[int, int]:
+    """(weight / activation bytes, fp32 master + fp32 grad partition?) for the engine's precision."""
+    return int(K.BYTES[precision].value), 1 if precision in ("bf16", "fp16") else 0
+
+
+def memory_rows(P: int, largest_layer: int, *, engine: str, precision: str, moments: int, gpus: int, gpus_per_node: int,
+                activations: dict[bool, float], head_transient: float, limit: float, cuda: bool = True) -> list[MemoryRow]:
+    """ZeRO 0-3 (+ offload) x activation checkpointing.
+
+    Mixed precision (DeepSpeed bf16/fp16): bf16 weights 2P and grads 2P, an fp32 master 4P, fp32 grads
+    4P and the moments 4 m P, partitioned by stage (1: optimizer state; 2: + gradients; 3: + weights).
+    fp32: weights and grads 4P, no separate master. ZeRO-0 is plain data parallelism (nothing partitioned).
+    Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm, our CUDA default), ZeRO-3 two gathered
+    copies of the largest layer (DeepSpeed's estimate) + the prefetch bucket.
+    """
+    w, mixed = _precision_bytes(precision)
+    opt_per_param = (4 * mixed) + 4 * mixed + 4 * moments  # master + fp32 grads + moments (fp32: moments only)
+    N = gpus
+    rows = []
+    stages = (0,) if engine == "ddp" else (0, 1, 2, 3)
+    for stage in stages:
+        offloads = [""] if stage == 0 else ["", "optimizer"] + (["optimizer+params"] if stage == 3 else [])
+        for offload in offloads:
+            weights = w * P / (N if stage == 3 else 1)
+            grads = w * P / (N if stage >= 2 else 1)
+            optimizer = opt_per_param * P / (N if stage >= 1 else 1)
+            rb = min(K.DEEPSPEED["reduce_bucket_size"].value, P)
+            if stage in (1, 2):
+                buffers = rb * (2 if cuda else 1) * (4 if stage == 1 else w)
+            elif stage == 3:
+                buffers = 2 * w * largest_layer + w * K.DEEPSPEED["zero3_prefetch_bucket_size"].value + rb * w
+            else:
+                buffers = 0.0
+            cpu = 0.0
+            if offload:  # the gradient partition goes to the CPU with the optimizer (DeepSpeed's estimate: GPU 2P)
+                grads = 0.0
+                cpu += optimizer * gpus_per_node * K.DEEPSPEED["offload_cpu_buffer_factor"].value
+                optimizer = 0.0
+            if offload == "optimizer+params":
+                cpu += weights * gpus_per_node * K.DEEPSPEED["offload_cpu_buffer_factor"].value
+                weights = 0.0
+            for ckpt in (False, True):
+                rows.append(MemoryRow(stage, offload, ckpt, weights, grads, optimizer, buffers,
+                                      activations[ckpt] + head_transient, cpu, limit))
+    return rows
+
+
+def checkpoint_bytes(P: int, *, engine: str, precision: str, stage: int, moments: int, world_free: bool) -> dict[str, float]:
+    """Bytes of one checkpoint (all ranks): DeepSpeed's module and optimizer files and the world-size-free copy.
+
+    DeepSpeed writes the module's weights once (rank 0; none under ZeRO-3, whose partitions are in the
+    optimizer files) and, for ZeRO >= 1 or bf16/fp16, the fp32 master + moments of every partition;
+    ``reshard.save_world_free`` adds 4 B x (1 + moments) per parameter under ZeRO >= 1.
+    """
+    w, mixed = _precision_bytes(precision)
+    module = 0.0 if stage == 3 else w * P
+    master = 4 * P if (engine == "deepspeed" and (stage >= 1 or mixed)) else 0
+    optim = master + 4 * moments * P
+    free = (1 + moments) * K.CHECKPOINT["world_free_bytes_per_param_per_state"].value * P if (
+        world_free and engine == "deepspeed" and stage >= 1) else 0.0
+    return {"module": module, "optimizer": float(optim), "world_free": float(free), "total": module + optim + free}
+
+
+def young_interval(delta_s: float, mtbf_s: float) -> float:
+    """Young (1974): the compute time between checkpoints that minimises lost work, sqrt(2 delta M)."""
+    return math.sqrt(2 * delta_s * mtbf_s)
+
+
+def daly_interval(delta_s: float, mtbf_s: float) -> float:
+    """Daly (2006), eq. 37: sqrt(2 delta M) [1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9] - delta, or M when delta >= 2M."""
+    if delta_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = delta_s / (2 * mtbf_s)
+    return math.sqrt(2 * delta_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta_s
+
+
+def daly_wall_time(solve_s: float, tau_s: float, delta_s: float, mtbf_s: float, restart_s: float) -> float:
+    """Daly (2006), eq. 13: expected wall time M e^{R/M} (e^{(tau + delta)/M} - 1) T_s / tau of a job of T_s compute."""
+    return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau_s + delta_s) / mtbf_s) * solve_s / tau_s
+
+
+def _batch(cfg: Any, opts: PlanOptions) -> tuple[int, int, int]:
+    """(micro batch, grad accumulation, global batch): the config's on ``--gpus``, or ``--global-batch`` held."""
+    micro, accum = int(cfg.data.micro_batch_size), int(cfg.train.grad_accum_steps)
+    if not opts.global_batch:
+        return micro, accum, micro * accum * opts.gpus
+    per_gpu, rest = divmod(opts.global_batch, opts.gpus)
+    if rest or per_gpu < 1:
+        raise ConfigError(f"--global-batch {opts.global_batch} does not divide over {opts.gpus} GPUs. Use a multiple of "
+                          f"{opts.gpus}.")
+    micro = max(d for d in range(1, min(micro, per_gpu) + 1) if per_gpu % d == 0)
+    return micro, per_gpu // micro, opts.global_batch
+
+
+def _mfu(cfg: Any, family: str) -> tuple[K.Constant, str]:
+    if family == "gpt":
+        return (K.MEASURED_MFU["gpt"], "compiled") if cfg.model.compile else (K.MEASURED_MFU["gpt-eager"], "eager")
+    return K.MEASURED_MFU[family], "eager"
+
+
+def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
+    """The plan of a pretraining ``RunConfig`` on ``opts.gpus`` GPUs (raises ConfigError on what cannot run)."""
+    if TASK_FAMILY.get(cfg.train.task) is None:
+        raise ConfigError(f"{config_name or 'the config'}: train.task={cfg.train.task} is fine-tuning; `pretrain plan` "
+                          f"plans pretraining runs (configs/train/). Pass a pretraining config.")
+    check(cfg, world_size=opts.gpus)
+    if cfg.model.name not in MODEL_SHAPES:
+        raise ConfigError(f"model.name={cfg.model.name} has no torch-free shape in pipelines/ops/model_shapes.py; add it "
+                          f"there (tests/pipelines/test_plan.py checks it against the registry).")
+    shape = model_shape(cfg.model.name, cfg.model.overrides)
+    family, d = shape.family, cfg.distributed
+    gpu = K.GPU_KINDS[opts.gpu]
+    seq = opts.seq_len or shape.max_position_embeddings
+    micro, accum, global_batch = _batch(cfg, opts)
+    P, moments = param_count(shape), MOMENTS[cfg.optim.name]
+    w, _ = _precision_bytes(cfg.train.precision)
+    acts = {ck: activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck)["total"]
+            for ck in (False, True)}
+    positions = micro * (seq if family == "gpt" else 0.15 * seq if family == "bert" else 0)
+    head_transient = (4 + w) * positions * shape.vocab_size  # CE backward: fp32 grad of the log-softmax + its cast
+    limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
+    rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
+                       gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
+                       head_transient=head_transient, limit=limit)
+    offload = "optimizer+params" if d.offload_params else "optimizer" if d.offload_optimizer else ""
+    stage = d.zero_stage if d.engine == "deepspeed" else 0
+    run_row = next(r for r in rows if r.stage == stage and r.offload == offload and
+                   r.checkpointing == cfg.model.activation_checkpointing)
+
+    # throughput: measured MFU x this kind's peak; communication at datasheet bandwidth
+    mfu, mode = _mfu(cfg, family)
+    tokens_sample = tokens_per_sample(shape, seq)
+    flops_sample = flops_per_sample(shape, seq)
+    peak = gpu.bf16_flops.value
+    compute_s = global_batch / opts.gpus * flops_sample / (mfu.value * peak)
+    bw = gpu.nvlink_bytes_s.value if opts.nodes == 1 else gpu.network_bytes_s.value
+    ring = (opts.gpus - 1) / opts.gpus
+    volume = {0: 2 * w * P, 1: 2 * w * P, 2: (accum + 1) * w * P, 3: 3 * accum * w * P}[stage] * ring
+    comm_s = volume / bw
+    step_s = max(compute_s, comm_s)
+    samples_s = global_batch / step_s
+    tokens_step = global_batch * (seq if family != "vit" else 1)
+    budget = float(cfg.train.max_tokens) if cfg.train.max_tokens else float(cfg.train.max_steps * tokens_step)
+    steps = budget / tokens_step
+    solve_s = steps * step_s
+
+    # checkpoints and failures
+    ck = checkpoint_bytes(P, engine=d.engine, precision=cfg.train.precision, stage=stage, moments=moments,
+                          world_free=d.world_free_checkpoints)
+    fs = opts.fs_gbps * 1e9
+    sha = K.CHECKPOINT["sha256_bytes_s"].value
+    write_s, hash_s = ck["total"] / fs, ck["total"] / sha
+    delta = write_s + hash_s
+    load_s = ck["total"] / fs + hash_s  # read back + verify_checkpoint's sha256
+    node_mtbf = opts.node_mtbf_hours or K.FAILURES["node_mtbf_hours"].value
+    M = node_mtbf * 3600 / opts.nodes
+    R = (opts.restart_minutes or K.FAILURES["restart_minutes"].value) * 60 + load_s
+    tau_y, tau_d = young_interval(delta, M), daly_interval(delta, M)
+    config_tau = cfg.train.checkpoint_every * step_s if cfg.train.checkpoint_every else solve_s
+    wall_best = daly_wall_time(solve_s, tau_d, delta, M, R)
+    wall_config = daly_wall_time(solve_s, min(config_tau, solve_s), delta, M, R)
+
+    # loader
+    if family == "vit":
+        cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["vit"]
+        cpu_s = cpu_per_sample.value
+    else:
+        cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["text"]
+        cpu_s = cpu_per_sample.value * seq
+    cores = samples_s / opts.gpus * cpu_s
+    workers = max(1, math.ceil(2 * cores))
+
+    notes = []
+    if comm_s > compute_s:
+        notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
+                     f"{bw / 1e9:.0f} GB/s = {comm_s:.2f} s > {compute_s:.2f} s of compute; raise the micro batch or "
+                     f"grad accumulation (ZeRO-1/2 reduce once per step only with ZeRO-1), or use fewer GPUs.")
+    if not run_row.fits:
+        fitting = [r for r in rows if r.fits]
+        hint = (f" The first that fits: ZeRO-{fitting[0].stage}{' + offload ' + fitting[0].offload if fitting[0].offload else ''}"
+                f"{' with activation checkpointing' if fitting[0].checkpointing else ''}." if fitting else
+                " Nothing fits: lower data.micro_batch_size.")
+        notes.append(f"the config as written (ZeRO-{stage}) needs {run_row.total / 2**30:.1f} GiB per GPU, more than "
+                     f"{limit / 2**30:.1f} GiB usable on an {gpu.label}.{hint}")
+    if cfg.data.num_workers < workers:
+        notes.append(f"data.num_workers={cfg.data.num_workers} < {workers} loader workers per GPU needed; set "
+                     f"data.num_workers={workers}.")
+    if config_tau > 2 * tau_d:
+        notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps is {config_tau / 3600:.1f} h of "
+                     f"compute, over twice Daly's optimum; set train.checkpoint_every={max(1, round(tau_d / step_s))}.")
+    sources = [f"MFU {mfu.value:.1%} ({mode}): {mfu.source}", f"loader: {cpu_per_sample.source}",
+               f"GPU: {gpu.bf16_flops.source}; {gpu.memory_bytes.source}",
+               f"bandwidth: {(gpu.nvlink_bytes_s if opts.nodes == 1 else gpu.network_bytes_s).source}",
+               f"sha256: {K.CHECKPOINT['sha256_bytes_s'].source}",
+               f"node MTBF: {'--node-mtbf-hours' if opts.node_mtbf_hours else K.FAILURES['node_mtbf_hours'].source}",
+               f"restart: {'--restart-minutes' if opts.restart_minutes else K.FAILURES['restart_minutes'].source}",
+               f"fits: {K.MEMORY_RESERVE.source}"]
+    return Plan(
+        config=config_name, model=cfg.model.name, shape=shape, options=opts, params=P, seq_len=seq, micro_batch=micro,
+        grad_accum=accum, global_batch=global_batch, tokens_per_step=tokens_step, token_budget=budget, memory=rows,
+        run_row=run_row, checkpoint={**ck, "write_s": write_s, "hash_s": hash_s, "save_s": delta, "load_s": load_s,
+                                     "keep_last": cfg.train.keep_last},
+        failure={"node_mtbf_h": node_mtbf, "job_mtbf_s": M, "restart_s": R, "young_s": tau_y, "daly_s": tau_d,
+                 "daly_steps": tau_d / step_s, "config_s": config_tau, "wall_best_s": wall_best,
+                 "wall_config_s": wall_config},
+        throughput={"mfu": mfu.value, "flops_per_sample": flops_sample, "tokens_per_sample": tokens_sample,
+                    "compute_s": compute_s, "comm_s": comm_s, "comm_bytes": volume, "step_s": step_s,
+                    "samples_s": samples_s, "tokens_s": samples_s * (seq if family != "vit" else 1),
+                    "steps": steps, "solve_s": solve_s},
+        loader={"cpu_s_per_sample": cpu_s, "cores_per_gpu": cores, "workers": workers, "config_workers": cfg.data.num_workers},
+        notes=notes, sources=sources,
+    )
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f}"
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def render_plan(p: Plan) -> str:
+    """The plan as text: the memory table, then checkpoints, failures, throughput, loader, notes and sources."""
+    o, gpu, t, c, f = p.options, K.GPU_KINDS[p.options.gpu], p.throughput, p.checkpoint, p.failure
+    s = p.shape
+    unit = "images" if s.family == "vit" else "tokens"
+    lines = [
+        f"plan: {p.config or '(config)'} on {o.gpus} x {gpu.label} ({o.nodes} node(s) x {min(o.gpus, o.gpus_per_node)})",
+        f"model {p.model}: {p.params / 1e6:,.1f}M parameters, {s.num_layers} layers x {s.hidden_size}, "
+        f"seq {p.seq_len}; batch {p.global_batch} = micro {p.micro_batch} x accum {p.grad_accum} x {o.gpus} GPUs "
+        f"({p.tokens_per_step:,} {unit}/step)",
+        "",
+        f"memory per GPU, GiB (usable {_gib(p.run_row.limit)} of {_gib(gpu.memory_bytes.value)}):",
+        f"  {'ZeRO':<4} {'offload':<16} {'act.ckpt':<8} {'weights':>8} {'grads':>7} {'optim':>7} {'buffers':>8} "
+        f"{'activ.':>7} {'total':>7}  fits  CPU/node",
+    ]
+    for r in p.memory:
+        mark = " <- config" if r is p.run_row else ""
+        lines.append(f"  {r.stage:<4} {r.offload or '-':<16} {'on' if r.checkpointing else 'off':<8} {_gib(r.weights):>8} "
+                     f"{_gib(r.grads):>7} {_gib(r.optimizer):>7} {_gib(r.buffers):>8} {_gib(r.activations):>7} "
+                     f"{_gib(r.total):>7}  {'yes ' if r.fits else 'NO  '}  {_gib(r.cpu_per_node) if r.cpu_per_node else '-'}"
+                     f"{mark}")
+    lines += [
+        "",
+        f"checkpoint: {c['total'] / 1e9:,.1f} GB = DeepSpeed module {c['module'] / 1e9:,.1f} + optimizer "
+        f"{c['optimizer'] / 1e9:,.1f} + world-size-free copy {c['world_free'] / 1e9:,.1f}; keep_last {c['keep_last']} "
+        f"-> {c['total'] * (c['keep_last'] + 1) / 1e9:,.0f} GB on disk during a save",
+        f"  save {_dur(c['save_s'])} = write {_dur(c['write_s'])} at {o.fs_gbps:g} GB/s + rank 0's sha256 "
+        f"{_dur(c['hash_s'])}; resume reads + verifies in {_dur(c['load_s'])}",
+        f"failures: node MTBF {f['node_mtbf_h']:,.0f} h / {o.nodes} node(s) = job MTBF {_dur(f['job_mtbf_s'])}; restart "
+        f"{_dur(f['restart_s'])}",
+        f"  checkpoint every {_dur(f['daly_s'])} of compute = {max(1, round(f['daly_steps'])):,} steps (Daly 2006; Young "
+        f"1974: {_dur(f['young_s'])}); the config's train.checkpoint_every: {_dur(f['config_s'])}",
+        "",
+        f"throughput: MFU {t['mfu']:.1%} x {gpu.bf16_flops.value / 1e12:,.1f} TFLOP/s, {t['flops_per_sample'] / 1e9:,.1f} "
+        f"GFLOP/sample -> compute {t['compute_s']:.3f} s/step; communication {t['comm_bytes'] / 1e9:.2f} GB/GPU/step "
+        f"-> {t['comm_s']:.3f} s",
+        f"  {t['tokens_s']:,.0f} {unit}/s ({t['tokens_s'] / o.gpus:,.0f} per GPU), {t['step_s']:.3f} s/step",
+        f"  budget {p.token_budget:,.0f} {unit} = {t['steps']:,.0f} steps: {_dur(t['solve_s'])} of compute; with "
+        f"checkpoints + failures {_dur(f['wall_best_s'])} at the optimum interval, {_dur(f['wall_config_s'])} at the "
+        f"config's (Daly's expected wall time)",
+        f"loader: {p.loader['cpu_s_per_sample'] * 1e3:.2f} CPU-ms per sample -> {p.loader['cores_per_gpu']:.2f} cores per "
+        f"GPU; data.num_workers >= {p.loader['workers']} (2x headroom; config {p.loader['config_workers']})",
+    ]
+    if p.notes:
+        lines += ["", "warnings:"] + [f"  - {n}" for n in p.notes]
+    lines += ["", "sources (pretrain plan --sources lists every constant):"] + [f"  {s}" for s in p.sources]
+    lines.append("  extrapolated: MFU was measured for one model size per family on ONE H200; it is applied unchanged "
+                 "to other sizes, GPU kinds (scaled by their peak) and GPU counts; communication at datasheet bandwidth.")
+    return "\n".join(lines)
+
+
+def render_sources() -> str:
+    """Every constant with its unit and source."""
+    return "\n".join(f"{name:<42} {c.value:>14,.6g} {c.unit:<16} {c.source}" for name, c in K.all_constants())
