@@ -7,13 +7,14 @@ closed forms over it. ``tests/pipelines/test_plan.py`` keeps every entry equal t
 ``models.flops`` and the activation bytes within a stated tolerance of what autograd really saves.
 
 Activation bytes are what a training forward leaves for backward, per micro-batch, as our blocks
-(``models/layers.py``) compute: per block 9 s b h values of the activation dtype (LN inputs and
-outputs, the fused QKV output, SDPA's output and the projection's input copy) + 2 s b d_ff (the
-MLP's GELU input and output), one byte per element for each of the two hidden-dropout masks,
-LayerNorm's fp32 mean and rstd (16 s b) and the fused attention kernel's fp32 log-sum-exp
-(4 a s b); no s^2 term, because SDPA's flash / memory-efficient kernels do not store the attention
-matrix. This is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", Sec. 4.1: 34 s b h + 5 a s^2 b) less the attention matrix and plus one s b h copy. With
+(``models/layers.py``) compute: per block 8 s b h values of the activation dtype (LN inputs and
+outputs, the fused QKV output, SDPA's output, which the projection reads as a view) + 2 s b d_ff
+(the MLP's GELU input and output), the two hidden-dropout masks (1 B per element on CUDA, where
+they are bool; the activation dtype on CPU, as measured), LayerNorm's fp32 mean and rstd (16 s b)
+and the fused attention kernel's fp32 log-sum-exp (4 a s b); no s^2 term, because SDPA's flash /
+memory-efficient kernels do not store the attention matrix. This is Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1: 34 s b h + 5 a s^2 b)
+less the attention matrix. With
 activation checkpointing each block keeps only its input (s b h) and one block is recomputed at a
 time. The LM head keeps the logits (activation dtype, held by the output dict) and the fp32
 log-softmax of the loss: (e + 4) s b V.
@@ -124,11 +125,13 @@ def largest_layer_params(m: ModelShape) -> int:
     """Parameters of the largest single module (DeepSpeed's ``largest_layer_params`` for ZeRO-3's gather)."""
     h, f, V = m.hidden_size, m.intermediate_size, m.vocab_size
     blocks = max(3 * h * h + 3 * h, h * f + f)
+    pos = m.max_position_embeddings * h if m.position_embedding == "learned" else 0
     if m.family == "gpt":
-        return max(V * h, blocks)
+        return max(V * h, pos, blocks)
     if m.family == "bert":
-        return max(V * h + V, blocks)  # the MLM decoder: the tied embedding + its bias
-    return max(m.num_channels * m.patch_size**2 * h + h, blocks, h * m.num_labels + m.num_labels)
+        return max(V * h + V, pos, blocks)  # the MLM decoder: the tied embedding + its bias
+    top = h + (_patches(m) + 1) * h  # ViT's own cls token and position table
+    return max(m.num_channels * m.patch_size**2 * h + h, top, blocks, h * m.num_labels + m.num_labels)
 
 
 def tokens_per_sample(m: ModelShape, seq_len: int) -> int:
@@ -158,22 +161,23 @@ def flops_per_sample(m: ModelShape, seq_len: int, mlm_fraction: float = 0.15) ->
     return (6 * n + 6 * per_sequence / T + 12 * L * h * T) * T
 
 
-def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int) -> float:
+def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int, mask_bytes: int) -> float:
     h, f = m.hidden_size, m.intermediate_size
-    masks = 2 * tokens * h if m.hidden_dropout > 0 else 0
-    return act_bytes * (9 * tokens * h + 2 * tokens * f) + masks + 16 * tokens + 4 * m.num_heads * tokens
+    masks = 2 * mask_bytes * tokens * h if m.hidden_dropout > 0 else 0
+    return act_bytes * (8 * tokens * h + 2 * tokens * f) + masks + 16 * tokens + 4 * m.num_heads * tokens
 
 
 def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     mlm_fraction: float = 0.15) -> dict[str, float]:
-    """Bytes a forward keeps for backward per GPU: ``blocks``, ``head`` (embeddings, final norm, loss) and ``total``."""
+                     mask_bytes: int = 1, mlm_fraction: float = 0.15) -> dict[str, float]:
+    """Bytes a forward keeps for backward per GPU: ``blocks``, ``head`` (embeddings, final norm, loss), ``total``
+    (at the end of the forward) and ``recompute`` (one block rebuilt at a time in backward under checkpointing)."""
     T = tokens_per_sample(m, seq_len) * micro_batch
     h = m.hidden_size
-    block = _block_activation_bytes(m, T, act_bytes)
-    blocks = m.num_layers * act_bytes * T * h + block if checkpointing else m.num_layers * block
-    emb_mask = T * h if m.hidden_dropout > 0 else 0
-    if m.family == "gpt":
-        head = emb_mask + act_bytes * 2 * T * h + (act_bytes + 4) * T * m.vocab_size  # ln_f in/out, logits, log-softmax
+    block = _block_activation_bytes(m, T, act_bytes, mask_bytes)
+    blocks = m.num_layers * act_bytes * T * h if checkpointing else m.num_layers * block
+    emb_mask = mask_bytes * T * h if m.hidden_dropout > 0 else 0
+    if m.family == "gpt":  # ln_f input, output and stats, the logits and the loss's log-softmax
+        head = emb_mask + act_bytes * 2 * T * h + 8 * T + (act_bytes + 4) * T * m.vocab_size
     elif m.family == "bert":
         n_masked = mlm_fraction * T
         head = (emb_mask + act_bytes * T * h + 8 * T  # embedding LN input + its stats
@@ -181,4 +185,5 @@ def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes
     else:
         pixels = micro_batch * m.num_channels * m.image_size**2
         head = act_bytes * (pixels + 2 * T * h)  # the patch conv's input, final norm in/out
-    return {"blocks": float(blocks), "head": float(head), "total": float(blocks + head)}
+    return {"blocks": float(blocks), "head": float(head), "total": float(blocks + head),
+            "recompute": float(block if checkpointing else 0)}

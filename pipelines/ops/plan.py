@@ -230,8 +230,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     micro, accum, global_batch = _batch(cfg, opts)
     P, moments = param_count(shape), MOMENTS[cfg.optim.name]
     w, _ = _precision_bytes(cfg.train.precision)
-    acts = {ck: activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck)["total"]
-            for ck in (False, True)}
+    acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck)[k]
+                    for k in ("total", "recompute")) for ck in (False, True)}
     positions = micro * (seq if family == "gpt" else 0.15 * seq if family == "bert" else 0)
     head_transient = (4 + w) * positions * shape.vocab_size  # CE backward: fp32 grad of the log-softmax + its cast
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
