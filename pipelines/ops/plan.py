@@ -25,8 +25,16 @@ from typing import Any
 from core.config import ConfigError
 from pipelines.engine.check import TASK_FAMILY, check
 from pipelines.ops import plan_constants as K
-from pipelines.ops.model_shapes import (MODEL_SHAPES, ModelShape, activation_bytes, flops_per_sample, largest_layer_params,
-                                        model_shape, param_count, tokens_per_sample)
+from pipelines.ops.model_shapes import (
+    MODEL_SHAPES,
+    ModelShape,
+    activation_bytes,
+    flops_per_sample,
+    largest_layer_params,
+    model_shape,
+    param_count,
+    tokens_per_sample,
+)
 
 __all__ = ["PlanOptions", "MemoryRow", "Plan", "make_plan", "memory_rows", "checkpoint_bytes", "young_interval",
            "daly_interval", "daly_wall_time", "render_plan", "render_sources"]
@@ -284,13 +292,14 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
         cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["text"]
         cpu_s = cpu_per_sample.value * seq
     cores = samples_s / opts.gpus * cpu_s
-    workers = max(1, math.ceil(2 * cores))
+    workers = max(1, math.ceil(K.LOADER_HEADROOM.value * cores))
 
     notes = []
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
-                     f"{bw / 1e9:.0f} GB/s = {comm_s:.2f} s > {compute_s:.2f} s of compute; raise the micro batch or "
-                     f"grad accumulation (ZeRO-1/2 reduce once per step only with ZeRO-1), or use fewer GPUs.")
+                     f"{bw / 1e9:.0f} GB/s = {_dur(comm_s)} > {_dur(compute_s)} of compute; raise the micro batch, or use "
+                     f"ZeRO-1 with grad accumulation (it reduces once per optimizer step, ZeRO-2/3 every micro "
+                     f"step), or fewer GPUs.")
     if not run_row.fits:
         fitting = [r for r in rows if r.fits]
         hint = (f" The first that fits: ZeRO-{fitting[0].stage}{' + offload ' + fitting[0].offload if fitting[0].offload else ''}"
@@ -301,6 +310,10 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if cfg.data.num_workers < workers:
         notes.append(f"data.num_workers={cfg.data.num_workers} < {workers} loader workers per GPU needed; set "
                      f"data.num_workers={workers}.")
+    if config_tau < tau_d / 4:
+        notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps saves every {_dur(config_tau)}: "
+                     f"{delta / config_tau:.1%} of the time goes to saves ({_dur(delta)} each); Daly's optimum is "
+                     f"{max(1, round(tau_d / step_s)):,} steps (keep it shorter only to keep more snapshots).")
     if config_tau > 2 * tau_d:
         notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps is {config_tau / 3600:.1f} h of "
                      f"compute, over twice Daly's optimum; set train.checkpoint_every={max(1, round(tau_d / step_s))}.")
@@ -333,6 +346,8 @@ def _gib(b: float) -> str:
 
 
 def _dur(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
     if s < 120:
         return f"{s:.0f} s"
     if s < 2 * 3600:
@@ -383,7 +398,8 @@ def render_plan(p: Plan) -> str:
         f"checkpoints + failures {_dur(f['wall_best_s'])} at the optimum interval, {_dur(f['wall_config_s'])} at the "
         f"config's (Daly's expected wall time)",
         f"loader: {p.loader['cpu_s_per_sample'] * 1e3:.2f} CPU-ms per sample -> {p.loader['cores_per_gpu']:.2f} cores per "
-        f"GPU; data.num_workers >= {p.loader['workers']} (2x headroom; config {p.loader['config_workers']})",
+        f"GPU; data.num_workers >= {p.loader['workers']} ({K.LOADER_HEADROOM.value:g}x headroom; config "
+        f"{p.loader['config_workers']})",
     ]
     if p.notes:
         lines += ["", "warnings:"] + [f"  - {n}" for n in p.notes]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Constant", "GpuKind", "GPU_KINDS", "MEASURED_MFU", "LOADER_CPU_S_PER_SAMPLE", "CHECKPOINT", "DEEPSPEED",
-           "FAILURES", "MEMORY_RESERVE", "BYTES", "all_constants"]
+           "FAILURES", "MEMORY_RESERVE", "LOADER_HEADROOM", "BYTES", "all_constants"]
 
 _BENCH = "docs/benchmarks.md"
 
@@ -116,6 +116,9 @@ FAILURES: dict[str, Constant] = {
                                              "--restart-minutes from your cluster"),
 }
 
+LOADER_HEADROOM = Constant(2.0, "x", "assumption, not measured: loader workers per GPU = 2 x the CPU cores its samples "
+                                     "need, so a slow shard read or GC pause does not starve the step")
+
 MEMORY_RESERVE = Constant(0.10, "of GPU memory", "assumption, not measured: CUDA context, NCCL buffers and caching-"
                                                  "allocator fragmentation; 'fits' needs the estimate <= 90 % of memory")
 
@@ -137,4 +140,5 @@ def all_constants() -> list[tuple[str, Constant]]:
                           ("deepspeed", DEEPSPEED), ("failures", FAILURES), ("bytes", BYTES)):
         out.extend((f"{prefix}.{k}", c) for k, c in table.items())
     out.append(("memory_reserve", MEMORY_RESERVE))
+    out.append(("loader_headroom", LOADER_HEADROOM))
     return out

@@ -19,8 +19,14 @@ from core.config import ConfigError
 from pipelines import cli
 from pipelines.engine.config import load_run_config
 from pipelines.ops import plan as P
-from pipelines.ops.model_shapes import (MODEL_SHAPES, activation_bytes, flops_per_sample, largest_layer_params,
-                                        model_shape, param_count)
+from pipelines.ops.model_shapes import (
+    MODEL_SHAPES,
+    activation_bytes,
+    flops_per_sample,
+    largest_layer_params,
+    model_shape,
+    param_count,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "configs/train/gpu"
