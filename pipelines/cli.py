@@ -329,11 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain plan configs/train/gpu/gpt3_xl.yaml --gpus 64 --gpu h100 --fs-gbps 20 --node-mtbf-hours 6000\n"
         "pretrain plan configs/train/gpu/gpt2_small.yaml --gpus 8 --fs-gbps 5 --global-batch 512   # hold the batch\n"
         "pretrain plan --sources                                   # every constant and where it comes from\n"
-        "# prints e.g. (GPT-3 XL, 1.3B, on 64 H100):\n"
-        "#   memory per GPU, GiB: ZeRO 2, act.ckpt off: weights 2.5 grads 0.0 optim 0.3 ... total 36.4 fits yes\n"
-        "#   checkpoint: 34.2 GB ... save 59 s = write 2 s at 20 GB/s + rank 0's sha256 58 s\n"
-        "#   checkpoint every 2.0 h of compute = 3,260 steps (Daly 2006; Young 1974: 2.0 h)\n"
-        "#   throughput: MFU 28.8% ... 4,650,000 tokens/s; budget 300B tokens: 0.7 days ...",
+        "# the first prints, among the rest (GPT-3 XL, 1.3B, on 64 H100s, GiB per GPU):\n"
+        "#   ZeRO offload  act.ckpt  weights  grads  optim  buffers  activ.  total  fits\n"
+        "#   2    -        off           2.5    0.0    0.3      1.9    34.9   39.5  yes   <- config\n"
+        "#   checkpoint: 34.2 GB = DeepSpeed module 2.6 + optimizer 15.8 + world-size-free copy 15.8\n"
+        "#   save 60 s = write 2 s at 20 GB/s + rank 0's sha256 58 s\n"
+        "#   checkpoint every 5.0 h of compute = 34,341 steps (Daly 2006; Young 1974: 5.0 h)\n"
+        "#   2,010,130 tokens/s (31,408 per GPU); 286,102 steps: 41.5 h of compute",
     )
     p.add_argument("config", nargs="?", help="YAML run config (may `extends:` another file).")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. data.micro_batch_size=4.")

@@ -256,7 +256,10 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     tokens_sample = tokens_per_sample(shape, seq)
     flops_sample = flops_per_sample(shape, seq)
     peak = gpu.bf16_flops.value
-    compute_s = global_batch / opts.gpus * flops_sample / (mfu.value * peak)
+    # full activation recomputation runs every block's forward twice: 8 N instead of 6 N per token (Korthikanti et
+    # al. 2022, Sec. 5), so the measured MFU buys 3/4 of the model FLOPs
+    recompute = 4 / 3 if cfg.model.activation_checkpointing else 1.0
+    compute_s = global_batch / opts.gpus * flops_sample * recompute / (mfu.value * peak)
     bw = gpu.nvlink_bytes_s.value if opts.nodes == 1 else gpu.network_bytes_s.value
     ring = (opts.gpus - 1) / opts.gpus
     volume = {0: 2 * w * P, 1: 2 * w * P, 2: (accum + 1) * w * P, 3: 3 * accum * w * P}[stage] * ring
@@ -301,7 +304,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                      f"ZeRO-1 with grad accumulation (it reduces once per optimizer step, ZeRO-2/3 every micro "
                      f"step), or fewer GPUs.")
     if not run_row.fits:
-        fitting = [r for r in rows if r.fits]
+        # least change first: no offload, then no recomputation, then the nearest stage
+        fitting = sorted((r for r in rows if r.fits), key=lambda r: (bool(r.offload), r.checkpointing, abs(r.stage - stage)))
         hint = (f" The first that fits: ZeRO-{fitting[0].stage}{' + offload ' + fitting[0].offload if fitting[0].offload else ''}"
                 f"{' with activation checkpointing' if fitting[0].checkpointing else ''}." if fitting else
                 " Nothing fits: lower data.micro_batch_size.")
@@ -397,7 +401,7 @@ def render_plan(p: Plan) -> str:
         f"  budget {p.token_budget:,.0f} {unit} = {t['steps']:,.0f} steps: {_dur(t['solve_s'])} of compute; with "
         f"checkpoints + failures {_dur(f['wall_best_s'])} at the optimum interval, {_dur(f['wall_config_s'])} at the "
         f"config's (Daly's expected wall time)",
-        f"loader: {p.loader['cpu_s_per_sample'] * 1e3:.2f} CPU-ms per sample -> {p.loader['cores_per_gpu']:.2f} cores per "
+        f"loader: {p.loader['cpu_s_per_sample'] * 1e3:.2f} CPU-ms per sample -> {p.loader['cores_per_gpu']:.3f} cores per "
         f"GPU; data.num_workers >= {p.loader['workers']} ({K.LOADER_HEADROOM.value:g}x headroom; config "
         f"{p.loader['config_workers']})",
     ]
