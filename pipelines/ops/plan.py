@@ -329,7 +329,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                f"restart: {'--restart-minutes' if opts.restart_minutes else K.FAILURES['restart_minutes'].source}",
                f"fits: {K.MEMORY_RESERVE.source}"]
     return Plan(
-        config=config_name, model=cfg.model.name, shape=shape, options=opts, params=P, seq_len=seq, micro_batch=micro,
+        config=config_name, model=cfg.model.name + (" + model.overrides" if cfg.model.overrides else ""), shape=shape, options=opts, params=P, seq_len=seq, micro_batch=micro,
         grad_accum=accum, global_batch=global_batch, tokens_per_step=tokens_step, token_budget=budget, memory=rows,
         run_row=run_row, checkpoint={**ck, "write_s": write_s, "hash_s": hash_s, "save_s": delta, "load_s": load_s,
                                      "keep_last": cfg.train.keep_last},
