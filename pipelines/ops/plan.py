@@ -107,6 +107,7 @@ class Plan:
     options: PlanOptions
     params: int
     seq_len: int
+    seq_source: str
     micro_batch: int
     grad_accum: int
     global_batch: int
@@ -216,6 +217,25 @@ def _batch(cfg: Any, opts: PlanOptions) -> tuple[int, int, int]:
     return micro, per_gpu // micro, opts.global_batch
 
 
+def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
+    """What the trainer takes from the corpus (``objectives.*.model_kwargs``): vocab_size and seq_len for text,
+    num_labels for images; the image size is ``data.image_size``. No corpus set: the model's own defaults."""
+
+    facts: dict[str, Any] = {"image_size": int(cfg.data.image_size)} if family == "vit" else {}
+    corpus = cfg.data.corpus or (cfg.data.corpora[0].path if cfg.data.corpora else "")
+    if not corpus:
+        return facts, "the model's context: no data.corpus; pass --seq-len or data.corpus=DIR"
+    from core.corpus import read_manifest  # only with a corpus: it brings numpy, which the bare plan does not need
+
+    raw = read_manifest(corpus)  # a clear error naming the file when it is not a corpus
+    if family == "vit":
+        labels = raw.get("class_map") or {}
+        return ({**facts, "num_labels": max(labels.values()) + 1} if labels else facts), f"{corpus}/manifest.json"
+    vocab = int((raw.get("tokenizer") or {}).get("vocab_size") or 0)
+    return {"vocab_size": vocab or MODEL_SHAPES[cfg.model.name].vocab_size,
+            "seq_len": int(raw.get("seq_len") or 0)}, f"{corpus}/manifest.json"
+
+
 def _mfu(cfg: Any, family: str) -> tuple[K.Constant, str]:
     if family == "gpt":
         return (K.MEASURED_MFU["gpt"], "compiled") if cfg.model.compile else (K.MEASURED_MFU["gpt-eager"], "eager")
@@ -231,10 +251,12 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if cfg.model.name not in MODEL_SHAPES:
         raise ConfigError(f"model.name={cfg.model.name} has no torch-free shape in pipelines/ops/model_shapes.py; add it "
                           f"there (tests/pipelines/test_plan.py checks it against the registry).")
-    shape = model_shape(cfg.model.name, cfg.model.overrides)
+    facts, seq_note = _corpus_facts(cfg, MODEL_SHAPES[cfg.model.name].family)
+    shape = model_shape(cfg.model.name, {**cfg.model.overrides, **facts})
     family, d = shape.family, cfg.distributed
     gpu = K.GPU_KINDS[opts.gpu]
-    seq = opts.seq_len or shape.max_position_embeddings
+    seq = opts.seq_len or int(facts.get("seq_len") or 0) or shape.max_position_embeddings
+    seq_note = "--seq-len" if opts.seq_len else seq_note
     micro, accum, global_batch = _batch(cfg, opts)
     P, moments = param_count(shape), MOMENTS[cfg.optim.name]
     w, _ = _precision_bytes(cfg.train.precision)
@@ -283,6 +305,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     M = node_mtbf * 3600 / opts.nodes
     R = (opts.restart_minutes or K.FAILURES["restart_minutes"].value) * 60 + load_s
     tau_y, tau_d = young_interval(delta, M), daly_interval(delta, M)
+    tau_d = min(tau_d, solve_s)  # a run shorter than the optimum interval needs no periodic save
     config_tau = cfg.train.checkpoint_every * step_s if cfg.train.checkpoint_every else solve_s
     wall_best = daly_wall_time(solve_s, tau_d, delta, M, R)
     wall_config = daly_wall_time(solve_s, min(config_tau, solve_s), delta, M, R)
@@ -329,7 +352,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                f"restart: {'--restart-minutes' if opts.restart_minutes else K.FAILURES['restart_minutes'].source}",
                f"fits: {K.MEMORY_RESERVE.source}"]
     return Plan(
-        config=config_name, model=cfg.model.name + (" + model.overrides" if cfg.model.overrides else ""), shape=shape, options=opts, params=P, seq_len=seq, micro_batch=micro,
+        config=config_name, model=cfg.model.name + (" + model.overrides" if cfg.model.overrides else ""), shape=shape, options=opts, params=P, seq_len=seq, seq_source=seq_note,
+        micro_batch=micro,
         grad_accum=accum, global_batch=global_batch, tokens_per_step=tokens_step, token_budget=budget, memory=rows,
         run_row=run_row, checkpoint={**ck, "write_s": write_s, "hash_s": hash_s, "save_s": delta, "load_s": load_s,
                                      "keep_last": cfg.train.keep_last},
@@ -361,6 +385,13 @@ def _dur(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
+def _positions(p: Plan) -> str:
+    s = p.shape
+    if s.family == "vit":
+        return f"{s.image_size} px / patch {s.patch_size} = {tokens_per_sample(s, 0)} tokens per image"
+    return f"seq {p.seq_len} (from {p.seq_source}), vocab {s.vocab_size:,}"
+
+
 def render_plan(p: Plan) -> str:
     """The plan as text: the memory table, then checkpoints, failures, throughput, loader, notes and sources."""
     o, gpu, t, c, f = p.options, K.GPU_KINDS[p.options.gpu], p.throughput, p.checkpoint, p.failure
@@ -369,7 +400,7 @@ def render_plan(p: Plan) -> str:
     lines = [
         f"plan: {p.config or '(config)'} on {o.gpus} x {gpu.label} ({o.nodes} node(s) x {min(o.gpus, o.gpus_per_node)})",
         f"model {p.model}: {p.params / 1e6:,.1f}M parameters, {s.num_layers} layers x {s.hidden_size}, "
-        f"seq {p.seq_len}; batch {p.global_batch} = micro {p.micro_batch} x accum {p.grad_accum} x {o.gpus} GPUs "
+        f"{_positions(p)}; batch {p.global_batch} = micro {p.micro_batch} x accum {p.grad_accum} x {o.gpus} GPUs "
         f"({p.tokens_per_step:,} {unit}/step)",
         "",
         f"memory per GPU, GiB (usable {_gib(p.run_row.limit)} of {_gib(gpu.memory_bytes.value)}):",

@@ -366,3 +366,16 @@ def test_help_has_a_worked_example_and_sources_list_every_constant(capsys):
     assert cli.main(["plan", "--sources"]) == 0
     out = capsys.readouterr().out
     assert "docs/benchmarks.md train_throughput" in out and "Dubey et al. 2024" in out and math.isfinite(len(out))
+
+
+def test_a_corpus_gives_the_sequence_length_and_vocabulary(gpt_corpus, tmp_path, capsys):
+    """The trainer sizes the model from the corpus (objectives' model_kwargs); so does the plan."""
+    import json
+
+    manifest = json.loads((gpt_corpus / "manifest.json").read_text())
+    cfg = load_run_config(GPU / "gpt2_small.yaml", [f"data.corpus={gpt_corpus}"])
+    plan = P.make_plan(cfg, P.PlanOptions(gpus=8, fs_gbps=10))
+    assert (plan.seq_len, plan.shape.vocab_size) == (manifest["seq_len"], manifest["tokenizer"]["vocab_size"])
+    assert plan.params == param_count(model_shape("gpt2-small", {"vocab_size": manifest["tokenizer"]["vocab_size"]}))
+    rc = cli.main(["plan", str(GPU / "gpt2_small.yaml"), f"data.corpus={tmp_path / 'none'}", "--gpus", "8", "--fs-gbps", "1"])
+    assert rc == cli.EXIT_CONFIG and "manifest.json does not exist" in capsys.readouterr().err
