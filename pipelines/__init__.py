@@ -5,7 +5,7 @@
                objectives, export;
 - ``finetune`` classification and extractive-QA fine-tuning on released checkpoints;
 - ``study``    the optimizer x warmup sweep and its analysis;
-- ``ops``      SLURM submission and the demo.
+- ``ops``      SLURM submission, the demo and the run planner (``pretrain plan``).
 
 The top level holds only the entry points users type: ``cli`` (the ``pretrain`` command) and
 ``pretrain`` (``python -m pipelines.pretrain CONFIG k=v…`` under a launcher); ``python -m
