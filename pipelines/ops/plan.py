@@ -134,12 +134,12 @@ def memory_rows(P: int, largest_layer: int, *, engine: str, precision: str, mome
 
     Mixed precision (DeepSpeed bf16/fp16): bf16 weights 2P and grads 2P, an fp32 master 4P, fp32 grads
     4P and the moments 4 m P, partitioned by stage (1: optimizer state; 2: + gradients; 3: + weights).
-    fp32: weights and grads 4P, no separate master. ZeRO-0 is plain data parallelism (nothing partitioned).
+    fp32: weights and grads 4P, the master only under ZeRO >= 1. ZeRO-0 is plain data parallelism (nothing
+    partitioned; DeepSpeed's bf16 optimizer at stage 0 partitions like ZeRO-1, so its row is an upper bound).
     Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm, our CUDA default), ZeRO-3 two gathered
     copies of the largest layer (DeepSpeed's estimate) + the prefetch bucket.
     """
     w, mixed = _precision_bytes(precision)
-    opt_per_param = (4 * mixed) + 4 * mixed + 4 * moments  # master + fp32 grads + moments (fp32: moments only)
     N = gpus
     rows = []
     stages = (0,) if engine == "ddp" else (0, 1, 2, 3)
@@ -148,7 +148,10 @@ def memory_rows(P: int, largest_layer: int, *, engine: str, precision: str, mome
         for offload in offloads:
             weights = w * P / (N if stage == 3 else 1)
             grads = w * P / (N if stage >= 2 else 1)
-            optimizer = opt_per_param * P / (N if stage >= 1 else 1)
+            # fp32 master (DeepSpeed keeps one under ZeRO >= 1 even in fp32, as its checkpoints show) + fp32
+            # gradients (mixed precision only) + the moments
+            master = 4 if engine == "deepspeed" and (stage >= 1 or mixed) else 0
+            optimizer = (master + 4 * mixed + 4 * moments) * P / (N if stage >= 1 else 1)
             rb = min(K.DEEPSPEED["reduce_bucket_size"].value, P)
             if stage in (1, 2):
                 buffers = rb * (2 if cuda else 1) * (4 if stage == 1 else w)
