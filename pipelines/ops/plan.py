@@ -263,9 +263,11 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     micro, accum, global_batch = _batch(cfg, opts)
     P, moments = param_count(shape), MOMENTS[cfg.optim.name]
     w, _ = _precision_bytes(cfg.train.precision)
-    acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck)[k]
+    mlm = float(cfg.data.mlm_probability)  # BERT: our MLM head runs at the masked share of positions
+    acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck,
+                                     mlm_fraction=mlm)[k]
                     for k in ("total", "recompute")) for ck in (False, True)}
-    positions = micro * (seq if family == "gpt" else 0.15 * seq if family == "bert" else 0)
+    positions = micro * (seq if family == "gpt" else mlm * seq if family == "bert" else 0)
     head_transient = (4 + w) * positions * shape.vocab_size  # CE backward: fp32 grad of the log-softmax + its cast
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
@@ -279,7 +281,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     # throughput: measured MFU x this kind's peak; communication at datasheet bandwidth
     mfu, mode = _mfu(cfg, family)
     tokens_sample = tokens_per_sample(shape, seq)
-    flops_sample = flops_per_sample(shape, seq)
+    flops_sample = flops_per_sample(shape, seq, mlm_fraction=mlm)
     peak = gpu.bf16_flops.value
     # full activation recomputation runs every block's forward twice: 8 N instead of 6 N per token (Korthikanti et
     # al. 2022, Sec. 5), so the measured MFU buys 3/4 of the model FLOPs
@@ -399,7 +401,8 @@ def render_plan(p: Plan) -> str:
     """The plan as text: the memory table, then checkpoints, failures, throughput, loader, notes and sources."""
     o, gpu, t, c, f = p.options, K.GPU_KINDS[p.options.gpu], p.throughput, p.checkpoint, p.failure
     s = p.shape
-    unit = "images" if s.family == "vit" else "tokens"
+    # BERT batches are padded to seq: its rate counts positions, as the MFU measurement does (FLOPs per padded sample)
+    unit = {"vit": "images", "bert": "positions"}.get(s.family, "tokens")
     lines = [
         f"plan: {p.config or '(config)'} on {o.gpus} x {gpu.label} ({o.nodes} node(s) x {min(o.gpus, o.gpus_per_node)})",
         f"model {p.model}: {p.params / 1e6:,.1f}M parameters, {s.num_layers} layers x {s.hidden_size}, "
