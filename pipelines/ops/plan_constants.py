@@ -73,7 +73,8 @@ MEASURED_MFU: dict[str, Constant] = {
     "gpt-eager": Constant(0.162, "of peak", f"{_BENCH} train_throughput (GPU): the same GPT-2 124M run eager "
                                             "(model.compile=false): 187,632 tokens/s = 16.2 %"),
     "bert": Constant(0.242, "of peak", f"{_BENCH} train_throughput (GPU): BERT-base, bert_base_phase1.yaml, "
-                                       "256 x 128, eager, 1 x H200, 2026-11-26: 233,927 tokens/s = 24.2 %"),
+                                       "256 x 128, eager, 1 x H200, 2026-11-26: 233,927 tokens/s = 24.2 % (the MFU counts "
+                                       "FLOPs per padded 128-position sample; the tokens/s counts unpadded tokens)"),
     "vit": Constant(0.085, "of peak", f"{_BENCH} train_throughput (GPU): ViT-B/16, vit_b16.yaml, 128 x 224 px, "
                                       "eager, 1 x H200, 2026-11-26: 794 images/s = 8.5 % (PNG decoding in 4 loader "
                                       "workers bounds it)"),
