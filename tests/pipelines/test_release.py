@@ -120,23 +120,25 @@ def test_vit_release_pipeline_sees_the_pixels_and_logits_of_our_eval_on_non_squa
 
 @pytest.mark.slow
 def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
-    """A real run on non-square images: ``pipeline("image-classification")`` on the eval split scores the run's top1."""
+    """A real 2-process DeepSpeed run on non-square images whose 19-image eval split is not a multiple of
+    world x micro batch (2 x 4): the run's top1 and loss, and the card's, are those of
+    ``pipeline("image-classification")`` on the whole split (the last partial batch included)."""
     import io
 
     import corpus_fixtures as cf
     from job_helpers import run_pretrain, summary_of
     from PIL import Image
-    from transformers import pipeline
+    from transformers import AutoModelForImageClassification, pipeline
 
     from core.corpus import read_shard
     from pipelines.engine.export import export_checkpoint
 
-    corpus = cf.make_image_corpus(tmp_path / "corpus", size=(52, 36))
+    corpus = cf.make_image_corpus(tmp_path / "corpus", size=(52, 36), val_sizes=(13, 6))
     run = tmp_path / "run"
     proc = run_pretrain("configs/train/vit_tiny_cpu.yaml", [
-        f"data.corpus={corpus}", f"train.run_dir={run}", "train.max_steps=8", "data.micro_batch_size=8",
-        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=4", "optim.lr=3e-3",
-        "schedule.warmup_steps=2", "train.checkpoint_every=0"], processes=1, launcher="python")
+        f"data.corpus={corpus}", f"train.run_dir={run}", "train.max_steps=6", "data.micro_batch_size=4",
+        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=0", "optim.lr=3e-3",
+        "schedule.warmup_steps=2", "train.checkpoint_every=0"], processes=2)
     summary = summary_of(proc)
     out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
     clf = pipeline("image-classification", model=str(out))
@@ -144,11 +146,18 @@ def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     for shard in sorted(corpus.glob("validation-*.tar")):
         for _, parts in read_shard(shard):
             images.append(Image.open(io.BytesIO(parts["png"])).convert("RGB"))
-            labels.append(f"class{int(parts['cls'])}")
-    assert len(images) == 32 and images[0].size == (52, 36)
-    preds = [p[0]["label"] for p in clf(images, top_k=1)]
-    accuracy = sum(p == y for p, y in zip(preds, labels, strict=True)) / len(labels)
-    assert accuracy == pytest.approx(summary["eval"]["top1"], abs=1e-9), (accuracy, summary["eval"])
+            labels.append(int(parts["cls"]))
+    assert len(images) == 19 and images[0].size == (52, 36)
+    model = AutoModelForImageClassification.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        pixels = clf.image_processor(images, return_tensors="pt")["pixel_values"]
+        scored = model(pixel_values=pixels, labels=torch.tensor(labels))
+    accuracy = float((scored.logits.argmax(-1) == torch.tensor(labels)).float().mean())
+    assert summary["eval"]["top1"] == pytest.approx(accuracy, abs=1e-9), (accuracy, summary["eval"])
+    assert summary["eval"]["loss"] == pytest.approx(float(scored.loss), rel=1e-4), (float(scored.loss), summary["eval"])
+    preds = [int(p[0]["label"].removeprefix("class")) for p in clf(images, top_k=1)]
+    assert sum(p == y for p, y in zip(preds, labels, strict=True)) / 19 == pytest.approx(accuracy, abs=1e-9)
+    assert f"| top1 | {accuracy:.4f} |" in (out / "README.md").read_text()
 
 
 def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
