@@ -190,7 +190,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------- fit's steps
     def _start(self) -> _RunState:
         """Run dir and config.yaml, logger / health / throughput, resume from a checkpoint, signal handlers."""
-        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops
+        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
 
         cfg, t = self.cfg, self.cfg.train
         error = None
@@ -202,11 +202,13 @@ class Trainer:
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
         resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
-        logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg))
+        logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg),
+                           throughput_unit=getattr(self.task, "unit", "tok"))
         health = HealthMonitor(cfg.logging, logger)
         meter = ThroughputMeter(self._flops_per_sample(),
                                 resolve_peak_flops(cfg.logging.peak_flops, self.engine.device, t.precision),
-                                self.engine.world_size)
+                                self.engine.world_size,
+                                remeasure_peak=peak_remeasure(cfg.logging.peak_flops, self.engine.device, t.precision))
         if resume is not None:
             self._restore(resume, health, meter)
             logger.truncate_after(self.step)
