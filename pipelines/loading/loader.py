@@ -20,6 +20,9 @@ stores one integer per corpus.
    micro-batches (about one shuffle window), item i to worker ``i % W`` — the order in which the
    DataLoader returns them — so each window is read by about one worker.
 
+Evaluation (``evaluation_batches``, ``evaluation_plan``) reads a split once in order, every sample
+on exactly one rank, the last partial batch included; every rank runs as many forwards.
+
 Reading (``shard_io.ShardReader``, one per worker and corpus): local shards by seeking through
 their index, ``pipe:`` URLs (``data.url_prefix``) in one forward streaming pass, hashed on the way.
 
