@@ -329,8 +329,8 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
     find_worker_malloc(cfg.worker_malloc)  # a wrong path fails here, before anything is written
     # a corpus directory of ours (marker, or an older version's manifest / state) or a new one; never a user's folder
     claim_output_dir(out, "corpus", what="output (the corpus directory)", adopt=(STATE_DIR,) if _older_corpus(out) else ())
+    entries, class_map = resolve_inputs(cfg, str(out / STATE_DIR))  # bad inputs fail before a finished corpus is touched
     (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
-    entries, class_map = resolve_inputs(cfg, str(out / STATE_DIR))
     started = _ensure_ray(cfg)
     try:
         with _data_context(cfg):

@@ -132,6 +132,8 @@ def resolve_inputs(cfg: PrepConfig, work_dir: str) -> tuple[list[dict[str, Any]]
                 f"sub-folder per class holding {sorted(IMAGE_EXTENSIONS)} files; an image_csv needs rows of path,label."
             )
         names = sorted({lab for _, _, lab in labelled}, key=_label_sort_key)
+        if len(names) < 2:
+            raise PrepError(_one_class_message(cfg, names[0], len(labelled)))
         class_map = {name: k for k, name in enumerate(names)}
         for path, i, lab in labelled:
             size = os.path.getsize(path) if os.path.isfile(path) else 0
@@ -139,6 +141,20 @@ def resolve_inputs(cfg: PrepConfig, work_dir: str) -> tuple[list[dict[str, Any]]
     if not entries:
         raise PrepError(f"The sources {[p for s in cfg.sources for p in s.paths]} contain no input files. Fix `sources[].paths`.")
     return entries, class_map
+
+
+def _one_class_message(cfg: PrepConfig, label: str, n: int) -> str:
+    """Why a corpus of one class is refused, naming where the labels came from (a classifier of one class
+    reaches loss 0 at once and learns nothing)."""
+    origins = []
+    for src in cfg.sources:
+        if src.type == "image_folder":
+            origins.append(f"class folders under {src.paths} (one sub-folder per class)")
+        elif src.type == "image_csv":
+            origins.append(f"column {src.label_field!r} of {', '.join(_files_of(src))}")
+    return (f"All {n} images have the same label {label!r} ({'; '.join(origins)}): an image classifier needs at "
+            f"least 2 classes. Add images of the other classes (a sub-folder each), or point `label_field` at "
+            f"the column that holds the class.")
 
 
 def _files_of_dirs(src: SourceConfig) -> list[str]:

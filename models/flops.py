@@ -83,12 +83,12 @@ def training_flops_per_sample(config: TransformerConfig, seq_len: int | None = N
     return training_flops_per_token(config, T, mlm_fraction=mlm_fraction) * T
 
 
-def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int = 0) -> float:
-    """Training FLOPs of a batch of sequences of the given real lengths through the blocks + a small head.
+def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int = 0, sequence_params: int = 0) -> float:
+    """Training FLOPs of a batch of sequences of the given real lengths through the blocks + a task head.
 
     Per sequence of L tokens: 6 N L + 12 l d L^2 (the per-token count above times L, attention at
-    the sequence's own length) + 6 d K per output of a task head with K outputs per token (QA: K = 2)
-    or per sequence (classification, pass ``head_outputs`` as K / L yourself if you need it exact).
+    the sequence's own length) + 6 d K L for a head with K outputs per token (QA: K = 2) + 6 P for
+    ``sequence_params`` P matmul weights run once per sequence (classification: pooler d^2 + classifier d K).
     Fine-tuning batches are padded to their longest item; padding is not useful work and not counted.
     No pretraining head (MLM/NSP) is counted: fine-tuning models do not run one.
     """
@@ -96,5 +96,5 @@ def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int
     total = 0.0
     for length in lengths:
         L = int(length)
-        total += 6 * n * L + _attention_flops(config, L) * L + 6 * config.hidden_size * head_outputs * L
+        total += 6 * n * L + _attention_flops(config, L) * L + 6 * config.hidden_size * head_outputs * L + 6 * sequence_params
     return float(total)

@@ -15,6 +15,7 @@ _EXPORTS = {
     "ThroughputMeter": "monitoring.throughput",
     "peak_flops_for": "monitoring.throughput",
     "resolve_peak_flops": "monitoring.throughput",
+    "peak_remeasure": "monitoring.throughput",
     "step_time_skew": "monitoring.throughput",
     "HealthMonitor": "monitoring.health",
     "render_report": "monitoring.report",

@@ -129,8 +129,10 @@ class RunLogger:
         is_main: bool,
         total_steps: int,
         config_dict: dict[str, Any] | None = None,
+        throughput_unit: str = "tok",
     ) -> None:
         self.enabled = bool(is_main)
+        self.throughput_unit = throughput_unit  # what ``tokens_per_s`` counts: "tok", or "img" for image models
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.total_steps = int(total_steps)
@@ -376,7 +378,7 @@ class RunLogger:
     def _console(self, step: int, split: str, metrics: dict[str, Any]) -> None:
         if split == "train":
             parts = [
-                f"{label} {fmt.format(metrics[k])}"
+                f"{f'{self.throughput_unit}/s' if k == 'tokens_per_s' else label} {fmt.format(metrics[k])}"
                 for k, label, fmt in _TRAIN_KEYS
                 if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)
             ]

@@ -24,6 +24,7 @@ __all__ = [
     "peak_flops_for",
     "cpu_peak_flops",
     "resolve_peak_flops",
+    "peak_remeasure",
     "model_flops_utilization",
     "step_time_skew",
     "host_rss_mb",
@@ -118,12 +119,16 @@ def peak_flops_for(device: Any, dtype: Any = "fp32") -> float:
     return peak
 
 
-def cpu_peak_flops(dtype: Any = "fp32", seconds: float = 0.2) -> float:
-    """Best matmul FLOP/s this process reaches on the CPU, measured once per dtype/thread count."""
+def cpu_peak_flops(dtype: Any = "fp32", seconds: float = 0.2, *, fresh: bool = False) -> float:
+    """Best matmul FLOP/s this process reaches on the CPU, measured once per dtype/thread count.
+
+    ``fresh``: probe again and keep the higher figure. On a shared CPU a probe taken while other
+    processes run reads low, so a later step can beat it (``ThroughputMeter`` then re-probes).
+    """
     import torch
 
     key = (_dtype_key(dtype), torch.get_num_threads())
-    if key in _cpu_peak_cache:
+    if key in _cpu_peak_cache and not fresh:
         return _cpu_peak_cache[key]
     tdtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key[0]]
     n = 512
@@ -139,8 +144,19 @@ def cpu_peak_flops(dtype: Any = "fp32", seconds: float = 0.2) -> float:
         best = max(best, 2 * n**3 / max(dt, 1e-9))
         if time.perf_counter() > deadline:
             break
+    best = max(best, _cpu_peak_cache.get(key, 0.0))
     _cpu_peak_cache[key] = best
     return best
+
+
+def peak_remeasure(configured: float, device: Any, precision: str = "fp32") -> Callable[[], float] | None:
+    """How ``ThroughputMeter`` re-measures a peak that a step beat: a fresh CPU probe; None for a
+    configured peak or a GPU's table value (those are not measurements)."""
+    text = str(device)
+    if (configured and configured > 0) or not (text == "cpu" or text.startswith("cpu:")):
+        return None
+    key = _dtype_key(precision)
+    return lambda: cpu_peak_flops("fp32" if key == "tf32" else key, seconds=0.5, fresh=True)
 
 
 def resolve_peak_flops(configured: float, device: Any, precision: str = "fp32") -> float:
@@ -208,9 +224,12 @@ class ThroughputMeter:
         window: int = 20,
         warmup_steps: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        remeasure_peak: Callable[[], float] | None = None,
     ) -> None:
         self.flops_per_sample = float(flops_per_sample)
         self.peak_flops = float(peak_flops)
+        self.remeasure_peak = remeasure_peak  # a measured (CPU) peak: re-probed once when a step beats it
+        self._peak_warned, self._measured_peak = False, remeasure_peak is not None
         self.world_size = int(world_size)
         self._clock = clock
         self.warmup_steps = int(warmup_steps)
@@ -267,10 +286,13 @@ class ThroughputMeter:
             "tokens_per_s": n_tokens / t * self.world_size if t > 0 else 0.0,
         }
         out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
+        out["step_flops"] = step_flops  # this rank's model FLOPs of this step (the work done, not the padding)
         if self.peak_flops > 0 and n_flops > 0 and t > 0:
-            achieved = n_flops / t * self.world_size  # global model FLOP/s
-            out["mfu"] = achieved / (self.peak_flops * self.world_size)
-            out["tflops_per_device"] = achieved / self.world_size / 1e12
+            per_device = n_flops / t  # model FLOP/s of one device
+            out["tflops_per_device"] = per_device / 1e12
+            mfu = self._utilization(per_device)
+            if mfu is not None:
+                out["mfu"] = mfu
         out.update(_device_memory_mb())
         out["host_rss_mb"] = self._host_rss()
         self.steps_seen += 1
@@ -278,6 +300,23 @@ class ThroughputMeter:
             self._window.clear()  # first steps (loader start-up, allocator, compile) would skew averages
             self._sums = [0.0] * 6
         return out
+
+    def _utilization(self, per_device: float) -> float | None:
+        """``per_device / peak``; a measured peak that a step beat is re-measured (kept if higher). MFU
+        above 1 is impossible: if the peak still reads below the achieved rate (a CPU shared with other
+        processes, a throttled clock) it is left out, with one warning, rather than logged wrong."""
+        if per_device > self.peak_flops and self.remeasure_peak is not None:
+            self.peak_flops = max(self.peak_flops, float(self.remeasure_peak()))
+            self.remeasure_peak = None  # one re-probe per run: it costs half a second of the step
+        if per_device <= self.peak_flops:
+            return per_device / self.peak_flops
+        if not self._peak_warned:
+            self._peak_warned = True
+            why = ("measured on this CPU, twice: other processes were using it or its clock varies" if self._measured_peak
+                   else "given by logging.peak_flops or the device table: it is too low")
+            log.warning("MFU not reported: this device runs %.3g model FLOP/s, above its peak of %.3g FLOP/s (%s). Set "
+                        "logging.peak_flops to the device's peak FLOP/s to report MFU.", per_device, self.peak_flops, why)
+        return None
 
     def _slide(self, entry: tuple[float, ...]) -> list[float]:
         """Add a step to the window and return the window's column sums (kept running: O(1) per

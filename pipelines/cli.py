@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune",
         cmd_finetune,
         "Fine-tune a released or run checkpoint with a classification or QA-span head.",
-        "pretrain finetune configs/finetune/classification.yaml checkpoint=demo_out/release data.train=train.tsv",
+        "pretrain finetune configs/finetune/classification_small.yaml checkpoint=demo_out/release data.train=train.tsv",
     )
     _add_config_args(p, "fine-tuning")
     _add_launch_args(p)

@@ -146,7 +146,7 @@ class TrainConfig:
     seed: int = option(0, help="Seed for model init, masking and data order.")
     deterministic: bool = option(False, help="Use deterministic kernels (bitwise-reproducible on CPU in fp32).")
     eval_every: int = option(0, help="Evaluate every N steps (0 = only at the end).")
-    eval_batches: int = option(20, help="Batches per evaluation (0 = the whole split).")
+    eval_batches: int = option(20, help="Batches per rank per evaluation (0 = the whole split: every sample once, the last partial batch included).")
     checkpoint_every: int = option(0, help="Checkpoint every N steps (0 = only at the end and on signals).")
     keep_last: int = option(2, help="Checkpoints kept; older ones are deleted after a new one is complete.")
     resume: str = option("auto", help="auto (newest checkpoint in run_dir that verifies), never, or a checkpoint path.")

@@ -25,6 +25,7 @@ from typing import Any
 
 from core.config import ConfigError
 from core.files import MARKER, atomic_write_text, check_output_dir, replace_dir
+from pipelines.engine.release_card import model_card
 
 __all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release", "tokenizer_special_ids"]
 
@@ -66,46 +67,6 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
         raise ConfigError(f"{engine} holds no model states; the checkpoint is incomplete. Export another checkpoint.")
     states = safe_torch_load(files[0], map_location="cpu")  # ZeRO-0: the full module, replicated
     return {k: v.float() for k, v in states["module"].items()}
-
-
-def _model_card(state: dict[str, Any], ckpt: Path, arch: str) -> str:
-    info = state.get("data_info", {})
-    ev = state.get("eval") or {}
-    metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(ev.items()) if isinstance(v, (int, float))) or "| (none) | |"
-    build = state.get("model_build", {})
-    return f"""---
-library_name: transformers
-tags: [pretrain, {state.get("task", "")}]
----
-# {build.get("name", "model")} ({arch})
-
-Pretrained with the `pretrain` pipeline (objective `{state.get("task")}`), exported from `{ckpt}`.
-
-## Data
-- corpus: `{info.get("corpus", "?")}` (kind `{info.get("kind", "?")}`, seq_len {info.get("seq_len", "?")})
-- samples per split: {json.dumps(info.get("splits", {}))}
-- tokens per split: {json.dumps(info.get("tokens", {}))}
-- tokenizer: {json.dumps({k: v for k, v in (info.get("tokenizer") or {}).items() if k in ("type", "vocab_size", "sha256")})}
-
-## Training
-- optimizer steps: {state.get("step")}
-- tokens seen: {state.get("tokens")} (images for image models)
-- samples seen: {state.get("samples")}
-- world size: {state.get("world_size")}, engine: {state.get("engine")}, ZeRO stage: {state.get("zero_stage")}, precision: {state.get("precision")}
-- model overrides: `{json.dumps(build.get("overrides", {}))}`
-- loss: first step {state.get("start_loss")}, last step {state.get("last_loss")}
-
-## Final evaluation
-| metric | value |
-|---|---|
-{metrics}
-
-## Use
-```python
-from transformers import AutoModel
-model = AutoModel.from_pretrained("{'{'}this directory{'}'}")
-```
-"""
 
 
 def _refuse_overlap(ckpt: Path, out: Path) -> None:
@@ -154,7 +115,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         from pipelines.engine.objectives import ImageClsTask
 
         extra["preprocessor_config.json"] = json.dumps(ImageClsTask.eval_processor_config(model.config.image_size), indent=2)
-    card = _model_card(state, ckpt, type(hf).__name__)
+    card = model_card(state, ckpt, hf, model.family, str(out_dir))
     return write_release(hf, out_dir, tokenizer_dir=ckpt / "tokenizer", card=card, extra_files=extra, overwrite=overwrite)
 
 

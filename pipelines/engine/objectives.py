@@ -75,6 +75,7 @@ class Task:
     """
 
     name = ""
+    unit = "tok"  # what ``tokens(batch)`` counts, as the progress line's throughput shows it ("img/s" for images)
     corpus_kind: str | None = None
     family: str | None = None
     input_names: tuple[str, ...] = ()
@@ -258,6 +259,7 @@ class ImageClsTask(Task):
     """ViT: random-resized-crop + flip (train) / resize + center-crop (eval), optional mixup; top-1."""
 
     name, corpus_kind, family = "image_cls", "images", "vit"
+    unit = "img"
     input_names = ("pixel_values", "labels")
     mean = std = 0.5  # transformers' ViTImageProcessor defaults
 

@@ -119,7 +119,8 @@ class Trainer:
     """Runs ``cfg.train`` over ``train_data`` with ``task`` on ``model`` (see module docstring).
 
     ``train_data`` / ``eval_data``: objects with ``batches(limit=None)`` (an iterator that advances a
-    position), ``state_dict()``, ``load_state_dict()``, ``rewind()`` and ``batches_per_epoch`` —
+    position), ``state_dict()``, ``load_state_dict()``, ``batches_per_epoch`` and
+    ``evaluation_batches(limit=None)`` (one pass over the split: ``(batch, counted)``) —
     ``data.StreamingSource`` and ``data.MapStyleSource`` are the two provided.
     """
 
@@ -189,7 +190,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------- fit's steps
     def _start(self) -> _RunState:
         """Run dir and config.yaml, logger / health / throughput, resume from a checkpoint, signal handlers."""
-        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, resolve_peak_flops
+        from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
 
         cfg, t = self.cfg, self.cfg.train
         error = None
@@ -201,11 +202,13 @@ class Trainer:
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
         resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
-        logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg))
+        logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg),
+                           throughput_unit=getattr(self.task, "unit", "tok"))
         health = HealthMonitor(cfg.logging, logger)
         meter = ThroughputMeter(self._flops_per_sample(),
                                 resolve_peak_flops(cfg.logging.peak_flops, self.engine.device, t.precision),
-                                self.engine.world_size)
+                                self.engine.world_size,
+                                remeasure_peak=peak_remeasure(cfg.logging.peak_flops, self.engine.device, t.precision))
         if resume is not None:
             self._restore(resume, health, meter)
             logger.truncate_after(self.step)
@@ -344,21 +347,19 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- pieces
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Metrics over ``train.eval_batches`` batches of ``eval_data`` (same batches every time), all ranks."""
+        """Metrics over the whole ``eval_data`` split, each sample once across ranks (the last partial
+        batch included), or over its first ``train.eval_batches`` batches per rank; all ranks."""
         if self.eval_data is None:
             return {}
-        n = self.eval_data.batches_per_epoch
-        if self.cfg.train.eval_batches:
-            n = min(n, self.cfg.train.eval_batches)
         self.engine.eval()
-        self.eval_data.rewind()
         sums: dict[str, float] = {}
-        for batch in self.eval_data.batches(limit=n):
+        for batch, counted in self.eval_data.evaluation_batches(limit=self.cfg.train.eval_batches or None):
             batch = self._to_device(batch)  # eval_sums compares outputs with the batch's labels: same device
-            out = self.task.forward(self.engine, batch)
-            for k, v in self.task.eval_sums(out, batch).items():
-                sums[k] = sums.get(k, 0.0) + v
-        names = sorted(sums)
+            out = self.task.forward(self.engine, batch)  # every rank runs as many forwards (ZeRO-3 gathers in each)
+            if counted:
+                for k, v in self.task.eval_sums(out, batch).items():
+                    sums[k] = sums.get(k, 0.0) + v
+        names = sorted(sums)  # the same on every rank: each has a counted first batch (the sources refuse less)
         total = self.engine.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64), "sum")
         self.engine.train()
         return self.task.eval_metrics(dict(zip(names, total.tolist(), strict=True)))

@@ -87,12 +87,13 @@ class ClassificationTask(Task):
         return int(batch["attention_mask"].sum())
 
     def batch_flops(self, batch, config):
-        """Real sequence lengths of the valid items (dynamic padding: widths vary by batch)."""
+        """Real sequence lengths of the valid items (dynamic padding: widths vary by batch), the pooler and the classifier."""
         from models.flops import encoder_training_flops
 
         mask = batch["attention_mask"]
         rows = mask[batch["valid"].bool()] if "valid" in batch else mask
-        return encoder_training_flops(config, rows.sum(1).tolist())
+        d = config.hidden_size
+        return encoder_training_flops(config, rows.sum(1).tolist(), sequence_params=d * d + d * self.num_labels)
 
 
 def _collate_with_valid(task: ClassificationTask):

@@ -128,7 +128,7 @@ def read_examples(
         label_names = label_names or ["score"]
     elif label_names is None:
         label_names = sorted({str(label) for *_, label, _ in raw})
-        report.warnings.extend(check_label_set(path, [(str(label), where) for *_, label, where in raw]))
+        report.warnings.extend(check_label_set(path, [(str(label), where) for *_, label, where in raw], label_column))
     index = {name: i for i, name in enumerate(label_names)}
 
     examples: list[Example] = []
@@ -166,12 +166,19 @@ def _first_non_utf8_line(path: Path) -> int:
     return 0
 
 
-def check_label_set(path: Path, labels: list[tuple[str, str]]) -> list[str]:
-    """Refuse labels that differ only in case or surrounding spaces; warn about a label seen once among common ones.
+def check_label_set(path: Path, labels: list[tuple[str, str]], column: str = "label") -> list[str]:
+    """Refuse a single label (a classifier of one class learns nothing) and labels that differ only in case or
+    surrounding spaces; warn about a label seen once among common ones.
 
     ``labels``: (label, "file:line") per example. Returns the warnings.
     """
     counts = Counter(label for label, _ in labels)
+    if len(counts) == 1:
+        raise FinetuneError(
+            f"{path}: column {column!r} holds one value ({next(iter(counts))!r}) in all {len(labels)} rows; a classifier "
+            f"needs at least 2 classes. Set data.label_column to the column with the classes, or data.regression=true "
+            f"for a numeric target."
+        )
     first = {}
     for label, where in labels:
         first.setdefault(label, where)

@@ -20,6 +20,9 @@ stores one integer per corpus.
    micro-batches (about one shuffle window), item i to worker ``i % W`` — the order in which the
    DataLoader returns them — so each window is read by about one worker.
 
+Evaluation (``evaluation_batches``, ``evaluation_plan``) reads a split once in order, every sample
+on exactly one rank, the last partial batch included; every rank runs as many forwards.
+
 Reading (``shard_io.ShardReader``, one per worker and corpus): local shards by seeking through
 their index, ``pipe:`` URLs (``data.url_prefix``) in one forward streaming pass, hashed on the way.
 
@@ -58,6 +61,7 @@ __all__ = [
     "StreamingSource",
     "MapStyleSource",
     "shard_order",
+    "evaluation_plan",
     "read_samples",
     "decode_sample",
 ]
@@ -201,8 +205,10 @@ class _Stream(IterableDataset):
     ``i % W``, so the loader yields the micro-batches in order whatever W is.
     """
 
-    def __init__(self, src: StreamingSource, cursor: dict[str, Any], origin: int, first: int, count: int | None):
+    def __init__(self, src: StreamingSource, cursor: dict[str, Any], origin: int, first: int, count: int | None,
+                 plan: list[tuple[int, int]] | None = None):
         self.src, self.cursor, self.origin, self.first, self.count = src, cursor, origin, first, count
+        self.plan = plan  # an evaluation pass: micro-batch j is samples [start, start + size) of corpus 0
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         src = self.src
@@ -219,7 +225,11 @@ class _Stream(IterableDataset):
                     return
                 item = []
                 for j in range(lo, hi):
-                    picks = cursor.take(src.slot(self.origin, j), src.mb)
+                    if self.plan is None:
+                        picks = cursor.take(src.slot(self.origin, j), src.mb)
+                    else:
+                        start, size = self.plan[j]
+                        picks = [(0, k) for k in range(start, start + size)]
                     batch = [samples.get(c, k) for c, k in picks]
                     item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
                 yield item
@@ -252,7 +262,7 @@ class _PositionedSource:
             yield batch
 
     def rewind(self) -> None:
-        """Back to the start of epoch 0 (evaluation reads the same batches every time)."""
+        """Back to the start of epoch 0."""
         self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
 
 
@@ -349,8 +359,26 @@ class StreamingSource:
                 self.samples_seen += self.mb
                 yield batch
 
+    def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:
+        """One pass over the first corpus's split, every sample exactly once across ranks: ``(batch, counted)``.
+
+        See ``evaluation_plan``; the position of ``batches()`` is neither used nor moved.
+        """
+        plan = evaluation_plan(self.sequences[0].total, self.mb, self.rank, self.world, limit)
+        kwargs = loader_kwargs(self.num_workers, self.start_method)
+        if self.num_workers > 0:
+            kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
+        spans = [(start, size) for start, size, _ in plan]
+        loader = DataLoader(_Stream(self, SlotCursor(self.weights).state(), 0, 0, len(plan), plan=spans), batch_size=None,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            generator=torch.Generator().manual_seed(self.seed), **kwargs)
+        counted = iter([c for _, _, c in plan])
+        for item in loader:
+            for batch in item:
+                yield batch, next(counted)
+
     def rewind(self) -> None:
-        """Back to the first sample (evaluation reads the same batches every time)."""
+        """Back to the first sample."""
         self.origin, self.done, self.samples_seen = 0, 0, 0
         self.cursor = SlotCursor(self.weights)
 
@@ -427,6 +455,18 @@ class MapStyleSource(_PositionedSource):
                           collate_fn=functools.partial(_collate_items, self.dataset, self.collate),
                           **loader_kwargs(self.num_workers, self.start_method))
 
+    def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:
+        """One pass over the dataset in its order, every item exactly once across ranks: ``(batch, counted)``
+        (see ``evaluation_plan``); the training position is neither used nor moved."""
+        plan = evaluation_plan(len(self.dataset), self.mb, self.rank, self.world, limit)
+        batched = [list(range(start, start + size)) for start, size, _ in plan]
+        loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers,
+                            generator=torch.Generator().manual_seed(self.seed),
+                            collate_fn=functools.partial(_collate_items, self.dataset, self.collate),
+                            **loader_kwargs(self.num_workers, self.start_method))
+        for batch, (_, _, counted) in zip(loader, plan, strict=True):
+            yield batch, counted
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples_seen": self.samples_seen,
                 "world_size": self.world, "micro_batch_size": self.mb, "seed": self.seed}
@@ -434,6 +474,28 @@ class MapStyleSource(_PositionedSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self.samples_seen = int(state.get("samples_seen", 0))
+
+
+def evaluation_plan(total: int, mb: int, rank: int, world: int, limit: int | None = None) -> list[tuple[int, int, bool]]:
+    """This rank's micro-batches of one evaluation pass over ``total`` samples: ``(first sample, size, counted)``.
+
+    Global batch b is samples ``[b W mb, (b+1) W mb)`` and rank r takes its r-th block of ``mb``, so the
+    ranks together read every sample exactly once, the last partial batch included. Every rank runs
+    the same number of forward passes (``ceil(total / (W mb))``, or ``limit``), because ZeRO-3 and
+    sharded models gather parameters collectively in each forward: a rank whose block of the last
+    batch is empty runs one sample (the split's last) that is not counted, instead of leaving its
+    peers waiting.
+    """
+    per_global = world * mb
+    count = math.ceil(total / per_global)
+    if limit:
+        count = min(count, limit)
+    plan = []
+    for b in range(count):
+        start = b * per_global + rank * mb
+        size = max(0, min(mb, total - start))
+        plan.append((start, size, True) if size else (total - 1, 1, False))
+    return plan
 
 
 def _collate_items(dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], indices: list[int]) -> dict[str, Any]:

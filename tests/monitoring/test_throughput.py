@@ -180,3 +180,27 @@ def test_mfu_from_the_step_flops_of_variable_length_batches() -> None:
     clock.now += 0.5
     out = meter.end_step(samples=16, tokens=1000, flops=2e11)
     assert out["mfu"] == pytest.approx(2e11 / 0.5 / 2e12)  # 20 %, not 16 x 3e9 / 0.5 / 2e12 = 4.8 %
+
+
+def test_a_cpu_peak_that_a_step_beats_is_remeasured_and_mfu_never_exceeds_one(caplog) -> None:
+    """A CPU peak probed while other processes ran reads low (fine-tuning logged 125.8 % MFU): the first
+    step that beats it re-probes (the higher figure is kept); a peak still below the achieved rate gives
+    no MFU and one warning, never a figure above 100 %."""
+    probes = iter([4e11, 1e11])
+    clock = _Clock()
+    meter = ThroughputMeter(flops_per_sample=0, peak_flops=1e11, clock=clock, warmup_steps=0,
+                            remeasure_peak=lambda: next(probes))
+    meter.start_step()
+    clock.now += 1.0
+    out = meter.end_step(samples=8, tokens=800, flops=2e11)  # 2e11 FLOP/s > the 1e11 probe
+    assert out["mfu"] == pytest.approx(0.5) and meter.peak_flops == 4e11 and out["step_flops"] == 2e11
+    low = ThroughputMeter(flops_per_sample=0, peak_flops=1e11, clock=clock, warmup_steps=0,
+                          remeasure_peak=lambda: next(probes))
+    for _ in range(3):
+        low.start_step()
+        clock.now += 1.0
+        out = low.end_step(samples=8, tokens=800, flops=2e11)
+        assert "mfu" not in out and out["tflops_per_device"] == pytest.approx(0.2)
+    assert sum("MFU not reported" in r.message for r in caplog.records) == 1
+    fresh = cpu_peak_flops("fp32", seconds=0.05, fresh=True)
+    assert cpu_peak_flops("fp32") == fresh >= peak_flops_for("cpu", "fp32")  # a fresh probe only ever raises it

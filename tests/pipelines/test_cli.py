@@ -48,3 +48,29 @@ def test_prepare_missing_input_names_the_path(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and str(tmp_path / "nope") in err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def _png(path, value: int) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (value, value, value)).save(path)
+
+
+def test_prepare_refuses_a_one_class_image_corpus_naming_the_folder_or_column(tmp_path, capsys):
+    """One class trains to loss 0 and learns nothing: refused before anything is read, with where the labels came from."""
+    for i in range(3):
+        _png(tmp_path / "imgs" / "cat" / f"{i}.png", 10 * i)
+    out = tmp_path / "out"
+    code = main(["prepare", "configs/data/digits_images.yaml", f"output={out}",
+                 f"sources=[{{type: image_folder, paths: ['{tmp_path / 'imgs'}']}}]"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "'cat'" in err and str(tmp_path / "imgs") in err and "at least 2 classes" in err
+    assert not (out / "manifest.json").exists()
+    csv = tmp_path / "imgs" / "labels.csv"
+    csv.write_text("file,kind,label\n" + "".join(f"cat/{i}.png,{i},animal\n" for i in range(3)))
+    code = main(["prepare", "configs/data/digits_images.yaml", f"output={out}",
+                 f"sources=[{{type: image_csv, paths: ['{csv}'], path_field: file, label_field: label}}]"])
+    err = capsys.readouterr().err
+    assert code == 1 and "column 'label'" in err and str(csv) in err and "label_field" in err, err

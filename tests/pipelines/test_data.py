@@ -273,3 +273,24 @@ def test_an_epoch_reads_each_shard_byte_about_once(tmp_path):
     assert len(set(got)) == total
     records = sum(int(np.load(root / s.index["name"])[:, 1].sum()) for s in shards)  # all but the tar end padding
     assert sum(read) == records and len(read) <= -(-total // 50)  # every record read once, one read per window
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_evaluation_pass_reads_every_sample_once_across_ranks_with_equal_forward_counts(uneven, workers):
+    """43 samples, 2 ranks x 4: the last global batch is partial (3 samples on rank 0, none on rank 1);
+    every sample is counted exactly once and both ranks run the same number of forwards (no ZeRO-3 hang)."""
+    m = load_manifest(uneven)
+    t = _task(m)
+    per_rank = [list(_src(m, t, rank=r, world=2, mb=4, workers=workers, shuffle=False, train=False).evaluation_batches())
+                for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 6
+    counted = [k for rank in per_rank for batch, c in rank if c for k in batch["keys"]]
+    assert len(counted) == 43 and len(set(counted)) == 43
+    assert [c for _, c in per_rank[1]] == [True] * 5 + [False]
+    items = list(range(23))
+    sources = [data.MapStyleSource(items, lambda b: {"x": b}, micro_batch_size=3, rank=r, world=2, shuffle=False)
+               for r in range(2)]
+    seen = [x for s in sources for batch, c in s.evaluation_batches() if c for x in batch["x"]]
+    assert sorted(seen) == items
+    limited = list(sources[0].evaluation_batches(limit=2))
+    assert [b["x"] for b, _ in limited] == [[0, 1, 2], [6, 7, 8]]

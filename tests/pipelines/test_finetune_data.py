@@ -63,3 +63,10 @@ def test_regression_labels_and_collate(tmp_path):
     assert batch["input_ids"].tolist() == [[2, 5, 3], [2, 3, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].dtype.is_floating_point
+
+
+def test_a_label_column_of_one_value_is_refused_naming_file_and_column(tmp_path):
+    path = tmp_path / "train.tsv"
+    path.write_text("text\ttopic\n" + "".join(f"row {i}\tsports\n" for i in range(30)))
+    with pytest.raises(FinetuneError, match=r"train.tsv: column 'topic' holds one value \('sports'\).*data.label_column"):
+        read_examples(path, text_column="text", label_column="topic")

@@ -120,35 +120,46 @@ def test_vit_release_pipeline_sees_the_pixels_and_logits_of_our_eval_on_non_squa
 
 @pytest.mark.slow
 def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
-    """A real run on non-square images: ``pipeline("image-classification")`` on the eval split scores the run's top1."""
+    """A real 2-process DeepSpeed run on non-square images whose 19-image eval split is not a multiple of
+    world x micro batch (2 x 4): the run's top1 and loss, and the card's, are those of
+    ``pipeline("image-classification")`` on the whole split (the last partial batch included)."""
     import io
 
     import corpus_fixtures as cf
     from job_helpers import run_pretrain, summary_of
     from PIL import Image
-    from transformers import pipeline
+    from transformers import AutoModelForImageClassification, pipeline
 
     from core.corpus import read_shard
     from pipelines.engine.export import export_checkpoint
 
-    corpus = cf.make_image_corpus(tmp_path / "corpus", size=(52, 36))
+    corpus = cf.make_image_corpus(tmp_path / "corpus", size=(52, 36), val_sizes=(13, 6))
     run = tmp_path / "run"
     proc = run_pretrain("configs/train/vit_tiny_cpu.yaml", [
-        f"data.corpus={corpus}", f"train.run_dir={run}", "train.max_steps=8", "data.micro_batch_size=8",
-        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=4", "optim.lr=3e-3",
-        "schedule.warmup_steps=2", "train.checkpoint_every=0"], processes=1, launcher="python")
+        f"data.corpus={corpus}", f"train.run_dir={run}", "train.max_steps=6", "data.micro_batch_size=4",
+        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=0", "optim.lr=3e-3",
+        "schedule.warmup_steps=2", "train.checkpoint_every=0"], processes=2)
     summary = summary_of(proc)
+    progress = [line for line in proc.stdout.splitlines() if "] train " in line]
+    assert progress and all(" img/s " in line and "tok/s" not in line for line in progress), progress
     out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
     clf = pipeline("image-classification", model=str(out))
     images, labels = [], []
     for shard in sorted(corpus.glob("validation-*.tar")):
         for _, parts in read_shard(shard):
             images.append(Image.open(io.BytesIO(parts["png"])).convert("RGB"))
-            labels.append(f"class{int(parts['cls'])}")
-    assert len(images) == 32 and images[0].size == (52, 36)
-    preds = [p[0]["label"] for p in clf(images, top_k=1)]
-    accuracy = sum(p == y for p, y in zip(preds, labels, strict=True)) / len(labels)
-    assert accuracy == pytest.approx(summary["eval"]["top1"], abs=1e-9), (accuracy, summary["eval"])
+            labels.append(int(parts["cls"]))
+    assert len(images) == 19 and images[0].size == (52, 36)
+    model = AutoModelForImageClassification.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        pixels = clf.image_processor(images, return_tensors="pt")["pixel_values"]
+        scored = model(pixel_values=pixels, labels=torch.tensor(labels))
+    accuracy = float((scored.logits.argmax(-1) == torch.tensor(labels)).float().mean())
+    assert summary["eval"]["top1"] == pytest.approx(accuracy, abs=1e-9), (accuracy, summary["eval"])
+    assert summary["eval"]["loss"] == pytest.approx(float(scored.loss), rel=1e-4), (float(scored.loss), summary["eval"])
+    preds = [int(p[0]["label"].removeprefix("class")) for p in clf(images, top_k=1)]
+    assert sum(p == y for p, y in zip(preds, labels, strict=True)) / 19 == pytest.approx(accuracy, abs=1e-9)
+    assert f"| top1 | {accuracy:.4f} |" in (out / "README.md").read_text()
 
 
 def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
@@ -172,3 +183,77 @@ def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     for name in ("pad_token_id", "unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
         assert getattr(tok, name) is not None and cfg.get(name) == getattr(tok, name), name
+
+
+def _bert_checkpoint(root: Path) -> Path:
+    """A DDP-engine checkpoint of a tiny BERT (random init) with its WordPiece tokenizer."""
+    import corpus_fixtures as cf
+
+    import models
+
+    ckpt = root / "step-00000001"
+    _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
+    overrides = {"vocab_size": vocab, "num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+    torch.manual_seed(0)
+    model = models.create("bert-tiny", **overrides)
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({
+        "step": 1, "task": "mlm_nsp", "engine": "ddp", "tokens": 4096,
+        "model_build": {"name": "bert-tiny", "overrides": overrides},
+        "data_info": {"kind": "bert_pairs", "seq_len": 64, "tokens": {"train": 4096}, "tokenizer": {"type": "wordpiece"}}}))
+    return ckpt
+
+
+def _card_snippet(card: str) -> str:
+    return card.split("## Use\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("family", ["vit", "bert", "gpt"])
+def test_each_familys_card_has_its_fields_and_a_usage_snippet_that_runs(family, tmp_path):
+    """The card's snippet runs as written from where the export was run (a ViT one classifies an image with the
+    release's processor), and the card lists only fields of its family (no seq_len/tokens/tokenizer for images)."""
+    import contextlib
+    import io
+    import logging
+    import os
+
+    from PIL import Image
+
+    from pipelines.engine.export import export_checkpoint
+
+    make = {"vit": lambda: _vit_checkpoint(tmp_path)[0], "bert": lambda: _bert_checkpoint(tmp_path),
+            "gpt": lambda: _gpt_checkpoint(tmp_path, steps=1)}[family]
+    work = tmp_path / "work"
+    work.mkdir()
+    Image.new("RGB", (48, 40), (200, 40, 40)).save(work / "image.png")
+    out = export_checkpoint(make(), tmp_path / "release" / family)
+    card = (out / "README.md").read_text()
+    snippet = _card_snippet(card)
+    assert "{this directory}" not in card and f'"{out}"' in snippet
+    assert {"vit": "AutoModelForImageClassification", "bert": 'pipeline("fill-mask"',
+            "gpt": "AutoModelForCausalLM"}[family] in snippet
+    printed, report = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(report)
+    logging.getLogger("transformers").addHandler(handler)
+    cwd = os.getcwd()
+    try:
+        os.chdir(work)
+        with contextlib.redirect_stdout(printed):
+            exec(compile(snippet, "card snippet", "exec"), {})  # noqa: S102 - the card's own text, run as a user would
+    finally:
+        os.chdir(cwd)
+        logging.getLogger("transformers").removeHandler(handler)
+    assert printed.getvalue().strip()
+    if family == "vit":
+        assert printed.getvalue().strip() in {f"class{c}" for c in range(4)}
+        assert "seq_len" not in card and "tokens" not in card and "tokenizer" not in card
+        assert "images seen: " in card and "classes (4)" in card
+    else:
+        assert "seq_len" in card and "tokens seen: " in card and "tokenizer: " in card
+    if family == "bert":  # the fill-mask load report lists exactly the tensors the card says it will, none missing
+        lines = report.getvalue().splitlines()
+        unexpected = {line.split("|")[0].strip() for line in lines if "| UNEXPECTED" in line}
+        assert unexpected == {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "cls.seq_relationship.weight",
+                              "cls.seq_relationship.bias"}, report.getvalue()
+        assert "| MISSING" not in report.getvalue() and "`cls.seq_relationship.*`" in card and "UNEXPECTED" in card
