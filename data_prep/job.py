@@ -30,6 +30,7 @@ from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.context import JobContext
 from data_prep.errors import PrepError
+from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
 from data_prep.task_pool import chunk_entries, run_limited
@@ -173,7 +174,7 @@ def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, worke
     from data_prep.tokenizer import save_tokenizer, train_tokenizer
 
     chosen, size = _sample_files(cfg, entries, cfg.tokenizer.sample_bytes)
-    _, docs, _, _ = _read_sample(cfg, chunk_entries(chosen, 2 * workers), ctx, workers, estimate=False)
+    _, docs, _, _ = _read_sample(cfg, chunk_entries(_ranges(cfg, chosen, workers), 2 * workers), ctx, workers, estimate=False)
     texts, budget = [], cfg.tokenizer.sample_bytes
     for h in sorted(docs):
         texts.append(docs[h])
@@ -254,7 +255,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     groups = min(len(names), max(4 * workers, math.ceil(total_in / _REDUCE_INPUT_BYTES)))
     ctx = ctx.with_(groups=groups, group_of={name: i % groups for i, name in enumerate(names)})
     ctx_ref = ray.put(ctx)
-    chunks = chunk_entries(entries, max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
+    chunks = chunk_entries(_ranges(cfg, entries, workers), max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
     mapper = _task(stages.map_images if cfg.kind == "images" else stages.map_text, cfg)
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
@@ -283,6 +284,13 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
                 records.append(rec)
     stage_s["reduce: shuffle, build, write"] = time.perf_counter() - t0
     return records
+
+
+def _ranges(cfg: PrepConfig, entries, workers: int) -> list[dict[str, Any]]:
+    """`entries` with big files split into ranges (`data_prep.ranges`): the documents, hence the bytes, stay the same."""
+    if cfg.kind == "images":
+        return list(entries)
+    return split_entries(entries, cfg.sources, range_bytes_for(cfg.input_range_mb, sum(e["size"] for e in entries), workers))
 
 
 def _add_seconds(total: dict[str, float], part: dict[str, float]) -> None:
