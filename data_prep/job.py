@@ -3,7 +3,8 @@
 Stages (Ray tasks, see `tasks.py`): list inputs -> tokenizer sample (read + clean a
 deterministic subset in Ray; train the tokenizer on it, or, for a reused tokenizer, only
 estimate the shard bytes of a small sample inside the tasks) -> optional MinHash near-dedup
-(Ray Data groupby) -> map tasks read + clean + tokenize balanced chunks of files and route each
+(Ray Data groupby) -> map tasks read + clean + tokenize balanced chunks of files (big files cut
+into record-aligned ranges, `data_prep.ranges`) and route each
 document by content hash to its shard's reduce group -> reduce tasks (a hash-partitioned
 shuffle through Ray's object store, which co-locates exact duplicates) dedup and write their
 shards -> the driver collects the small per-shard records and writes `manifest.json` last.
@@ -41,6 +42,7 @@ FORMAT_VERSION = "2"  # bump when the bytes a config produces change, so stale s
 _SHARD_FILE = SHARD_FILE_RE
 _SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
 _SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)
+_SIZING_RANGE_BYTES = _SIZING_SAMPLE_BYTES // _SIZING_CHUNKS  # big sample files are cut so (fixed, as above)
 _MAP_INPUT_BYTES = 128_000_000  # input bytes per map task at most (more tasks on big corpora)
 _REDUCE_INPUT_BYTES = 512_000_000  # input bytes behind one reduce task at most (bounds its memory)
 
@@ -156,17 +158,30 @@ def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimat
 def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:
     """Install the configured tokenizer; size the shards from a small sample, estimated in Ray tasks.
 
-    The sample is cut into a fixed number of chunks (not one per worker) so the estimate, hence
-    the shard count and the bytes, do not depend on the number of workers.
+    The sample (the leading ranges of fixed size of the seeded file order, so one big file is not
+    read whole) is cut into a fixed number of chunks (not one per worker) so the estimate, hence
+    the shard count and the bytes, do not depend on the number of workers or `input_range_mb`.
     """
     from data_prep.tokenizer import install_tokenizer, load_tokenizer_dir
 
     tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
     install_tokenizer(cfg.tokenizer.path, out / "tokenizer")
     tok_info, ctx = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
-    chosen, size = _sample_files(cfg, entries, min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES))
+    limit = min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES)
+    chosen, size = _leading_bytes(split_entries(_sample_files(cfg, entries, limit)[0], cfg.sources, _SIZING_RANGE_BYTES), limit)
     _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True)
     return tok_info, out_bytes / max(1, size), ctx
+
+
+def _leading_bytes(pieces: list[dict[str, Any]], limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The first `pieces` (files or ranges, in order) that hold at least `limit` bytes: a big file is not read whole."""
+    chosen, size = [], 0
+    for p in pieces:
+        if size >= limit:
+            break
+        chosen.append(p)
+        size += p["size"]
+    return chosen, size
 
 
 def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:

@@ -153,3 +153,8 @@ def test_one_big_file_gives_identical_bytes_split_or_not_with_one_or_two_workers
     assert split2 == whole and split1 == whole and len([k for k in whole if k.endswith(".tar")]) >= 3
     manifest = json.loads((tmp_path / "split2" / "manifest.json").read_text())
     assert "input_range_mb" not in manifest["prep_config"]
+    if kind == "text":  # a reused tokenizer sizes the shards from a fixed sample: not the whole file, not the ranges
+        reuse = [cfg(f"reuse{w}", w, mb) for w, mb in ((2, 0), (1, 0.004))]
+        for c in reuse:
+            c.tokenizer.path = str(tmp_path / "whole" / "tokenizer")
+        assert _run(monkeypatch, reuse[0])[0] == _run(monkeypatch, reuse[1])[0]
