@@ -118,14 +118,19 @@ def _digest(corpus: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def one_big_file(tmp_path_factory) -> dict[str, Path]:
-    """pydoc_data's topics (always installed) as one paragraphs text file and one JSONL file (~0.5 MB each)."""
+    """pydoc_data's topics (always installed) as one paragraphs text file, one JSONL and one Parquet file (~0.5 MB each)."""
     from pydoc_data.topics import topics
 
     root = tmp_path_factory.mktemp("one_file")
     docs = [v for _, v in sorted(topics.items())]
     (root / "topics.txt").write_text("\n\n".join(docs), encoding="utf-8")
-    (root / "topics.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for d in docs for p in d.split("\n\n")), encoding="utf-8")
-    return {"text": root / "topics.txt", "jsonl": root / "topics.jsonl"}
+    paragraphs = [p for d in docs for p in d.split("\n\n")]
+    (root / "topics.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs), encoding="utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": paragraphs}), root / "topics.parquet", row_group_size=200)
+    return {"text": root / "topics.txt", "jsonl": root / "topics.jsonl", "parquet": root / "topics.parquet"}
 
 
 def _run(monkeypatch, cfg: PrepConfig) -> tuple[dict[str, str], int]:
@@ -138,7 +143,7 @@ def _run(monkeypatch, cfg: PrepConfig) -> tuple[dict[str, str], int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["text", "jsonl"])
+@pytest.mark.parametrize("kind", ["text", "jsonl", "parquet"])
 def test_one_big_file_gives_identical_bytes_split_or_not_with_one_or_two_workers(ray_cluster, one_big_file, tmp_path, monkeypatch, kind):
     def cfg(name: str, workers: int, range_mb: float) -> PrepConfig:
         return PrepConfig(kind="bert_pairs", output=str(tmp_path / name), seq_len=64, validation_fraction=0.1,
@@ -149,7 +154,7 @@ def test_one_big_file_gives_identical_bytes_split_or_not_with_one_or_two_workers
     whole, tasks_whole = _run(monkeypatch, cfg("whole", 2, 0))
     split2, tasks_split = _run(monkeypatch, cfg("split2", 2, 0.004))
     split1, _ = _run(monkeypatch, cfg("split1", 1, 0.004))
-    assert tasks_whole == 1 and tasks_split == 8  # 4 per worker, from ~120 ranges of 4 kB
+    assert tasks_whole == 1 and tasks_split == 8  # 4 per worker, from many ranges of ~4 kB (or one row group each)
     assert split2 == whole and split1 == whole and len([k for k in whole if k.endswith(".tar")]) >= 3
     manifest = json.loads((tmp_path / "split2" / "manifest.json").read_text())
     assert "input_range_mb" not in manifest["prep_config"]
