@@ -1,8 +1,9 @@
 """Input discovery (driver) and record readers (Ray workers) for every supported source type.
 
 The driver only lists files (globs, directories, HF dataset caches, image class folders) and
-fails fast on a missing path; reading happens in Ray tasks, one file at a time, streaming so a
-worker never holds more than one document (or one Arrow batch) per file in memory. Bad records
+fails fast on a missing path; reading happens in Ray tasks, one file (or one range of a big file,
+`data_prep.ranges`) at a time, streaming so a worker never holds more than one document (or one
+Arrow batch) per file in memory. Bad records
 (invalid UTF-8, a broken JSON line, a missing field, an empty file) are yielded as a rule name
 instead of text so the job can count them per file and rule rather than crash.
 """
