@@ -19,7 +19,12 @@ Each contender runs `--repeat` times, interleaved, and its fastest run counts (t
 for ours and the baseline: on a shared machine the fastest run is the least disturbed one); the
 ratios of the medians are printed too, as a check that the fastest runs are not flukes.
 
+With `--single-file-mb 40` it also prepares ONE text file of that size (issue #34) with 2 and 1
+workers, the file cut into ranges (the default `input_range_mb`), and with 2 workers reading it as
+one task (`input_range_mb=0`), and prints the whole-job and map-stage ratios.
+
     python benchmarks/prep_throughput.py [--mb 1000] [--kinds packed_lm,bert_pairs] [--seq-len 128] [--repeat 3]
+    python benchmarks/prep_throughput.py --only-single-file --single-file-mb 40 --kinds bert_pairs --repeat 2
 """
 
 from __future__ import annotations
@@ -42,23 +47,27 @@ from benchmarks.corpus_text import build_text, documents, text_mb  # noqa: E402
 
 
 def ours(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, workers: int, shard_mb: float = 1.0,
-         worker_malloc: str = "auto") -> dict:
+         worker_malloc: str = "auto", range_mb: float | None = None) -> dict:
+    """One job; `tokenizer` "" trains one in the job (16k, on a 2 MB sample); `range_mb` None = the config's default."""
     from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
     from data_prep.job import run_prepare
 
     cfg = PrepConfig(
         kind=kind, output=str(out), seq_len=seq_len, num_workers=workers, progress=False, validation_fraction=0.0,
         shard_target_mb=shard_mb, sources=[SourceConfig(type="text", paths=[str(corpus / "*.txt")], text_mode="paragraphs")],
-        tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000),
+        tokenizer=TokenizerConfig(path=tokenizer, type="wordpiece" if kind == "bert_pairs" else "bpe", sample_bytes=2_000_000,
+                                  vocab_size=16000),
         worker_malloc=worker_malloc,
     )
+    if range_mb is not None:
+        cfg.input_range_mb = range_mb
     cfg.clean.dedup = False  # the baseline does not dedup either
     cpu0 = time.process_time() + ray_workers_cpu_s()
     t0, start = time.perf_counter(), time.time()
     s = run_prepare(cfg)
     seconds = time.perf_counter() - t0
     return {"tokens": s["tokens"], "seconds": seconds, "window": (start, time.time()), "cpu_s": time.process_time() + ray_workers_cpu_s() - cpu0,
-            "worker_malloc": s["worker_malloc"], "task_s": s["task_s"]}
+            "worker_malloc": s["worker_malloc"], "task_s": s["task_s"], "stages_s": s["stages_s"]}
 
 
 def ray_workers_cpu_s() -> float:
@@ -176,6 +185,48 @@ def peak_rss(kind: str, corpus: Path, out: Path, tokenizer: str, seq_len: int, a
     return int(line[-1].split()[1]) / 1024  # MiB (ru_maxrss is KiB on Linux)
 
 
+_MAP_STAGE = "map: read, clean, tokenize, route"
+
+
+def single_file_case(args, work: Path, toks: dict[str, str]) -> dict:
+    """One text file of `--single-file-mb` MB (issue #34): 2 vs 1 workers with range splitting (the default
+    `input_range_mb`), and 2 workers reading it as one task (`input_range_mb=0`, the behaviour before), interleaved.
+
+    Ratios of the fastest runs: whole job and map stage (read, clean, tokenize, route: the job summary's
+    stage time). With `--single-file-train` the jobs train their tokenizer (on 2 MB, on the driver), else
+    they reuse the shared one."""
+    folder = build_text(work / "single", args.single_file_mb, bundle_mb=2 * args.single_file_mb)
+    (big,) = folder.glob("*.txt")
+    out: dict = {"file_mb": round(big.stat().st_size / 1e6, 2), "tokenizer": "trained in the job" if args.single_file_train else "reused"}
+    for kind in args.kinds.split(","):
+        tok = "" if args.single_file_train else toks[kind]
+        runs: dict[str, list[dict]] = {"split_2w": [], "split_1w": [], "whole_2w": []}
+        for rep in range(args.repeat):
+            for name, workers, range_mb in (("split_2w", 2, None), ("split_1w", 1, None), ("whole_2w", 2, 0.0)):
+                dest = work / f"single-{name}-{kind}-{rep}"
+                runs[name].append(ours(kind, folder, dest, tok, args.seq_len, workers, args.shard_mb, args.worker_malloc, range_mb))
+                shutil.rmtree(dest, ignore_errors=True)
+        job = {name: min(x["seconds"] for x in xs) for name, xs in runs.items()}
+        stage = {name: min(x["stages_s"][_MAP_STAGE] for x in xs) for name, xs in runs.items()}
+        out[kind] = {
+            "job_s": {k: round(v, 2) for k, v in job.items()}, "map_stage_s": {k: round(v, 2) for k, v in stage.items()},
+            "job_1_to_2_workers": round(job["split_1w"] / job["split_2w"], 2),
+            "map_1_to_2_workers": round(stage["split_1w"] / stage["split_2w"], 2),
+            "job_split_vs_whole_2w": round(job["whole_2w"] / job["split_2w"], 2),
+            "map_split_vs_whole_2w": round(stage["whole_2w"] / stage["split_2w"], 2),
+            # driver + Ray worker CPU-s: the same work on 1 or 2 workers, so a 1 -> 2 ratio far below 2 with equal
+            # CPU-s means the machine had no second core to give (a busy machine), not that the work stayed serial
+            "cpu_s": {name: round(min(x["cpu_s"] for x in xs), 1) for name, xs in runs.items()},
+            "task_s_split_2w": min(runs["split_2w"], key=lambda x: x["seconds"])["task_s"],
+            "task_s_split_1w": min(runs["split_1w"], key=lambda x: x["seconds"])["task_s"],
+            "stages_s_split_2w": min(runs["split_2w"], key=lambda x: x["seconds"])["stages_s"],
+            "stages_s_split_1w": min(runs["split_1w"], key=lambda x: x["seconds"])["stages_s"],
+            "seconds_all_runs": {name: [round(x["seconds"], 2) for x in xs] for name, xs in runs.items()},
+        }
+        print("single file", kind, json.dumps(out[kind]), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=3.0, help="corpus size in MB")
@@ -188,6 +239,10 @@ def main() -> None:
     parser.add_argument("--raw-baseline", action="store_true", help="baseline without our cleaning (less work than ours)")
     parser.add_argument("--worker-malloc", default="auto", help="our prep config's worker_malloc (auto | system | path)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each contender (interleaved); the fastest counts")
+    parser.add_argument("--single-file-mb", type=float, default=0.0,
+                        help="also run the single-large-file case on one text file of this many MB (issue #34: 40); 0 = skip")
+    parser.add_argument("--single-file-train", action="store_true", help="single-file case: the jobs train their tokenizer")
+    parser.add_argument("--only-single-file", action="store_true", help="run only the single-file case (no baseline, no RSS)")
     args = parser.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both sides
 
@@ -211,6 +266,8 @@ def main() -> None:
         results: dict = {"corpus_mb": round(text_mb(corpus), 2)}
         for kind in args.kinds.split(","):
             ours(kind, build_text(work / "warm", 2), work / f"warm-{kind}", toks[kind], args.seq_len, 2, 1.0, args.worker_malloc)  # warm the workers
+            if args.only_single_file:
+                continue
             runs: dict[str, list[dict]] = {"ours_2w": [], "ours_1w": [], "baseline": []}
             for rep in range(args.repeat):  # interleaved; fresh output and cache dirs every time
                 runs["ours_2w"].append(ours(kind, corpus, work / f"ours2-{kind}-{rep}", toks[kind], args.seq_len, 2, args.shard_mb,
@@ -244,7 +301,9 @@ def main() -> None:
             r["ray_tasks"] = {name: task_concurrency(timeline, best[name]["window"]) for name in best if name != "baseline"}
             results[kind] = r
             print(kind, json.dumps(r), flush=True)
-        if not args.skip_memory:
+        if args.single_file_mb > 0:
+            results["single_file"] = single_file_case(args, work, toks)
+        if not args.skip_memory and not args.only_single_file:
             big = build_text(work / "corpus4x", 4 * args.mb)
             results["peak_driver_rss_mib"] = {
                 "1x": round(peak_rss("packed_lm", corpus, work / "m1", toks["packed_lm"], args.seq_len, address, args.shard_mb)),

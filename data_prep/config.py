@@ -106,6 +106,11 @@ class PrepConfig:
     shard_target_mb: float = option(256.0, help="Target size of a shard in MB (approximate).")
     max_bad_fraction: float = option(0.01, help="Fail when more than this share of input records is bad.")
     num_workers: int = option(0, help="Ray workers for the parallel stages (0 = all CPUs). Does not change the output.")
+    input_range_mb: float = option(
+        64.0, help="Text (paragraphs), JSONL and Parquet files bigger than this are read as several ranges (cut at a "
+        "paragraph, line or row-group boundary), one task each, and finer when that gives fewer than 4 pieces per "
+        "worker (at least 1 MB then). 0 = one task per file. Does not change the output."
+    )
     progress: bool = option(True, help="Show progress bars (map and reduce tasks done) while the job runs.")
     worker_malloc: str = option(
         "auto", help="Allocator preloaded into the Ray tasks: auto (tcmalloc, mimalloc or Ray's jemalloc, the first found; "
@@ -135,6 +140,8 @@ class PrepConfig:
             raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}.")
         if not 0.0 <= self.nsp_random_prob <= 1.0 or not 0.0 <= self.short_seq_prob <= 1.0:
             raise ConfigError("nsp_random_prob and short_seq_prob must be probabilities in [0, 1].")
+        if self.input_range_mb < 0:
+            raise ConfigError(f"input_range_mb must be >= 0 (0 = never split an input file), got {self.input_range_mb}.")
         if self.shard_target_mb <= 0:
             raise ConfigError(f"shard_target_mb must be positive, got {self.shard_target_mb}.")
         if self.dupe_factor < 1:
@@ -148,7 +155,7 @@ def load_prep_config(path: str | None, overrides: typing.Iterable[str] = ()) -> 
 
 # Fields that change how the job runs but not what it writes: left out of the manifest and of
 # shard fingerprints so that 1 or 8 workers give byte-identical corpora.
-_EXECUTION_ONLY = ("output", "num_workers", "progress", "worker_malloc")
+_EXECUTION_ONLY = ("output", "num_workers", "input_range_mb", "progress", "worker_malloc")
 
 
 def manifest_config(cfg: PrepConfig) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Stages (Ray tasks, see `tasks.py`): list inputs -> tokenizer sample (read + clean a
 deterministic subset in Ray; train the tokenizer on it, or, for a reused tokenizer, only
 estimate the shard bytes of a small sample inside the tasks) -> optional MinHash near-dedup
-(Ray Data groupby) -> map tasks read + clean + tokenize balanced chunks of files and route each
+(Ray Data groupby) -> map tasks read + clean + tokenize balanced chunks of files (big files cut
+into record-aligned ranges, `data_prep.ranges`) and route each
 document by content hash to its shard's reduce group -> reduce tasks (a hash-partitioned
 shuffle through Ray's object store, which co-locates exact duplicates) dedup and write their
 shards -> the driver collects the small per-shard records and writes `manifest.json` last.
@@ -30,6 +31,7 @@ from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.context import JobContext
 from data_prep.errors import PrepError
+from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
 from data_prep.task_pool import chunk_entries, run_limited
@@ -40,6 +42,7 @@ FORMAT_VERSION = "2"  # bump when the bytes a config produces change, so stale s
 _SHARD_FILE = SHARD_FILE_RE
 _SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
 _SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)
+_SIZING_RANGE_BYTES = _SIZING_SAMPLE_BYTES // _SIZING_CHUNKS  # big sample files are cut so (fixed, as above)
 _MAP_INPUT_BYTES = 128_000_000  # input bytes per map task at most (more tasks on big corpora)
 _REDUCE_INPUT_BYTES = 512_000_000  # input bytes behind one reduce task at most (bounds its memory)
 
@@ -155,17 +158,30 @@ def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimat
 def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:
     """Install the configured tokenizer; size the shards from a small sample, estimated in Ray tasks.
 
-    The sample is cut into a fixed number of chunks (not one per worker) so the estimate, hence
-    the shard count and the bytes, do not depend on the number of workers.
+    The sample (the leading ranges of fixed size of the seeded file order, so one big file is not
+    read whole) is cut into a fixed number of chunks (not one per worker) so the estimate, hence
+    the shard count and the bytes, do not depend on the number of workers or `input_range_mb`.
     """
     from data_prep.tokenizer import install_tokenizer, load_tokenizer_dir
 
     tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
     install_tokenizer(cfg.tokenizer.path, out / "tokenizer")
     tok_info, ctx = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
-    chosen, size = _sample_files(cfg, entries, min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES))
+    limit = min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES)
+    chosen, size = _leading_bytes(split_entries(_sample_files(cfg, entries, limit)[0], cfg.sources, _SIZING_RANGE_BYTES), limit)
     _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True)
     return tok_info, out_bytes / max(1, size), ctx
+
+
+def _leading_bytes(pieces: list[dict[str, Any]], limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The first `pieces` (files or ranges, in order) that hold at least `limit` bytes: a big file is not read whole."""
+    chosen, size = [], 0
+    for p in pieces:
+        if size >= limit:
+            break
+        chosen.append(p)
+        size += p["size"]
+    return chosen, size
 
 
 def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, workers: int) -> tuple[dict[str, Any], float, JobContext]:
@@ -173,7 +189,7 @@ def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, worke
     from data_prep.tokenizer import save_tokenizer, train_tokenizer
 
     chosen, size = _sample_files(cfg, entries, cfg.tokenizer.sample_bytes)
-    _, docs, _, _ = _read_sample(cfg, chunk_entries(chosen, 2 * workers), ctx, workers, estimate=False)
+    _, docs, _, _ = _read_sample(cfg, chunk_entries(_ranges(cfg, chosen, workers), 2 * workers), ctx, workers, estimate=False)
     texts, budget = [], cfg.tokenizer.sample_bytes
     for h in sorted(docs):
         texts.append(docs[h])
@@ -254,7 +270,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     groups = min(len(names), max(4 * workers, math.ceil(total_in / _REDUCE_INPUT_BYTES)))
     ctx = ctx.with_(groups=groups, group_of={name: i % groups for i, name in enumerate(names)})
     ctx_ref = ray.put(ctx)
-    chunks = chunk_entries(entries, max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
+    chunks = chunk_entries(_ranges(cfg, entries, workers), max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
     mapper = _task(stages.map_images if cfg.kind == "images" else stages.map_text, cfg)
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
@@ -283,6 +299,13 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
                 records.append(rec)
     stage_s["reduce: shuffle, build, write"] = time.perf_counter() - t0
     return records
+
+
+def _ranges(cfg: PrepConfig, entries, workers: int) -> list[dict[str, Any]]:
+    """`entries` with big files split into ranges (`data_prep.ranges`): the documents, hence the bytes, stay the same."""
+    if cfg.kind == "images":
+        return list(entries)
+    return split_entries(entries, cfg.sources, range_bytes_for(cfg.input_range_mb, sum(e["size"] for e in entries), workers))
 
 
 def _add_seconds(total: dict[str, float], part: dict[str, float]) -> None:

@@ -1,8 +1,9 @@
 """Input discovery (driver) and record readers (Ray workers) for every supported source type.
 
 The driver only lists files (globs, directories, HF dataset caches, image class folders) and
-fails fast on a missing path; reading happens in Ray tasks, one file at a time, streaming so a
-worker never holds more than one document (or one Arrow batch) per file in memory. Bad records
+fails fast on a missing path; reading happens in Ray tasks, one file (or one range of a big file,
+`data_prep.ranges`) at a time, streaming so a worker never holds more than one document (or one
+Arrow batch) per file in memory. Bad records
 (invalid UTF-8, a broken JSON line, a missing field, an empty file) are yielded as a rule name
 instead of text so the job can count them per file and rule rather than crash.
 """
@@ -15,7 +16,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from data_prep.config import PrepConfig, SourceConfig
 from data_prep.errors import PrepError
@@ -25,6 +26,7 @@ __all__ = ["resolve_inputs", "iter_text_records", "IMAGE_EXTENSIONS"]
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 Record = tuple[str | None, str | None]  # (text, None) for a document or (None, rule) for a bad record
+Span = tuple[int, int] | list[int] | None  # a range of one file (`data_prep.ranges`); None = the whole file
 
 
 # ------------------------------------------------------------------------------------------
@@ -193,11 +195,42 @@ def _decode(raw: bytes) -> Record:
         return None, "invalid_utf8"
 
 
-def _text_paragraphs(path: str) -> Iterator[Record]:
+def _lines(fh: BinaryIO, span: Span) -> Iterator[bytes]:
+    """The lines of `fh`, or of its byte range `span` (which starts and ends at line starts)."""
+    if span is None:
+        yield from fh
+        return
+    start, end = span
+    fh.seek(start)
+    pos = start
+    for line in fh:
+        if pos >= end:
+            return
+        yield line
+        pos += len(line)
+
+
+def _file_is_empty(fh: BinaryIO, span: Span) -> bool:
+    """No non-blank line in the whole file, judged by the range that begins it (the others never report it).
+
+    Called once a range found no record: the rest of the file is scanned only then, so a file
+    gets its one `empty_file` exactly as a whole-file read gives it."""
+    if span is None:
+        return True
+    if span[0] != 0:
+        return False
+    fh.seek(span[1])
+    while block := fh.read(1 << 20):
+        if block.strip():
+            return False
+    return True
+
+
+def _text_paragraphs(path: str, span: Span = None) -> Iterator[Record]:
     lines: list[bytes] = []
     any_doc = False
     with open(path, "rb") as fh:
-        for line in fh:
+        for line in _lines(fh, span):
             if line.strip():
                 lines.append(line)
                 continue
@@ -205,11 +238,11 @@ def _text_paragraphs(path: str) -> Iterator[Record]:
                 any_doc = True
                 yield _decode(b"".join(lines))
                 lines = []
-    if lines:
-        any_doc = True
-        yield _decode(b"".join(lines))
-    if not any_doc:
-        yield None, "empty_file"
+        if lines:
+            any_doc = True
+            yield _decode(b"".join(lines))
+        if not any_doc and _file_is_empty(fh, span):
+            yield None, "empty_file"
 
 
 def _text_file(path: str) -> Iterator[Record]:
@@ -218,10 +251,10 @@ def _text_file(path: str) -> Iterator[Record]:
     yield (None, "empty_file") if not raw.strip() else _decode(raw)
 
 
-def _jsonl(path: str, field: str) -> Iterator[Record]:
+def _jsonl(path: str, field: str, span: Span = None) -> Iterator[Record]:
     any_line = False
     with open(path, "rb") as fh:
-        for raw in fh:
+        for raw in _lines(fh, span):
             if not raw.strip():
                 continue
             any_line = True
@@ -236,20 +269,23 @@ def _jsonl(path: str, field: str) -> Iterator[Record]:
                 continue
             text = obj.get(field) if isinstance(obj, dict) else None
             yield (text, None) if isinstance(text, str) else (None, "missing_field")
-    if not any_line:
-        yield None, "empty_file"
+        if not any_line and _file_is_empty(fh, span):
+            yield None, "empty_file"
 
 
-def _column_batches(path: str, kind: str, field: str) -> Iterator[Record]:
+def _column_batches(path: str, kind: str, field: str, span: Span = None) -> Iterator[Record]:
+    """Values of `field`; for Parquet with `span`, of the row groups [start, end) only (never an empty file)."""
     import pyarrow.parquet as pq
 
     try:
         if kind == "parquet":
             pf = pq.ParquetFile(path)
+            groups = list(range(*span)) if span is not None else None
             if field not in pf.schema_arrow.names:
-                yield from [(None, "missing_field")] * max(pf.metadata.num_rows, 1)
+                rows = pf.metadata.num_rows if groups is None else sum(pf.metadata.row_group(g).num_rows for g in groups)
+                yield from [(None, "missing_field")] * (max(rows, 1) if groups is None else rows)
                 return
-            batches = (b.column(0) for b in pf.iter_batches(columns=[field], batch_size=1024))
+            batches = (b.column(0) for b in pf.iter_batches(columns=[field], batch_size=1024, row_groups=groups))
         else:  # an Arrow file of a `datasets` cache (save_to_disk / load_dataset)
             import datasets
 
@@ -263,21 +299,24 @@ def _column_batches(path: str, kind: str, field: str) -> Iterator[Record]:
             for value in column.to_pylist():
                 empty = False
                 yield (value, None) if isinstance(value, str) else (None, "missing_field")
-        if empty:
+        if empty and span is None:
             yield None, "empty_file"
     except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         yield None, "unreadable_file"
 
 
-def iter_text_records(path: str, src: SourceConfig) -> Iterator[Record]:
-    """Documents (or bad-record rule names) of one input file of a text source."""
+def iter_text_records(path: str, src: SourceConfig, span: Span = None) -> Iterator[Record]:
+    """Documents (or bad-record rule names) of one input file of a text source, or of its range `span`.
+
+    `span` comes from `data_prep.ranges` (bytes cut at record boundaries, or Parquet row groups):
+    the ranges of a file together yield exactly what the whole file yields."""
     try:
         if src.type == "text":
-            yield from (_text_paragraphs(path) if src.text_mode == "paragraphs" else _text_file(path))
+            yield from (_text_paragraphs(path, span) if src.text_mode == "paragraphs" else _text_file(path))
         elif src.type == "jsonl":
-            yield from _jsonl(path, src.text_field)
+            yield from _jsonl(path, src.text_field, span)
         elif src.type == "parquet":
-            yield from _column_batches(path, "parquet", src.text_field)
+            yield from _column_batches(path, "parquet", src.text_field, span)
         else:
             yield from _column_batches(path, "arrow", src.text_field)
     except OSError:

@@ -62,12 +62,12 @@ def route(h: str, ctx: JobContext) -> str:
 
 
 def _iter_clean_docs(files: list[dict[str, Any]], ctx: JobContext, stats: Stats) -> Iterator[tuple[str, str]]:
-    """(hash, cleaned text) of every document in `files` (entries); bad records go to `stats`."""
+    """(hash, cleaned text) of every document in `files` (entries, or ranges of files); bad records go to `stats`."""
     clean_cfg = CleanConfig(**ctx.clean)
     sources = [SourceConfig(**s) for s in ctx.sources]
     for entry in files:
         path = str(entry["path"])
-        for text, rule in iter_text_records(path, sources[int(entry["source"])]):
+        for text, rule in iter_text_records(path, sources[int(entry["source"])], entry.get("span")):
             if text is None:
                 stats.bad(path, rule)
                 continue

@@ -20,7 +20,7 @@ __all__ = ["chunk_entries", "run_limited"]
 
 
 def chunk_entries(entries: Sequence[dict[str, Any]], n: int) -> list[list[dict[str, Any]]]:
-    """Split input files into at most `n` chunks of similar total size, largest chunk first.
+    """Split input files (or ranges of files, `data_prep.ranges`) into at most `n` chunks of similar total size, largest first.
 
     Greedy longest-processing-time assignment in a fixed order, so the chunking is reproducible
     (it does not affect the output anyway: every shard sorts its documents by hash).
@@ -28,7 +28,7 @@ def chunk_entries(entries: Sequence[dict[str, Any]], n: int) -> list[list[dict[s
     n = max(1, min(n, len(entries)))
     heap = [(0, k) for k in range(n)]
     chunks: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-    for e in sorted(entries, key=lambda e: (-e["size"], e["path"], e["source"])):
+    for e in sorted(entries, key=lambda e: (-e["size"], e["path"], e["source"], e.get("span") or [])):
         load, k = heapq.heappop(heap)
         chunks[k].append(e)
         heapq.heappush(heap, (load + e["size"] + 1, k))
