@@ -8,7 +8,7 @@ ZeRO partitions of any stage are consolidated into one fp32 state dict (DeepSpee
 written under a temporary name and renamed when complete.
 
 Safety: the checkpoint is verified against the sizes and sha256s in its ``trainer_state.json`` and
-every file is loaded with ``weights_only=True`` (``safe_load``), DeepSpeed's consolidation included.
+every file is loaded with ``weights_only=True`` (``models.safe_load``), DeepSpeed's consolidation included.
 The destination must be new, empty, or a release we wrote (``.pretrain-output.json``), which is
 replaced only with ``overwrite`` and only once the new one is complete; a destination inside the
 checkpoint's run directory (or containing it) is refused.
@@ -49,7 +49,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
     """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it (verified, weights only)."""
     from pipelines.engine.checkpoint import verify_checkpoint
-    from pipelines.engine.safe_load import safe_torch_load, weights_only_loads
+    from models.safe_load import safe_torch_load, weights_only_loads
 
     state = verify_checkpoint(ckpt)
     engine = ckpt / "engine"

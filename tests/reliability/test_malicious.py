@@ -105,7 +105,7 @@ def test_empty_trainer_state_and_truncated_model_get_messages(ckpt, tmp_path):
     assert str(ckpt / "trainer_state.json") in proc.stderr and "empty or damaged" in proc.stderr
 
     from pipelines.engine.export import consolidated_state_dict
-    from pipelines.engine.safe_load import safe_torch_load
+    from models.safe_load import safe_torch_load
 
     model = other / "engine" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])
