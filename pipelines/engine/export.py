@@ -48,8 +48,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
     """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it (verified, weights only)."""
-    from pipelines.engine.checkpoint import verify_checkpoint
     from models.safe_load import safe_torch_load, weights_only_loads
+    from pipelines.engine.checkpoint import verify_checkpoint
 
     state = verify_checkpoint(ckpt)
     engine = ckpt / "engine"

@@ -104,8 +104,8 @@ def test_empty_trainer_state_and_truncated_model_get_messages(ckpt, tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert str(ckpt / "trainer_state.json") in proc.stderr and "empty or damaged" in proc.stderr
 
-    from pipelines.engine.export import consolidated_state_dict
     from models.safe_load import safe_torch_load
+    from pipelines.engine.export import consolidated_state_dict
 
     model = other / "engine" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])
