@@ -34,7 +34,7 @@ from pathlib import Path
 from core.errors import ConfigError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
-           "claim_output_dir", "check_output_dir", "mark_command", "inside", "copy_tree",
+           "claim_output_dir", "check_output_dir", "mark_command", "inside", "tree_inside", "copy_file", "copy_tree",
            "OutsideError", "discard", "clean_trash", "replace_dir", "fsync_dir"]
 
 MARKER = ".pretrain-output.json"
@@ -160,26 +160,53 @@ def inside(root: str | os.PathLike, path: str | os.PathLike, *, what: str) -> Pa
     return p
 
 
+def tree_inside(root: str | os.PathLike, directory: str | os.PathLike, *, what: str, links: bool = True) -> Path:
+    """``directory`` (under ``root``) and every file and folder in it, refused unless each resolves inside ``root``.
+
+    ``links=False``: any symlink in it is refused, even one that stays inside (a directory that is
+    copied into checkpoints, where links are never followed).
+    """
+    d = inside(root, directory, what=what)
+    for dirpath, dirnames, filenames in os.walk(d, followlinks=False):
+        for name in [*dirnames, *filenames]:
+            entry = Path(dirpath) / name
+            inside(root, entry, what=f"a file of {what}")
+            if not links and entry.is_symlink():
+                raise OutsideError(f"{entry} (a file of {what}) is a symlink; this directory is copied into checkpoints, "
+                                   f"where links are never followed. Replace the link with the file itself.")
+    return d
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, what: str) -> None:
+    """Copy regular file ``src`` to ``dst``; a symlink (or a device, a fifo) is refused, never followed."""
+    try:
+        fd = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        if os.path.islink(src):
+            raise OutsideError(f"{src} ({what}) is a symlink; links are never followed or copied. Replace it with the "
+                               f"file itself.") from None
+        raise
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+            raise OutsideError(f"{src} ({what}) is not a regular file; only regular files are copied.")
+        with open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
 def copy_tree(src: str | os.PathLike, dst: str | os.PathLike, *, what: str) -> None:
     """Copy directory ``src`` to new ``dst``: regular files and directories only; a link is refused, never followed."""
     src, dst = Path(src), Path(dst)
+    if src.is_symlink():
+        raise OutsideError(f"{src} ({what}) is a symlink; links are never followed or copied.")
     for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
         here = Path(dirpath)
         (dst / here.relative_to(src)).mkdir(parents=True, exist_ok=True)
-        for name in [*dirnames, *filenames]:
-            entry = here / name
-            mode = entry.lstat().st_mode
-            if stat.S_ISLNK(mode) or not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise OutsideError(f"{entry} (in {what} {src}) is a symlink or not a regular file; links are never "
-                                   f"followed or copied. Replace it with the file itself.")
-            if stat.S_ISREG(mode):
-                _copy_regular(entry, dst / entry.relative_to(src))
-
-
-def _copy_regular(src: Path, dst: Path) -> None:
-    fd = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # swapped for a link after the check: refused
-    with os.fdopen(fd, "rb") as fin, open(dst, "wb") as fout:
-        shutil.copyfileobj(fin, fout, 1 << 20)
+        for name in dirnames:
+            if (here / name).is_symlink():
+                raise OutsideError(f"{here / name} (in {what} {src}) is a symlink; links are never followed or copied. "
+                                   f"Replace it with the folder itself.")
+        for name in filenames:
+            copy_file(here / name, dst / (here / name).relative_to(src), what=f"in {what} {src}")
 
 
 def discard(path: str | os.PathLike) -> None:

@@ -216,6 +216,7 @@ def index_array(data: bytes, samples: int) -> np.ndarray:
     if idx.ndim != 2 or idx.shape[1] != 3 or idx.dtype.kind != "i":
         raise ValueError(f"an index must be an (R, 3) integer array, got {idx.dtype} {idx.shape}")
     if len(idx) and (idx[0, 2] != 0 or np.any(np.diff(idx[:, 0]) <= 0) or np.any(np.diff(idx[:, 2]) <= 0)
-                     or int(idx[-1, 2]) >= max(1, samples) or np.any(idx[:, 1] <= 0)):
-        raise ValueError("index rows are not increasing or do not match the shard's sample count")
+                     or int(idx[-1, 2]) >= max(1, samples) or np.any(idx[:, 1] <= 0) or int(idx[0, 0]) < 0
+                     or np.any(idx[:-1, 0] + idx[:-1, 1] > idx[1:, 0])):
+        raise ValueError("index rows are not increasing, overlap, or do not match the shard's sample count")
     return idx.astype(np.int64)

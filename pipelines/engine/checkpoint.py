@@ -38,7 +38,16 @@ import numpy as np
 import torch
 
 from core.config import ConfigError, save_config
-from core.files import atomic_write_text, claim_output_dir, clean_trash, discard, fsync_dir, replace_dir, sha256_file
+from core.files import (
+    atomic_write_text,
+    claim_output_dir,
+    clean_trash,
+    copy_tree,
+    discard,
+    fsync_dir,
+    replace_dir,
+    sha256_file,
+)
 from models.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
@@ -262,7 +271,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
         if rank == 0:
             save_config(cfg, tmp / "config.yaml")
             if tokenizer_dir is not None and tokenizer_dir.is_dir():
-                shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+                copy_tree(tokenizer_dir, tmp / "tokenizer", what="the corpus tokenizer")  # never follows a link
         engine.barrier()
         if rank == 0:
             state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now
