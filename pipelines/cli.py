@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 
 from core.config import ConfigError
