@@ -208,13 +208,15 @@ def test_a_sample_longer_than_the_models_positions_is_a_bad_sample(tmp_path, cap
 
 @pytest.mark.parametrize("sizes", ["recorded", "cleared"])
 def test_an_index_row_past_the_shards_end_is_refused(tmp_path, capsys, monkeypatch, sizes):
-    """The last index row at byte 2**40 (its sha256 re-recorded): no MemoryError, one message naming the shard."""
+    """The second of two index rows at byte 2**40 (its sha256 re-recorded; one window reads both records): no
+    MemoryError, one message naming the shard (the shard's size recorded: the index is refused; not: its samples are bad)."""
     import hashlib
 
+    import corpus_fixtures as cf
     import numpy as np
     from reliability_helpers import edit_manifest
 
-    corpus = _corpus(tmp_path)
+    corpus = cf.make_bert_corpus(tmp_path / "corpus", train_sizes=(32,), val_sizes=(8,))
     path = corpus / "train-000000.idx.npy"
     rows = np.load(path)
     rows[-1, 0] = 2**40
@@ -228,8 +230,7 @@ def test_an_index_row_past_the_shards_end_is_refused(tmp_path, capsys, monkeypat
             entry.update(bytes=0, sha256="")
 
     edit_manifest(corpus, reseal)
-    code, err = _train(corpus, tmp_path / "run", capsys, monkeypatch, "data.num_workers=0",
-                       "train.max_steps=12")  # an epoch: the last record (read as cut short) is reached
+    code, err = _train(corpus, tmp_path / "run", capsys, monkeypatch, "data.num_workers=0", "data.shuffle_buffer=32")
     line = _one_paragraph(err)
     assert code == 2 and "train-000000" in line, line
     assert ("past the shard's" in line) if sizes == "recorded" else ("max_bad_share" in line), line
