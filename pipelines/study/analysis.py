@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.files import atomic_write_text, claim_output_dir
+from core.files import atomic_write_text, claim_output_dir, inside
 from monitoring.logger import read_metrics_lines
 from monitoring.report import Run, load_run, save_figure
 
@@ -91,7 +91,7 @@ def load_study(sweep_dir: str | os.PathLike) -> tuple[dict[str, Any], list[Study
             statuses[rec["name"]] = rec  # the latest attempt wins
     runs = []
     for name in names:
-        run_dir = root / "runs" / name
+        run_dir = inside(root, Path("runs") / str(name), what="a run of the sweep")  # sweep.json names no outside dir
         if not (run_dir / "metrics.jsonl").is_file():
             continue
         status = statuses.get(name, {})

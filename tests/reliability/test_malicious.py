@@ -228,3 +228,40 @@ def test_a_pickle_payload_in_an_hf_pytorch_model_bin_is_one_clear_line(good_run,
     assert code != 0 and "Traceback" not in err and "weights_only=False" not in err, err[-2000:]
     assert str(release / "pytorch_model.bin") in err and "not plain tensor data" in err, err[-2000:]
     assert not marker.exists()
+
+
+def test_inspect_reads_nothing_outside_the_corpus(tmp_path, capsys, monkeypatch):
+    """`pretrain inspect`: a tokenizer linked from outside, then a manifest naming a shard outside: refused, named."""
+    import json
+
+    import corpus_fixtures as cf
+
+    corpus = cf.make_bert_corpus(tmp_path / "corpus", train_sizes=(16,), val_sizes=(8,))
+    tok = corpus / "tokenizer" / "tokenizer.json"
+    shutil.move(tok, tmp_path / "elsewhere.json")
+    tok.symlink_to(tmp_path / "elsewhere.json")
+    code, err = _main(["inspect", str(corpus)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and str(tok) in err and "outside" in err, err[-2000:]
+    tok.unlink()
+    shutil.move(tmp_path / "elsewhere.json", tok)
+    shutil.copy(corpus / "train-000000.tar", tmp_path / "outside.tar")
+    raw = json.loads((corpus / "manifest.json").read_text())
+    raw["splits"]["train"]["shards"][0]["name"] = "../outside.tar"
+    (corpus / "manifest.json").write_text(json.dumps(raw))
+    code, err = _main(["inspect", str(corpus)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and "'../outside.tar'" in err, err[-2000:]
+
+
+def test_a_study_report_reads_no_run_outside_the_sweep(tmp_path, capsys, monkeypatch):
+    """sweep.json naming a run `../../elsewhere`: `pretrain report SWEEP` refuses it instead of reading that dir."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    (sweep / "runs").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train", "loss": 1.0}) + "\n")
+    (sweep / "sweep.json").write_text(json.dumps({"name": "s", "runs": [{"name": "../../elsewhere"}]}))
+    code, err = _main(["report", str(sweep)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and "outside" in err and "elsewhere" in err, err[-2000:]
+    assert not (sweep / "study").exists()
