@@ -29,7 +29,7 @@ shard and key, so counts stay equal and nothing hangs. More than ``max_bad_share
 worker has read (at least one per 1000 allowed) stops the run with an error naming the shard: a
 truncated shard never trains silently. Decoding uses numpy/json/PIL only. A decoded token sample is
 checked against what the model and the corpus allow (``SampleLimits``: its length within the model's
-positions and the corpus' seq_len, its ids within the vocabulary; one numpy min/max per sample): a
+positions and the corpus' seq_len, its ids within the vocabulary; one numpy min/max per record): a
 sample that fails is a bad sample like an undecodable one, named with its shard.
 
 One error path: a ``DataError`` raised in a loader worker is handed to the main process as data
@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
 from pipelines.loading.blend import SlotCursor
-from pipelines.loading.shard_io import SampleLimits, ShardReader, decode_sample, read_samples
+from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
 __all__ = [
@@ -112,9 +112,8 @@ class _Reader(ShardReader):
     """A worker's shard reader for one corpus plus its running count of samples decoded and found bad."""
 
     def __init__(self, src: StreamingSource, manifest: Manifest):
-        super().__init__(manifest, verify=src.verify_checksums)
+        super().__init__(manifest, verify=src.verify_checksums, limits=src.limits)
         self.seen = self.bad = 0
-        self.limits = src.limits.for_corpus(manifest)
 
 
 class _Failed:
@@ -162,7 +161,8 @@ class _Window:
             if isinstance(parts, str):
                 raise ValueError(parts)
             out = decode_sample(m.kind, key, parts, m.token_dtype)
-            reader.limits.check(out)
+            if not isinstance(parts, Decoded):  # a format-2 record was checked as a whole when it was read
+                reader.limits.check(out)
         except Exception as exc:  # noqa: BLE001 - any decode failure is a bad sample by policy
             if src.on_bad_sample == "fail":
                 raise DataError(

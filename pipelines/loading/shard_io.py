@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from core.corpus import DataError, Manifest, ShardInfo, iter_tar_samples
-from core.records import UnsafeMember, decode_record, index_array, parse_members, split_member_name
+from core.records import UnsafeMember, decode_record, index_array, parse_members, sample_problem, split_member_name
 
 __all__ = ["ShardReader", "read_samples", "decode_sample", "Decoded", "SampleLimits"]
 
@@ -53,6 +53,8 @@ class SampleLimits:
     Built from the model (``of_model``: its positions and embedding rows) and narrowed by the corpus
     (``for_corpus``: its seq_len and tokenizer vocabulary), so a crafted or mislabelled shard is a bad
     sample naming its shard instead of an ``IndexError`` (a device-side assert on GPU) deep in the model.
+    Format-2 records are checked as a whole where they are decoded (``core.records.decode_record``: one
+    max of the lengths, one min/max of the record's token array); format-1 samples one min/max each.
     """
 
     max_tokens: int = 0
@@ -73,18 +75,18 @@ class SampleLimits:
         return SampleLimits(min((v for v in (self.max_tokens, seq) if v), default=0),
                             min((v for v in (self.vocab_size, m.vocab_size) if v), default=0))
 
+    def checked_record(self, samples: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        """A decoded format-2 record as ``(key, Decoded)``; a sample ``decode_record`` found over a limit
+        becomes an error entry (a bad sample, counted and named with its shard)."""
+        return [(d["key"], d["error"]) if "error" in d else (d["key"], Decoded(d)) for d in samples]
+
     def check(self, sample: dict[str, Any]) -> None:
         """Raise ValueError (a bad sample) if ``sample``'s ``input_ids`` break a limit: one min/max per sample."""
         ids = sample.get("input_ids")
-        if ids is None or not (self.max_tokens or self.vocab_size):
-            return
-        if self.max_tokens and len(ids) > self.max_tokens:
-            raise ValueError(f"{len(ids)} tokens, more than the {self.max_tokens} the model and the corpus' seq_len allow")
-        if self.vocab_size and len(ids):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"token id {hi if hi >= self.vocab_size else lo} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        if ids is not None and (self.max_tokens or self.vocab_size):
+            why = sample_problem(ids, self.max_tokens, self.vocab_size)
+            if why:
+                raise ValueError(why)
 
 
 class _Hashing(io.RawIOBase):
@@ -126,8 +128,9 @@ class _Pipe:
 class ShardReader:
     """Reads sample ranges of one manifest's shards for one worker (see the module docstring)."""
 
-    def __init__(self, m: Manifest, *, verify: bool = True):
+    def __init__(self, m: Manifest, *, verify: bool = True, limits: SampleLimits | None = None):
         self.m, self.verify = m, verify
+        self.limits = (limits or SampleLimits()).for_corpus(m)
         self.token_records = m.version[0] >= 2 and m.kind != "images"
         self.indexes: dict[str, Any] = {}
         self.v1_members: dict[str, list[tuple[str, list[tuple[str, int, int]]]]] = {}  # format 1: (ext, data offset, size) per record
@@ -277,10 +280,13 @@ class ShardReader:
         if not self.token_records:
             got: list[tuple[str, Any]] = [(key, {k: bytes(v) for k, v in parts.items()})]
         else:
-            got = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts)]
+            got = self.limits.checked_record(self._decode_record(key, parts))
         if len(got) != n:
             raise ValueError(f"record {key} holds {len(got)} samples, the index says {n}")
         return got
+
+    def _decode_record(self, key: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
+        return decode_record(self.m.kind, key, parts, max_tokens=self.limits.max_tokens, vocab_size=self.limits.vocab_size)
 
     def _keep(self, name: str, r: int, samples: list[tuple[str, Any]]) -> None:
         self.records[(name, r)] = samples
@@ -301,7 +307,7 @@ class ShardReader:
                 if not p.pending:
                     key, parts = next(p.groups)
                     if self.token_records:
-                        p.pending = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts or {})]
+                        p.pending = self.limits.checked_record(self._decode_record(key, parts or {}))
                     else:
                         p.pending = [(key, parts or {})]
                 take = p.pending[: skip + want - p.pos]
