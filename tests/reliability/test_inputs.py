@@ -234,3 +234,24 @@ def test_an_index_row_past_the_shards_end_is_refused(tmp_path, capsys, monkeypat
     line = _one_paragraph(err)
     assert code == 2 and "train-000000" in line, line
     assert ("past the shard's" in line) if sizes == "recorded" else ("max_bad_share" in line), line
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_sample_limits_hold_for_both_corpus_formats(tmp_path, version):
+    """Format 1 (a sample per tar record, checked per sample) and format 2 (checked per record): the same bad sample."""
+    import corpus_fixtures as cf
+
+    from core.corpus import DataError, load_manifest
+    from pipelines.engine import objectives as tasks
+    from pipelines.engine.config import RunConfig
+    from pipelines.loading.loader import SampleLimits, StreamingSource
+
+    m = load_manifest(cf.make_bert_corpus(tmp_path / "c", train_sizes=(32,), val_sizes=(8,), version=version))
+    for limits, why in ((SampleLimits(max_tokens=8), "more than the 8"), (SampleLimits(vocab_size=5), "outside the vocabulary [0, 5)")):
+        src = StreamingSource(m, "train", tasks.build_task(RunConfig(), m).collate, micro_batch_size=4, rank=0, world=1,
+                              shuffle_buffer=16, on_bad_sample="fail", limits=limits)
+        with pytest.raises(DataError, match=r"Bad sample \S+ in shard train-000000.tar .*" + why.replace("[", r"\[").replace(")", r"\)")):
+            next(src.batches(limit=1))
+    src = StreamingSource(m, "train", tasks.build_task(RunConfig(), m).collate, micro_batch_size=4, rank=0, world=1,
+                          shuffle_buffer=16, on_bad_sample="fail", limits=SampleLimits(max_tokens=32, vocab_size=m.vocab_size))
+    assert sum(len(b["keys"]) for b in src.batches(limit=src.batches_per_epoch)) == 32  # within the limits: nothing bad
