@@ -4,8 +4,8 @@ Every output of the project (configs, manifests, metrics summaries, reports) goe
 ``atomic_write_text``/``atomic_write_bytes``: a temporary file in the same directory, fsync, then an
 atomic rename, so a crash never leaves a truncated file under its final name.
 
-Output directories (run dirs, releases, corpora) carry a marker file, ``.pretrain-output.json``
-(``{"kind": "run" | "release" | "corpus"}``). ``claim_output_dir`` (every command that writes: ``train``,
+Output directories carry a marker file, ``.pretrain-output.json`` (``{"kind": KIND}``, KIND one of
+``run``, ``release``, ``corpus``, ``sweep``, ``report``, ``demo``). ``claim_output_dir`` (every command that writes: ``train``,
 ``finetune``, ``sweep``, ``prepare``, ``report``, ``demo``; ``export`` through ``check_output_dir``) writes
 only into a directory that is new, empty, or marked with the same kind; a user's folder is refused,
 never emptied — also one that merely looks like ours (a ``config.yaml`` next to ``checkpoints/``): a
