@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from core.config import ConfigError
-from core.files import atomic_write_text, sha256_file
+from core.files import OutsideError, atomic_write_text, sha256_file, tree_inside
 from core.records import UnsafeMember, expand_record, index_name, split_member_name
 
 __all__ = [
@@ -155,7 +155,12 @@ class Manifest:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return safe_path(self.root, str((self.raw.get("tokenizer") or {}).get("path", "tokenizer")), "the tokenizer path", self.path)
+        """The tokenizer directory, refused unless it and every file in it lie inside the corpus (no link out)."""
+        d = safe_path(self.root, str((self.raw.get("tokenizer") or {}).get("path", "tokenizer")), "the tokenizer path", self.path)
+        try:
+            return tree_inside(self.root, d, what=f"the tokenizer of {self.path}", links=False)
+        except OutsideError as exc:
+            raise DataError(f"{exc} A corpus is read only from inside itself; do not train on it as it is.") from None
 
     def shards(self, split: str) -> list[ShardInfo]:
         if split not in self.splits:

@@ -4,9 +4,15 @@ Every output of the project (configs, manifests, metrics summaries, reports) goe
 ``atomic_write_text``/``atomic_write_bytes``: a temporary file in the same directory, fsync, then an
 atomic rename, so a crash never leaves a truncated file under its final name.
 
-Output directories (run dirs, releases, corpora) carry a marker file, ``.pretrain-output.json``
-(``{"kind": "run" | "release" | "corpus"}``). ``claim_output_dir`` writes only into a directory that
-is new, empty, or marked with the same kind; a user's folder is refused, never emptied.
+Output directories carry a marker file, ``.pretrain-output.json`` (``{"kind": KIND}``, KIND one of
+``run``, ``release``, ``corpus``, ``sweep``, ``report``, ``demo``). ``claim_output_dir`` (every command that writes: ``train``,
+``finetune``, ``sweep``, ``prepare``, ``report``, ``demo``; ``export`` through ``check_output_dir``) writes
+only into a directory that is new, empty, or marked with the same kind; a user's folder is refused,
+never emptied — also one that merely looks like ours (a ``config.yaml`` next to ``checkpoints/``): a
+directory an older version wrote is adopted only once its owner adds the marker (``mark_command``).
+
+Reading is confined the same way: ``inside`` refuses a file of a corpus, run dir or release that
+resolves outside it (a symlink out), and ``copy_tree`` copies regular files only, never a link.
 ``discard`` deletes by renaming into a ``.trash-*`` sibling first, and ``replace_dir`` swaps a
 finished directory in with one atomic exchange, so a kill at any moment leaves either the old or the
 new directory under its name — never a missing or half-deleted one.
@@ -18,7 +24,9 @@ import ctypes
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -26,7 +34,8 @@ from pathlib import Path
 from core.errors import ConfigError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
-           "claim_output_dir", "check_output_dir", "discard", "clean_trash", "replace_dir", "fsync_dir"]
+           "claim_output_dir", "check_output_dir", "mark_command", "inside", "tree_inside", "copy_file", "copy_tree",
+           "OutsideError", "discard", "clean_trash", "replace_dir", "fsync_dir"]
 
 MARKER = ".pretrain-output.json"
 
@@ -73,8 +82,11 @@ class OutputDirError(ConfigError):
 
 def output_kind(path: str | os.PathLike) -> str | None:
     """The kind recorded in ``path``'s marker, or None (no marker / unreadable marker)."""
+    marker = Path(path) / MARKER
+    if marker.is_symlink():  # a marker is a file we wrote, never a link to one
+        return None
     try:
-        return str(json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))["kind"])
+        return str(json.loads(marker.read_text(encoding="utf-8"))["kind"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -98,7 +110,8 @@ def check_output_dir(path: str | os.PathLike, kind: str, *, what: str, overwrite
     if found is None:
         raise OutputDirError(f"{what} {p} is not empty and was not created by pretrain (no {MARKER} marker); "
                              f"refusing to write into or replace it, so nothing of yours is overwritten. Choose a "
-                             f"new or empty directory, or move its contents away yourself.")
+                             f"new or empty directory, or move its contents away yourself. If it is a {kind} directory an "
+                             f"older pretrain wrote (before markers), mark it as one yourself: {mark_command(p, kind)}")
     if found != kind:
         raise OutputDirError(f"{what} {p} holds a pretrain {found} directory, not a {kind}; refusing to write into "
                              f"or replace it. Choose another path.")
@@ -108,20 +121,92 @@ def check_output_dir(path: str | os.PathLike, kind: str, *, what: str, overwrite
     return True
 
 
-def claim_output_dir(path: str | os.PathLike, kind: str, *, what: str, adopt: tuple[str, ...] = ()) -> Path:
+def mark_command(path: str | os.PathLike, kind: str) -> str:
+    """The shell command that marks ``path`` as our ``kind`` directory (for one an older version wrote)."""
+    return f"echo '{{\"kind\": \"{kind}\"}}' > {shlex.quote(str(Path(path) / MARKER))}"
+
+
+def claim_output_dir(path: str | os.PathLike, kind: str, *, what: str) -> Path:
     """Create (or re-open) ``path`` as our ``kind`` directory, writing the marker; refuse anything else.
 
-    ``adopt``: file names whose presence identifies a directory written by an older version
-    (no marker yet) as one of ours, e.g. a run dir's ``config.yaml`` + ``checkpoints``.
+    The one gate of every command that writes: a directory is ours only by its marker, never by its
+    contents looking like ours (a user's folder with a ``config.yaml`` and ``checkpoints/`` is refused).
     """
     p = Path(path)
-    if adopt and p.is_dir() and output_kind(p) is None and all((p / name).exists() for name in adopt):
-        atomic_write_text(p / MARKER, json.dumps({"kind": kind}) + "\n")
     check_output_dir(p, kind, what=what, reuse=True)
     p.mkdir(parents=True, exist_ok=True)
     if output_kind(p) != kind:
         atomic_write_text(p / MARKER, json.dumps({"kind": kind}) + "\n")
     return p
+
+
+class OutsideError(ConfigError):
+    """A file of a corpus, run dir or release that resolves outside it (a symlink out, or ``..``)."""
+
+
+def inside(root: str | os.PathLike, path: str | os.PathLike, *, what: str) -> Path:
+    """``path`` (absolute, or relative to ``root``), refused unless it resolves inside ``root``.
+
+    Links that stay inside are fine; one that leads out (or a ``..`` name) is refused before the file
+    is opened, so nothing outside the directory the user named is read.
+    """
+    top = Path(os.path.realpath(root))
+    p = Path(root) / path
+    real = Path(os.path.realpath(p))
+    if real != top and top not in real.parents:
+        raise OutsideError(f"{p} ({what}) resolves to {real}, outside {top}: a file must lie inside the directory it "
+                           f"belongs to, not be a symlink (or '..' path) to elsewhere. Copy the file in instead of "
+                           f"linking it, or use a directory written by pretrain.")
+    return p
+
+
+def tree_inside(root: str | os.PathLike, directory: str | os.PathLike, *, what: str, links: bool = True) -> Path:
+    """``directory`` (under ``root``) and every file and folder in it, refused unless each resolves inside ``root``.
+
+    ``links=False``: any symlink in it is refused, even one that stays inside (a directory that is
+    copied into checkpoints, where links are never followed).
+    """
+    d = inside(root, directory, what=what)
+    for dirpath, dirnames, filenames in os.walk(d, followlinks=False):
+        for name in [*dirnames, *filenames]:
+            entry = Path(dirpath) / name
+            inside(root, entry, what=f"a file of {what}")
+            if not links and entry.is_symlink():
+                raise OutsideError(f"{entry} (a file of {what}) is a symlink; this directory is copied into checkpoints, "
+                                   f"where links are never followed. Replace the link with the file itself.")
+    return d
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike, *, what: str) -> None:
+    """Copy regular file ``src`` to ``dst``; a symlink (or a device, a fifo) is refused, never followed."""
+    try:
+        fd = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        if os.path.islink(src):
+            raise OutsideError(f"{src} ({what}) is a symlink; links are never followed or copied. Replace it with the "
+                               f"file itself.") from None
+        raise
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+            raise OutsideError(f"{src} ({what}) is not a regular file; only regular files are copied.")
+        with open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def copy_tree(src: str | os.PathLike, dst: str | os.PathLike, *, what: str) -> None:
+    """Copy directory ``src`` to new ``dst``: regular files and directories only; a link is refused, never followed."""
+    src, dst = Path(src), Path(dst)
+    if src.is_symlink():
+        raise OutsideError(f"{src} ({what}) is a symlink; links are never followed or copied.")
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
+        here = Path(dirpath)
+        (dst / here.relative_to(src)).mkdir(parents=True, exist_ok=True)
+        for name in dirnames:
+            if (here / name).is_symlink():
+                raise OutsideError(f"{here / name} (in {what} {src}) is a symlink; links are never followed or copied. "
+                                   f"Replace it with the folder itself.")
+        for name in filenames:
+            copy_file(here / name, dst / (here / name).relative_to(src), what=f"in {what} {src}")
 
 
 def discard(path: str | os.PathLike) -> None:

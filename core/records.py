@@ -32,7 +32,7 @@ import numpy as np
 
 __all__ = [
     "RECORD_BYTES", "RECORD_SAMPLES", "split_member_name", "npy_bytes", "npy_array", "token_records",
-    "decode_record", "expand_record", "parse_members", "index_bytes", "index_array", "index_name", "UnsafeMember",
+    "decode_record", "sample_problem", "expand_record", "parse_members", "index_bytes", "index_array", "index_name", "UnsafeMember",
 ]
 
 RECORD_BYTES = 1 << 20  # token bytes per record at most (the read unit of random access)
@@ -131,8 +131,14 @@ def _bounds(kind: str, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
     return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
 
 
-def decode_record(kind: str, key: str, members: dict[str, Any]) -> list[dict[str, Any]]:
-    """The loader's samples of one token record: ``{key, input_ids (int64)[, len_a, len_b, next_sentence_label]}``."""
+def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: int = 0,
+                  vocab_size: int = 0) -> list[dict[str, Any]]:
+    """The loader's samples of one token record: ``{key, input_ids (int64)[, len_a, len_b, next_sentence_label]}``.
+
+    ``max_tokens`` / ``vocab_size`` (0: unchecked): a sample longer, or with an id outside ``[0, vocab_size)``,
+    gets an ``error`` entry saying why. Checked once per record (a max of the lengths, a min/max of the raw
+    token array), sample by sample only when the record fails.
+    """
     if "input_ids.npy" not in members:
         raise ValueError(f"record {key} has no input_ids.npy (members: {', '.join(members)})")
     a = _arrays(members)
@@ -142,7 +148,25 @@ def decode_record(kind: str, key: str, members: dict[str, Any]) -> list[dict[str
     if kind == "bert_pairs":
         for d, la, lb, y in zip(out, a["len_a"].tolist(), a["len_b"].tolist(), a["nsp"].tolist(), strict=True):
             d["len_a"], d["len_b"], d["next_sentence_label"] = la, lb, y
+    raw = a["input_ids"]
+    too_long = bool(max_tokens) and len(lengths) > 0 and int(lengths.max()) > max_tokens
+    if too_long or (vocab_size and raw.size and (int(raw.min()) < 0 or int(raw.max()) >= vocab_size)):
+        for d in out:
+            why = sample_problem(d["input_ids"], max_tokens, vocab_size)
+            if why:
+                d["error"] = why
     return out
+
+
+def sample_problem(ids: np.ndarray, max_tokens: int = 0, vocab_size: int = 0) -> str:
+    """Why a token sample cannot be fed to the model ('' if it can): too long, or an id outside the vocabulary."""
+    if max_tokens and len(ids) > max_tokens:
+        return f"{len(ids)} tokens, more than the {max_tokens} the model and the corpus' seq_len allow"
+    if vocab_size and len(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            return f"token id {hi if hi >= vocab_size else lo} is outside the vocabulary [0, {vocab_size})"
+    return ""
 
 
 def expand_record(key: str, members: dict[str, bytes]) -> list[tuple[str, dict[str, bytes]]]:
@@ -216,6 +240,7 @@ def index_array(data: bytes, samples: int) -> np.ndarray:
     if idx.ndim != 2 or idx.shape[1] != 3 or idx.dtype.kind != "i":
         raise ValueError(f"an index must be an (R, 3) integer array, got {idx.dtype} {idx.shape}")
     if len(idx) and (idx[0, 2] != 0 or np.any(np.diff(idx[:, 0]) <= 0) or np.any(np.diff(idx[:, 2]) <= 0)
-                     or int(idx[-1, 2]) >= max(1, samples) or np.any(idx[:, 1] <= 0)):
-        raise ValueError("index rows are not increasing or do not match the shard's sample count")
+                     or int(idx[-1, 2]) >= max(1, samples) or np.any(idx[:, 1] <= 0) or int(idx[0, 0]) < 0
+                     or np.any(idx[:-1, 0] + idx[:-1, 1] > idx[1:, 0])):
+        raise ValueError("index rows are not increasing, overlap, or do not match the shard's sample count")
     return idx.astype(np.int64)

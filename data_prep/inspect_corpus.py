@@ -12,15 +12,25 @@ from typing import Any
 
 import numpy as np
 
-from core.corpus import read_manifest, read_shard
+from core.corpus import DataError, read_manifest, read_shard, safe_path
+from core.files import OutsideError, inside
 from data_prep.errors import PrepError
 
 __all__ = ["inspect_corpus", "decode_sample"]
 
 
+def _inside(corpus: Path, file: Path, what: str) -> bool:
+    """True if ``file`` lies inside ``corpus``; a link out is refused (a DataError naming it)."""
+    try:
+        inside(corpus, file, what=what)
+    except OutsideError as exc:
+        raise DataError(str(exc)) from None
+    return True
+
+
 def _load_tokenizer(corpus: Path):
     file = corpus / "tokenizer" / "tokenizer.json"
-    if not file.is_file():
+    if not file.is_file() or not _inside(corpus, file, "the corpus tokenizer"):
         return None
     from tokenizers import Tokenizer
 
@@ -102,7 +112,7 @@ def inspect_corpus(path: str, n: int = 3) -> str:
     shard = p if p.is_file() else None
     if shard is None and manifest:
         first = next((s["name"] for info in manifest["splits"].values() for s in info["shards"]), None)
-        shard = corpus / first if first else None
+        shard = safe_path(corpus, first, "shard", corpus / "manifest.json") if first else None
     if shard is not None:
         tokenizer = _load_tokenizer(corpus)
         class_names = {v: k for k, v in (manifest or {}).get("class_map", {}).items()}

@@ -334,24 +334,13 @@ def _clean_stale(out: Path, keep: set[str]) -> None:
             (out / STATE_DIR / f"{p.name}.json").unlink(missing_ok=True)
 
 
-def _older_corpus(out: Path) -> bool:
-    """A corpus an older version wrote (no marker yet): its state dir and, if finished, a manifest of ours."""
-    if not (out / STATE_DIR).is_dir():
-        return False
-    try:
-        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8")) if (out / "manifest.json").is_file() else None
-    except (OSError, ValueError):
-        return False
-    return manifest is None or (isinstance(manifest, dict) and "splits" in manifest and "kind" in manifest)
-
-
 def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
     """Run the job described by `cfg`; write the corpus directory and return the summary dict."""
     t0 = time.time()
     out = Path(cfg.output)
     find_worker_malloc(cfg.worker_malloc)  # a wrong path fails here, before anything is written
-    # a corpus directory of ours (marker, or an older version's manifest / state) or a new one; never a user's folder
-    claim_output_dir(out, "corpus", what="output (the corpus directory)", adopt=(STATE_DIR,) if _older_corpus(out) else ())
+    # a corpus directory of ours (its marker) or a new one; never a user's folder
+    claim_output_dir(out, "corpus", what="output (the corpus directory)")
     entries, class_map = resolve_inputs(cfg, str(out / STATE_DIR))  # bad inputs fail before a finished corpus is touched
     (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
     started = _ensure_ray(cfg)

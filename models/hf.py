@@ -16,7 +16,8 @@ ours                            transformers
 
 Each pair is a key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
 transformers 4.x and 5.x ViT names both understood). Checkpoints are read with ``safetensors`` or
-``torch.load(weights_only=True)`` and never run remote code.
+``models.safe_load`` (``weights_only=True``, errors naming the file), never run remote code, and
+every file read must lie inside the checkpoint directory (no symlink out, no ``..`` shard name).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import torch
 import transformers
 from torch import nn
 
+from core.files import inside, tree_inside
+
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
 from .hf_keys import Spec, spec_for, vit_rename
+from .safe_load import safe_torch_load
 from .vit import ViT, ViTConfig
 
 __all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict", "set_special_ids", "SPECIAL_ID_NAMES"]
@@ -206,16 +210,17 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = Path(path)
+    what = "a weights file of the model directory"
     if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
+        return load_file(inside(path, "model.safetensors", what=what))
     if (path / "model.safetensors.index.json").is_file():
-        index = json.loads((path / "model.safetensors.index.json").read_text())
+        index = json.loads(inside(path, "model.safetensors.index.json", what=what).read_text())
         sd: dict[str, torch.Tensor] = {}
         for shard in sorted(set(index["weight_map"].values())):
-            sd.update(load_file(path / shard))
+            sd.update(load_file(inside(path, str(shard), what=what)))
         return sd
     if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return safe_torch_load(inside(path, "pytorch_model.bin", what=what), map_location="cpu")
     raise FileNotFoundError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin.")
 
 
@@ -308,6 +313,7 @@ def from_hf(
         path = Path(src)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; expected a transformers checkpoint directory.")
+        tree_inside(path, path, what="the model directory")  # nothing outside it is read (an HF cache snapshot: cp -rL it)
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
         sd, source = load_hf_state_dict(path), str(path)
         arch = (hf_cfg.architectures or [""])[0]

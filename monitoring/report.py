@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.files import atomic_write_text
+from core.files import OutsideError, atomic_write_text, claim_output_dir, inside
 from monitoring.logger import read_metrics_lines
 
 __all__ = ["Run", "load_run", "render_report", "main"]
@@ -76,8 +76,10 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     try:
         import yaml
 
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        data = yaml.safe_load(inside(run_dir, "config.yaml", what="the run's config").read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
+    except OutsideError:
+        raise
     except Exception:  # missing or half-written config: the report still renders
         return {}
 
@@ -89,7 +91,7 @@ def load_run(run_dir: str | os.PathLike, name: str | None = None) -> Run:
         raise FileNotFoundError(f"Run dir {path} does not exist.")
     run = Run(name=name or path.resolve().name, path=path, config=_read_config(path))
     latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for rec in read_metrics_lines(path / "metrics.jsonl"):
+    for rec in read_metrics_lines(inside(path, "metrics.jsonl", what="the run's metrics")):
         step = rec.get("step")
         if not isinstance(step, int):
             continue
@@ -362,8 +364,8 @@ def render_report(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike 
     if not paths:
         raise ValueError("render_report needs at least one run dir.")
     runs = [load_run(p, name) for p, name in zip(paths, _unique_names(paths), strict=True)]
-    out = Path(out_dir) if out_dir is not None else paths[0] / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(Path(out_dir) if out_dir is not None else paths[0] / "report", "report",
+                           what="Report directory (--out)")  # a user's folder is refused, never overwritten
     images = _render_plots(runs, out)
     target = out / "report.html"
     atomic_write_text(target, _html(runs, images))

@@ -3,14 +3,17 @@
 Every subcommand is a function of this module's imports that can be called from Python too;
 heavy packages (torch, ray, deepspeed) are imported inside the handlers so `--help` is instant.
 User errors (bad config, missing file, corrupt data) print one paragraph and exit non-zero,
-without a traceback: 2 for configuration errors, 1 for everything else.
+without a traceback: 2 for configuration and data errors, 1 for everything else. ``PRETRAIN_DEBUG=1``
+prints the traceback too (for a bug report).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 
 from core.config import ConfigError
@@ -200,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain",
         description="Raw text or images to released transformer checkpoints.",
-        epilog="Run `pretrain COMMAND --help` for a command's options and an example.",
+        epilog="Run `pretrain COMMAND --help` for a command's options and an example. Errors in your config or data "
+               "are printed as one paragraph; set PRETRAIN_DEBUG=1 to see their traceback too.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -354,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _traceback_if_asked() -> None:
+    """The traceback of a user error, only with ``PRETRAIN_DEBUG`` set (otherwise one paragraph is enough)."""
+    if os.environ.get("PRETRAIN_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -361,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except ConfigError as exc:
+        _traceback_if_asked()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:
@@ -368,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:
         if isinstance(exc, _user_error_types()):
+            _traceback_if_asked()
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILURE
         raise

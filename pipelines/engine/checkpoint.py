@@ -38,8 +38,17 @@ import numpy as np
 import torch
 
 from core.config import ConfigError, save_config
-from core.files import atomic_write_text, claim_output_dir, clean_trash, discard, fsync_dir, replace_dir, sha256_file
-from pipelines.engine.safe_load import CheckpointError, safe_torch_load
+from core.files import (
+    atomic_write_text,
+    claim_output_dir,
+    clean_trash,
+    copy_tree,
+    discard,
+    fsync_dir,
+    replace_dir,
+    sha256_file,
+)
+from models.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
            "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError", "claim_run_dir",
@@ -191,9 +200,10 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
 def claim_run_dir(run_dir: str | os.PathLike) -> Path:
     """Make ``run_dir`` ours (a ``run`` marker); a non-empty folder pretrain did not create is refused.
 
-    A run dir written before markers existed (``config.yaml`` next to ``checkpoints/``) is adopted.
+    A run dir written before markers existed is refused too (it may as well be a user's folder that
+    holds a ``config.yaml`` and ``checkpoints/``); the message gives the command that marks it.
     """
-    return claim_output_dir(run_dir, "run", what="train.run_dir", adopt=("config.yaml", "checkpoints"))
+    return claim_output_dir(run_dir, "run", what="train.run_dir")
 
 
 
@@ -261,7 +271,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
         if rank == 0:
             save_config(cfg, tmp / "config.yaml")
             if tokenizer_dir is not None and tokenizer_dir.is_dir():
-                shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+                copy_tree(tokenizer_dir, tmp / "tokenizer", what="the corpus tokenizer")  # never follows a link
         engine.barrier()
         if rank == 0:
             state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now

@@ -83,7 +83,7 @@ class Engine:
             torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
 
     def _load_scheduler(self, path: Path) -> None:
-        from pipelines.engine.safe_load import safe_torch_load
+        from models.safe_load import safe_torch_load
 
         self.scheduler.load_state_dict(safe_torch_load(path / "engine" / "lr_scheduler.pt"))
 
@@ -179,7 +179,7 @@ class DDPEngine(Engine):
     def load(self, path: Path, saved: dict[str, Any]) -> None:
         """Model and optimizer state are whole on every rank, so any world size loads them. Every file
         goes through ``safe_torch_load`` (``weights_only=True``, a clear error naming the file)."""
-        from pipelines.engine.safe_load import safe_torch_load
+        from models.safe_load import safe_torch_load
 
         e = path / "engine"
         where = "cpu" if self.device.type == "cpu" else self.device  # torch.load cannot map to "cpu:0" (multi-CPU accelerate)
@@ -252,7 +252,7 @@ class DeepSpeedEngine(Engine):
         """The ZeRO partitions through DeepSpeed's loader when this run has the world size and stage that
         wrote them, else from the checkpoint's world-size-free copy (``reshard``). DeepSpeed's own loaders
         run under ``weights_only_loads`` (no pickle of arbitrary objects)."""
-        from pipelines.engine.safe_load import CheckpointError, weights_only_loads
+        from models.safe_load import CheckpointError, weights_only_loads
 
         was = (saved.get("world_size"), saved.get("zero_stage"))
         same_layout = was == (self.world_size, self.zero_stage) or was[1] == self.zero_stage == 0  # ZeRO-0: whole state

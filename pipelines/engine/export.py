@@ -8,7 +8,7 @@ ZeRO partitions of any stage are consolidated into one fp32 state dict (DeepSpee
 written under a temporary name and renamed when complete.
 
 Safety: the checkpoint is verified against the sizes and sha256s in its ``trainer_state.json`` and
-every file is loaded with ``weights_only=True`` (``safe_load``), DeepSpeed's consolidation included.
+every file is loaded with ``weights_only=True`` (``models.safe_load``), DeepSpeed's consolidation included.
 The destination must be new, empty, or a release we wrote (``.pretrain-output.json``), which is
 replaced only with ``overwrite`` and only once the new one is complete; a destination inside the
 checkpoint's run directory (or containing it) is refused.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
-from core.files import MARKER, atomic_write_text, check_output_dir, replace_dir
+from core.files import MARKER, atomic_write_text, check_output_dir, copy_file, replace_dir
 from pipelines.engine.release_card import model_card
 
 __all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release", "tokenizer_special_ids"]
@@ -49,8 +49,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
     """The full fp32 model state dict of a checkpoint, whatever engine/ZeRO stage wrote it (verified, weights only)."""
+    from models.safe_load import safe_torch_load, weights_only_loads
     from pipelines.engine.checkpoint import verify_checkpoint
-    from pipelines.engine.safe_load import safe_torch_load, weights_only_loads
 
     state = verify_checkpoint(ckpt)
     engine = ckpt / "engine"
@@ -155,21 +155,25 @@ def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | o
         models.hf.set_special_ids(hf, ids)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    hf.save_pretrained(str(tmp), safe_serialization=True)
-    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.is_file() and not src.is_symlink():
-                shutil.copyfile(src, tmp / name)
-    for name, text in (extra_files or {}).items():
-        atomic_write_text(tmp / name, text)
-    if card:
-        atomic_write_text(tmp / "README.md", card)
-    atomic_write_text(tmp / MARKER, json.dumps({"kind": "release"}) + "\n")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    os.chmod(tmp, 0o755 & ~_umask())  # mkdtemp makes 0700; releases are meant to be shared
+    try:
+        hf.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if os.path.lexists(src):
+                    copy_file(src, tmp / name, what="a tokenizer file")  # a link is refused, never followed
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(tmp / name, text)
+        if card:
+            atomic_write_text(tmp / "README.md", card)
+        atomic_write_text(tmp / MARKER, json.dumps({"kind": "release"}) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755 & ~_umask())  # mkdtemp makes 0700; releases are meant to be shared
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
     check_output_dir(out, "release", what="Release directory", overwrite=overwrite)  # still ours (or gone)?
     replace_dir(tmp, out)
     return out

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from core.files import atomic_write_text
-from pipelines.engine.safe_load import CheckpointError
+from models.safe_load import CheckpointError
 
 __all__ = ["save_world_free", "load_world_free", "WORLD_FREE_DIR"]
 

@@ -466,7 +466,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers,
                   prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
                   max_bad_share=d.max_bad_share, verify_checksums=d.verify_checksums,
-                  start_method=d.worker_start_method)
+                  start_method=d.worker_start_method,
+                  limits=data_mod.SampleLimits.of_model(model, manifest.kind))  # a sample the model cannot take is a bad sample
     corpus = [(name, weight, m) for (name, weight, _, _), m in zip(specs, manifests, strict=True)] if d.corpora else manifest
     train_src = data_mod.StreamingSource(corpus, "train", task.collate, micro_batch_size=d.micro_batch_size,
                                          grad_accum=cfg.train.grad_accum_steps, seed=cfg.train.seed, shuffle=True,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from core.files import atomic_write_text
+from core.files import atomic_write_text, tree_inside
 from pipelines.engine import distributed as dist
 from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
 from pipelines.finetune import FinetuneConfig
@@ -108,7 +108,7 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
     path = Path(checkpoint)
     if (path / "config.json").is_file():
-        return path
+        return tree_inside(path, path, what="the release directory")  # tokenizer and weights: nothing read from outside
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
         from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint

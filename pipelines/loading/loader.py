@@ -30,7 +30,14 @@ Bad samples (undecodable, truncated shard) keep their slot: with ``on_bad_sample
 replaced by another sample of the same window (deterministically), counted, and logged with the
 shard and key, so counts stay equal and nothing hangs. More than ``max_bad_share`` of the samples a
 worker has read (at least one per 1000 allowed) stops the run with an error naming the shard: a
-truncated shard never trains silently. Decoding uses numpy/json/PIL only.
+truncated shard never trains silently. Decoding uses numpy/json/PIL only. A decoded token sample is
+checked against what the model and the corpus allow (``SampleLimits``: its length within the model's
+positions and the corpus' seq_len, its ids within the vocabulary; one numpy min/max per record): a
+sample that fails is a bad sample like an undecodable one, named with its shard.
+
+One error path: a ``DataError`` raised in a loader worker is handed to the main process as data
+(``_Failed``) and raised there with the same one-paragraph message the main process would give,
+not as torch's "Caught DataError in DataLoader worker process N" with the worker's traceback.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
 from pipelines.loading.blend import SlotCursor
-from pipelines.loading.shard_io import ShardReader, decode_sample, read_samples
+from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
 __all__ = [
@@ -64,6 +71,7 @@ __all__ = [
     "evaluation_plan",
     "read_samples",
     "decode_sample",
+    "SampleLimits",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,8 +116,15 @@ class _Reader(ShardReader):
     """A worker's shard reader for one corpus plus its running count of samples decoded and found bad."""
 
     def __init__(self, src: StreamingSource, manifest: Manifest):
-        super().__init__(manifest, verify=src.verify_checksums)
+        super().__init__(manifest, verify=src.verify_checksums, limits=src.limits)
         self.seen = self.bad = 0
+
+
+class _Failed:
+    """A ``DataError`` of a loader worker, passed to the main process as an item so it is raised there as itself."""
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 class _Window:
@@ -150,6 +165,8 @@ class _Window:
             if isinstance(parts, str):
                 raise ValueError(parts)
             out = decode_sample(m.kind, key, parts, m.token_dtype)
+            if not isinstance(parts, Decoded):  # a format-2 record was checked as a whole when it was read
+                reader.limits.check(out)
         except Exception as exc:  # noqa: BLE001 - any decode failure is a bad sample by policy
             if src.on_bad_sample == "fail":
                 raise DataError(
@@ -217,25 +234,33 @@ class _Stream(IterableDataset):
         cursor = SlotCursor.from_state(self.cursor)  # this worker's own copy, moved forward as it reads
         samples = _Samples(src)
         try:
-            i = p
-            while True:
-                lo = self.first + i * src.group
-                hi = lo + src.group if self.count is None else min(lo + src.group, self.first + self.count)
-                if lo >= hi:
-                    return
-                item = []
-                for j in range(lo, hi):
-                    if self.plan is None:
-                        picks = cursor.take(src.slot(self.origin, j), src.mb)
-                    else:
-                        start, size = self.plan[j]
-                        picks = [(0, k) for k in range(start, start + size)]
-                    batch = [samples.get(c, k) for c, k in picks]
-                    item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
-                yield item
-                i += W
+            yield from self._items(src, samples, cursor, p, W)
+        except DataError as exc:
+            if info is None:
+                raise
+            yield [_Failed(str(exc))]  # raised by the main process: one message, not a worker traceback
         finally:
             samples.close()
+
+    def _items(self, src: StreamingSource, samples: _Samples, cursor: SlotCursor, p: int, W: int) -> Iterator[list[Any]]:
+        """Worker ``p`` of ``W``'s items: ``group`` collated micro-batches each."""
+        i = p
+        while True:
+            lo = self.first + i * src.group
+            hi = lo + src.group if self.count is None else min(lo + src.group, self.first + self.count)
+            if lo >= hi:
+                return
+            item = []
+            for j in range(lo, hi):
+                if self.plan is None:
+                    picks = cursor.take(src.slot(self.origin, j), src.mb)
+                else:
+                    start, size = self.plan[j]
+                    picks = [(0, k) for k in range(start, start + size)]
+                batch = [samples.get(c, k) for c, k in picks]
+                item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
+            yield item
+            i += W
 
 
 class _PositionedSource:
@@ -297,6 +322,7 @@ class StreamingSource:
         train: bool = True,
         pin_memory: bool = False,
         start_method: str = "forkserver",
+        limits: SampleLimits | None = None,
     ):
         mixture = corpus if isinstance(corpus, list) else [("", 1.0, corpus)]
         if not mixture or any(not w > 0 for _, w, _ in mixture):
@@ -315,7 +341,7 @@ class StreamingSource:
         self.window, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.on_bad_sample, self.train, self.pin_memory = on_bad_sample, train, pin_memory
         self.max_bad_share, self.verify_checksums = max_bad_share, verify_checksums
-        self.start_method = start_method
+        self.start_method, self.limits = start_method, limits or SampleLimits()
         self.group = 1 if self.manifest.kind == "images" else max(1, min(_MAX_GROUP, math.ceil(shuffle_buffer / micro_batch_size)))
         if num_workers > 0:
             worker_context(start_method)  # the forkserver starts now, while the model is being built
@@ -355,6 +381,8 @@ class StreamingSource:
                             num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
         for item in loader:
             for batch in item:
+                if isinstance(batch, _Failed):
+                    raise DataError(batch.message)
                 self.done += 1
                 self.samples_seen += self.mb
                 yield batch
@@ -375,6 +403,8 @@ class StreamingSource:
         counted = iter([c for _, _, c in plan])
         for item in loader:
             for batch in item:
+                if isinstance(batch, _Failed):
+                    raise DataError(batch.message)
                 yield batch, next(counted)
 
     def rewind(self) -> None:

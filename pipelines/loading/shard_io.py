@@ -22,18 +22,20 @@ import hashlib
 import io
 import json
 import logging
+import os
 import subprocess
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from core.corpus import DataError, Manifest, ShardInfo, iter_tar_samples
-from core.records import UnsafeMember, decode_record, index_array, parse_members, split_member_name
+from core.records import UnsafeMember, decode_record, index_array, parse_members, sample_problem, split_member_name
 
-__all__ = ["ShardReader", "read_samples", "decode_sample", "Decoded"]
+__all__ = ["ShardReader", "read_samples", "decode_sample", "Decoded", "SampleLimits"]
 
 log = logging.getLogger("pipelines.loading.loader")
 _KEEP_RECORDS = 4  # decoded records kept per reader (a window's last record is the next one's first)
@@ -42,6 +44,49 @@ _KEEP_FILES = 8
 
 class Decoded(dict):
     """A sample already decoded from a format-2 record (``decode_sample`` passes it through)."""
+
+
+@dataclass(frozen=True)
+class SampleLimits:
+    """What a token sample may hold: at most ``max_tokens`` ids, each in ``[0, vocab_size)`` (0: unchecked).
+
+    Built from the model (``of_model``: its positions and embedding rows) and narrowed by the corpus
+    (``for_corpus``: its seq_len and tokenizer vocabulary), so a crafted or mislabelled shard is a bad
+    sample naming its shard instead of an ``IndexError`` (a device-side assert on GPU) deep in the model.
+    Format-2 records are checked as a whole where they are decoded (``core.records.decode_record``: one
+    max of the lengths, one min/max of the record's token array); format-1 samples one min/max each.
+    """
+
+    max_tokens: int = 0
+    vocab_size: int = 0
+
+    @classmethod
+    def of_model(cls, model: Any, kind: str) -> SampleLimits:
+        """A model's limits for samples of corpus ``kind`` (a causal LM reads ``seq_len + 1`` tokens, one as the last label)."""
+        config = getattr(model, "config", None)
+        positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        return cls(positions + (1 if positions and kind == "packed_lm" else 0), int(getattr(config, "vocab_size", 0) or 0))
+
+    def for_corpus(self, m: Manifest) -> SampleLimits:
+        """These limits narrowed by corpus ``m``'s own (its ``seq_len``, its tokenizer's vocabulary)."""
+        if m.kind == "images":
+            return SampleLimits()
+        seq = m.seq_len + (1 if m.kind == "packed_lm" else 0) if m.seq_len else 0
+        return SampleLimits(min((v for v in (self.max_tokens, seq) if v), default=0),
+                            min((v for v in (self.vocab_size, m.vocab_size) if v), default=0))
+
+    def checked_record(self, samples: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        """A decoded format-2 record as ``(key, Decoded)``; a sample ``decode_record`` found over a limit
+        becomes an error entry (a bad sample, counted and named with its shard)."""
+        return [(d["key"], d["error"]) if "error" in d else (d["key"], Decoded(d)) for d in samples]
+
+    def check(self, sample: dict[str, Any]) -> None:
+        """Raise ValueError (a bad sample) if ``sample``'s ``input_ids`` break a limit: one min/max per sample."""
+        ids = sample.get("input_ids")
+        if ids is not None and (self.max_tokens or self.vocab_size):
+            why = sample_problem(ids, self.max_tokens, self.vocab_size)
+            if why:
+                raise ValueError(why)
 
 
 class _Hashing(io.RawIOBase):
@@ -83,8 +128,9 @@ class _Pipe:
 class ShardReader:
     """Reads sample ranges of one manifest's shards for one worker (see the module docstring)."""
 
-    def __init__(self, m: Manifest, *, verify: bool = True):
+    def __init__(self, m: Manifest, *, verify: bool = True, limits: SampleLimits | None = None):
         self.m, self.verify = m, verify
+        self.limits = (limits or SampleLimits()).for_corpus(m)
         self.token_records = m.version[0] >= 2 and m.kind != "images"
         self.indexes: dict[str, Any] = {}
         self.v1_members: dict[str, list[tuple[str, list[tuple[str, int, int]]]]] = {}  # format 1: (ext, data offset, size) per record
@@ -143,6 +189,9 @@ class ShardReader:
                                 f"or was replaced. Restore it or re-run `pretrain prepare`.")
             try:
                 idx = index_array(data, s.samples)
+                end = int(idx[-1, 0] + idx[-1, 1]) if len(idx) else 0
+                if s.bytes and end > s.bytes:
+                    raise ValueError(f"its rows reach byte {end}, past the shard's {s.bytes} bytes")
             except ValueError as exc:
                 raise DataError(f"{path} (index of {s.name} in {self.m.path}) is invalid: {exc}. Re-run `pretrain prepare`.") from None
         else:
@@ -202,9 +251,10 @@ class ShardReader:
     def _load_records(self, s: ShardInfo, url: str, idx: np.ndarray, a: int, b: int) -> list[list[tuple[str, Any]]]:
         """Records ``a .. b-1`` of a local shard, read with one seek; cut-short records become error entries."""
         fh = self._file(url)
-        start = int(idx[a, 0])
+        size = os.fstat(fh.fileno()).st_size  # rows past the end (a truncated or crafted shard) read as cut short
+        start = min(int(idx[a, 0]), size)
         fh.seek(start)
-        buf = memoryview(fh.read(int(idx[b - 1, 0] + idx[b - 1, 1]) - start))
+        buf = memoryview(fh.read(min(int(idx[b - 1, 0] + idx[b - 1, 1]), size) - start))
         out = []
         for r in range(a, b):
             n = (int(idx[r + 1, 2]) if r + 1 < len(idx) else s.samples) - int(idx[r, 2])
@@ -230,10 +280,13 @@ class ShardReader:
         if not self.token_records:
             got: list[tuple[str, Any]] = [(key, {k: bytes(v) for k, v in parts.items()})]
         else:
-            got = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts)]
+            got = self.limits.checked_record(self._decode_record(key, parts))
         if len(got) != n:
             raise ValueError(f"record {key} holds {len(got)} samples, the index says {n}")
         return got
+
+    def _decode_record(self, key: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
+        return decode_record(self.m.kind, key, parts, max_tokens=self.limits.max_tokens, vocab_size=self.limits.vocab_size)
 
     def _keep(self, name: str, r: int, samples: list[tuple[str, Any]]) -> None:
         self.records[(name, r)] = samples
@@ -254,7 +307,7 @@ class ShardReader:
                 if not p.pending:
                     key, parts = next(p.groups)
                     if self.token_records:
-                        p.pending = [(d["key"], Decoded(d)) for d in decode_record(self.m.kind, key, parts or {})]
+                        p.pending = self.limits.checked_record(self._decode_record(key, parts or {}))
                     else:
                         p.pending = [(key, parts or {})]
                 take = p.pending[: skip + want - p.pos]

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from core.files import atomic_write_text
+from core.files import atomic_write_text, claim_output_dir
 from pipelines.ops.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -73,7 +73,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from pipelines.engine.export import export_checkpoint
     from pipelines.finetune import FinetuneConfig, run_finetune
 
-    out = Path(opts.out_dir).resolve()
+    out = claim_output_dir(Path(opts.out_dir).resolve(), "demo", what="--out (the demo directory)")  # never a user's folder
     raw, task, corpus, release = out / "raw", out / "task", out / "corpus", out / "release"
     run_dir = out / "runs" / "bert-tiny"
     started = time.perf_counter()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.files import atomic_write_text
+from core.files import atomic_write_text, claim_output_dir, inside
 from monitoring.logger import read_metrics_lines
 from monitoring.report import Run, load_run, save_figure
 
@@ -91,7 +91,7 @@ def load_study(sweep_dir: str | os.PathLike) -> tuple[dict[str, Any], list[Study
             statuses[rec["name"]] = rec  # the latest attempt wins
     runs = []
     for name in names:
-        run_dir = root / "runs" / name
+        run_dir = inside(root, Path("runs") / str(name), what="a run of the sweep")  # sweep.json names no outside dir
         if not (run_dir / "metrics.jsonl").is_file():
             continue
         status = statuses.get(name, {})
@@ -478,8 +478,8 @@ def render_study(
     manifest, runs = load_study(sweep_dir)
     if not runs:
         raise FileNotFoundError(f"{sweep_dir} holds no run with a metrics.jsonl (run `pretrain sweep` first).")
-    out = Path(out_dir) if out_dir is not None else Path(sweep_dir) / "study"
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_output_dir(Path(out_dir) if out_dir is not None else Path(sweep_dir) / "study", "report",
+                           what="Study report directory (--out)")  # a user's folder is refused, never overwritten
     map_images = []
     if manifest.get("config", {}).get("axes"):  # a depth x lr x norm sweep: the warmup map, figures of its hardest cell
         from pipelines.study.warmup_map import focus_runs, render_map

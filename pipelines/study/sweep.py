@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, apply_overrides, deep_merge, from_dict, load_config, load_yaml, option, save_config
-from core.files import atomic_write_text, discard
+from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
 
 __all__ = [
@@ -268,7 +268,8 @@ def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
             for s in specs
         ],
     }
-    atomic_write_text(Path(sweep.out_dir) / MANIFEST, json.dumps(data, indent=1, default=str) + "\n")
+    out = claim_output_dir(sweep.out_dir, "sweep", what="out_dir (the sweep directory)")  # never a user's folder
+    atomic_write_text(out / MANIFEST, json.dumps(data, indent=1, default=str) + "\n")
 
 
 # --------------------------------------------------------------------------------------- run

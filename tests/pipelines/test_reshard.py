@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.safe_load import CheckpointError
 from pipelines.engine.config import OptimConfig
 from pipelines.engine.engines import DeepSpeedEngine
 from pipelines.engine.optim import build_optimizer
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
-from pipelines.engine.safe_load import CheckpointError
 
 
 def _engine(deepspeed, stage: int, name: str, seed: int):

@@ -107,3 +107,33 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def tree(path: Path) -> dict[str, bytes]:
     """Every file under ``path`` with its bytes (for 'nothing was lost or changed' assertions)."""
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def rewrite_shard(corpus: Path, name: str, edit) -> None:
+    """Rewrite format-2 shard ``name`` record by record through ``edit(r, key, members, samples) -> record``
+    (``(key, members, samples)``), then re-record its sizes and sha256s in the manifest, as an attacker would."""
+    import numpy as np
+
+    from core.records import parse_members, split_member_name
+    from data_prep.shards import write_shard
+
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    entry = next(s for split in manifest["splits"].values() for s in split["shards"] if s["name"] == name)
+    idx, data = np.load(corpus / entry["index"]["name"]), (corpus / name).read_bytes()
+    records = []
+    for r, (off, length, first) in enumerate(idx.tolist()):
+        count = (int(idx[r + 1, 2]) if r + 1 < len(idx) else entry["samples"]) - first
+        members = {}
+        for member, body in parse_members(data[off: off + length]):
+            key, ext = split_member_name(member)
+            members[ext] = bytes(body)
+        records.append(edit(r, key, members, count))
+    entry.update({k: v for k, v in write_shard(corpus / name, records).items() if k != "samples"})
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_manifest(corpus: Path, fn) -> None:
+    path = corpus / "manifest.json"
+    raw = json.loads(path.read_text())
+    fn(raw)
+    path.write_text(json.dumps(raw))

@@ -104,8 +104,8 @@ def test_empty_trainer_state_and_truncated_model_get_messages(ckpt, tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert str(ckpt / "trainer_state.json") in proc.stderr and "empty or damaged" in proc.stderr
 
+    from models.safe_load import safe_torch_load
     from pipelines.engine.export import consolidated_state_dict
-    from pipelines.engine.safe_load import safe_torch_load
 
     model = other / "engine" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])
@@ -148,3 +148,120 @@ def test_symlinked_engine_dir_and_an_added_tensor_file_are_refused(ckpt, tmp_pat
     torch.save({"w": torch.zeros(2)}, ckpt / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(ConfigError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt is not listed"):
         verify_checkpoint(ckpt)
+
+
+def _train_argv(corpus, run_dir, *extra: str) -> list[str]:
+    return ["train", "configs/train/bert_tiny_cpu.yaml", f"data.corpus={corpus}", f"train.run_dir={run_dir}",
+            "train.max_steps=2", "train.checkpoint_every=1", "train.eval_every=0", "data.num_workers=0",
+            "data.micro_batch_size=4", "distributed.engine=ddp", "distributed.zero_stage=0", *extra]
+
+
+def _main(argv, capsys, monkeypatch) -> tuple[int, str]:
+    """`pretrain ARGV` in this process (the CLI's own main), from the repository root."""
+    from reliability_helpers import REPO
+
+    from pipelines.cli import main
+    from pipelines.engine.distributed import in_process_run
+
+    monkeypatch.chdir(REPO)
+    with in_process_run():
+        code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("link", ["tokenizer/tokenizer.json", "tokenizer/sub/vocab.txt"])
+def test_a_corpus_file_linked_from_outside_is_never_read_or_copied(tmp_path, capsys, monkeypatch, link):
+    """tokenizer/tokenizer.json (or a file in a folder inside it) a symlink to a file outside the corpus, in a
+    manifest without a tokenizer sha256: refused before training; the outside file lands in no checkpoint."""
+    import json
+
+    import corpus_fixtures as cf
+
+    corpus = cf.make_bert_corpus(tmp_path / "corpus", train_sizes=(32,), val_sizes=(8,))
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["tokenizer"].pop("sha256", None)
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    secret = tmp_path / "secret.json"
+    target = corpus / link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        shutil.move(target, secret)  # a real tokenizer, so only the link gives it away
+    else:
+        secret.write_text("SECRET")
+    target.symlink_to(secret)
+    code, err = _main(_train_argv(corpus, tmp_path / "run"), capsys, monkeypatch)
+    assert code != 0 and "Traceback" not in err, err[-2000:]
+    assert str(target) in err and "outside" in err, err[-2000:]
+    copied = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.read_bytes() == secret.read_bytes()]
+    assert not copied
+
+
+def test_a_checkpoint_copy_never_follows_a_link(tmp_path):
+    """Links that stay inside are readable, but a copy refuses them rather than following them."""
+    from core.config import ConfigError
+    from core.files import copy_tree
+
+    src = tmp_path / "tok"
+    (src / "sub").mkdir(parents=True)
+    (src / "tokenizer.json").write_text("{}")
+    (src / "sub" / "vocab.txt").symlink_to(src / "tokenizer.json")
+    with pytest.raises(ConfigError, match="is a symlink") as err:
+        copy_tree(src, tmp_path / "copy", what="the corpus tokenizer")
+    assert str(src / "sub" / "vocab.txt") in str(err.value)
+
+
+def test_a_pickle_payload_in_an_hf_pytorch_model_bin_is_one_clear_line(good_run, tmp_path, capsys, monkeypatch):
+    """A Hugging Face directory (no safetensors) whose pytorch_model.bin is a pickle payload: refused by the
+    project's safe loader with a message naming the file, never a traceback suggesting weights_only=False."""
+    from pipelines.engine.export import export_checkpoint
+
+    release, marker = export_checkpoint(good_run, tmp_path / "release"), tmp_path / "PWNED"
+    from safetensors.torch import load_file
+
+    sd = load_file(release / "model.safetensors")
+    (release / "model.safetensors").unlink()
+    plant_payload(release / "pytorch_model.bin", marker, sd)
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"review {i}\t{'pos' if i % 2 else 'neg'}\n" for i in range(16)))
+    code, err = _main(["finetune", "configs/finetune/classification.yaml", f"checkpoint={release}",
+                       f"data.train={tmp_path / 'train.tsv'}", f"data.validation={tmp_path / 'train.tsv'}",
+                       f"train.run_dir={tmp_path / 'ft'}", "epochs=1", "data.micro_batch_size=8"], capsys, monkeypatch)
+    assert code != 0 and "Traceback" not in err and "weights_only=False" not in err, err[-2000:]
+    assert str(release / "pytorch_model.bin") in err and "not plain tensor data" in err, err[-2000:]
+    assert not marker.exists()
+
+
+def test_inspect_reads_nothing_outside_the_corpus(tmp_path, capsys, monkeypatch):
+    """`pretrain inspect`: a tokenizer linked from outside, then a manifest naming a shard outside: refused, named."""
+    import json
+
+    import corpus_fixtures as cf
+
+    corpus = cf.make_bert_corpus(tmp_path / "corpus", train_sizes=(16,), val_sizes=(8,))
+    tok = corpus / "tokenizer" / "tokenizer.json"
+    shutil.move(tok, tmp_path / "elsewhere.json")
+    tok.symlink_to(tmp_path / "elsewhere.json")
+    code, err = _main(["inspect", str(corpus)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and str(tok) in err and "outside" in err, err[-2000:]
+    tok.unlink()
+    shutil.move(tmp_path / "elsewhere.json", tok)
+    shutil.copy(corpus / "train-000000.tar", tmp_path / "outside.tar")
+    raw = json.loads((corpus / "manifest.json").read_text())
+    raw["splits"]["train"]["shards"][0]["name"] = "../outside.tar"
+    (corpus / "manifest.json").write_text(json.dumps(raw))
+    code, err = _main(["inspect", str(corpus)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and "'../outside.tar'" in err, err[-2000:]
+
+
+def test_a_study_report_reads_no_run_outside_the_sweep(tmp_path, capsys, monkeypatch):
+    """sweep.json naming a run `../../elsewhere`: `pretrain report SWEEP` refuses it instead of reading that dir."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    (sweep / "runs").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train", "loss": 1.0}) + "\n")
+    (sweep / "sweep.json").write_text(json.dumps({"name": "s", "runs": [{"name": "../../elsewhere"}]}))
+    code, err = _main(["report", str(sweep)], capsys, monkeypatch)
+    assert code == 2 and "Traceback" not in err and "outside" in err and "elsewhere" in err, err[-2000:]
+    assert not (sweep / "study").exists()

@@ -4,9 +4,10 @@ what it did not write (export destinations, run dirs, fresh runs over old checkp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from reliability_helpers import cli, copy_run, tree
+from reliability_helpers import REPO, cli, copy_run, tree
 
 from core.files import MARKER, output_kind
 
@@ -112,13 +113,24 @@ def test_fresh_run_over_checkpoints_is_refused_unless_asked(tmp_path):
     assert find_resume(run_dir, "auto").name == "step-00000004" == summary["checkpoint"].rsplit("/", 1)[-1]
 
 
-def test_run_dir_of_an_older_version_is_adopted(tmp_path):
-    """A run dir written before markers existed (config.yaml + checkpoints/) still resumes."""
+def test_a_folder_that_looks_like_an_older_run_dir_is_refused_until_marked(tmp_path):
+    """config.yaml + checkpoints/ is not proof of ours: refused (the user's config and checkpoints kept)
+    until its owner adds the marker with the command the message gives; then it resumes."""
+    import subprocess
+
     from trainer_job import run_job
+
+    from core.config import ConfigError
 
     run_dir = tmp_path / "run"
     run_job(_spec(run_dir, resume="auto"))
     (run_dir / MARKER).unlink()
+    before = tree(run_dir)
+    with pytest.raises(ConfigError, match="not created by pretrain") as err:
+        run_job(_spec(run_dir, steps=6, resume="auto"))
+    assert tree(run_dir) == before and output_kind(run_dir) is None
+    command = str(err.value).split("yourself: ", 1)[1]
+    subprocess.run(command, shell=True, check=True)  # what the message tells the owner to run
     summary, _ = run_job(_spec(run_dir, steps=6, resume="auto"))
     assert summary["resumed_from"] and summary["steps"] == 6 and output_kind(run_dir) == "run"
 
@@ -140,3 +152,72 @@ def test_prepare_refuses_a_users_folder_before_touching_it(tmp_path):
     with pytest.raises(ConfigError, match="not empty and was not created by pretrain"):
         run_prepare(cfg)
     assert tree(mine) == before
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(good_run, tmp_path_factory):
+    """What the writing subcommands need to get as far as their output: a corpus, a release, a task, a doc."""
+    import corpus_fixtures as cf
+
+    from pipelines.engine.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("cli-inputs")
+    cf.make_bert_corpus(root / "corpus", train_sizes=(48,), val_sizes=(16,))
+    export_checkpoint(good_run, root / "release")
+    (root / "train.tsv").write_text("text\tlabel\n" + "".join(f"review {i}\t{'pos' if i % 2 else 'neg'}\n" for i in range(16)))
+    (root / "doc.txt").write_text("Some text. " * 50)
+    return root
+
+
+def _writing_commands(inputs, run, occupied) -> dict[str, list[str]]:
+    """Per subcommand that writes, an invocation that writes its output into ``occupied``."""
+    occ, corpus = str(occupied), str(inputs / "corpus")
+    return {
+        "demo": ["demo", "--out", occ, "--small", "--steps", "1"],
+        "prepare": ["prepare", "configs/data/demo_bert.yaml", f"output={occ}", "progress=false",
+                    f"sources=[{{type: text, paths: ['{inputs / 'doc.txt'}']}}]"],
+        "train": ["train", "configs/train/bert_tiny_cpu.yaml", f"data.corpus={corpus}", f"train.run_dir={occ}",
+                  "train.max_steps=1", "data.num_workers=0", "distributed.engine=ddp", "distributed.zero_stage=0"],
+        "finetune": ["finetune", "configs/finetune/classification.yaml", f"checkpoint={inputs / 'release'}",
+                     f"data.train={inputs / 'train.tsv'}", f"data.validation={inputs / 'train.tsv'}", f"train.run_dir={occ}",
+                     "epochs=1", "data.micro_batch_size=8"],
+        "export": ["export", str(run), occ],
+        "sweep": ["sweep", "configs/sweeps/warmup_post_ln_bert.yaml", f"corpus={corpus}", f"out_dir={occ}", "seeds=[0]"],
+        "report": ["report", str(run), "--out", occ],
+        "submit": ["submit", "configs/train/bert_tiny_cpu.yaml", f"data.corpus={corpus}", f"train.run_dir={occ}"],
+    }
+
+
+READ_ONLY_COMMANDS = {"inspect"}
+
+
+def test_every_writing_subcommand_is_listed():
+    """A new subcommand must be added to the walk below (or to READ_ONLY_COMMANDS)."""
+    from pipelines.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(_writing_commands(REPO, REPO, REPO)) | READ_ONLY_COMMANDS
+
+
+@pytest.mark.parametrize("command", sorted(_writing_commands(Path("."), Path("."), Path("."))))
+def test_cli_walk_no_command_writes_into_a_users_folder(command, cli_inputs, run, tmp_path, capsys, monkeypatch):
+    """Every `pretrain` subcommand that writes, pointed at a user's folder that looks like ours (a
+    config.yaml next to checkpoints/, a report.html and PNGs): refused with one message, nothing changed."""
+    from pipelines.cli import main
+    from pipelines.engine.distributed import in_process_run
+
+    mine = tmp_path / "mine"
+    (mine / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (mine / "checkpoints" / "step-00000001" / "notes.txt").write_text("my own checkpoint notes")
+    (mine / "config.yaml").write_text("my: config\n")
+    (mine / "report.html").write_text("<p>my report</p>")
+    (mine / "loss.png").write_bytes(b"\x89PNG my plot")
+    before = tree(mine)
+    monkeypatch.chdir(REPO)
+    with in_process_run():
+        code = main(_writing_commands(cli_inputs, run, mine)[command])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err, err[-2000:]
+    assert "not created by pretrain" in err and str(mine) in err, err[-2000:]
+    assert tree(mine) == before and sorted(p.name for p in mine.iterdir()) == ["checkpoints", "config.yaml", "loss.png",
+                                                                                "report.html"]
