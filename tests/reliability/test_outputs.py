@@ -188,7 +188,7 @@ def _writing_commands(inputs, run, occupied) -> dict[str, list[str]]:
     }
 
 
-READ_ONLY_COMMANDS = {"inspect"}
+READ_ONLY_COMMANDS = {"inspect", "plan"}
 
 
 def test_every_writing_subcommand_is_listed():
