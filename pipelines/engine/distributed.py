@@ -174,10 +174,10 @@ def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | 
             final = getattr(getattr(cfg, section), name)
             field = next(f for var, (f, k) in _ACCELERATE_FIELDS.items() if k == key)
             if final == value:
-                log.info("accelerate config file: %s=%r in effect (%s).", field, value, key)
+                log.info("accelerate config file: %s applied as %s=%r.", field, key, value)
             else:
-                log.warning("accelerate config file sets %s (= %s %r) but the run config sets %s=%r: the run config "
-                            "wins. Change %s in the run config (or an override) to use the other value, or remove "
+                log.warning("accelerate config file: %s gives %s=%r, but the run config sets %s=%r: the run config "
+                            "wins. Set %s in the run config (or as an override) to use the other value, or remove "
                             "%s from the accelerate file.", field, key, value, key, final, key, field)
     return cfg
 

@@ -97,3 +97,18 @@ def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
     history = metrics["history"]
     assert len(history) == 8 and history[-1]["loss"] < history[0]["loss"]  # dev loss falls across epochs
     assert metrics["metrics"]["accuracy"] > 0.45  # 3 classes of 20 dev sentences each: chance is 0.33
+
+
+def test_the_shipped_config_resumes_when_the_job_runs_again(hf_checkpoint, topic_task, tmp_path, capsys):
+    """A requeued job runs the same command again: with the shipped `train.resume: auto` it continues from
+    its newest checkpoint (here: the last one) instead of being refused for a run dir with checkpoints."""
+    from monitoring.logger import read_metrics_lines
+
+    args = overrides(hf_checkpoint, topic_task, tmp_path / "run", "epochs=1")
+    first = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
+    capsys.readouterr()
+    second = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
+    assert "Resuming from" in capsys.readouterr().out
+    assert second["best_step"] == first["best_step"] and second["metrics"] == pytest.approx(first["metrics"])
+    steps = [r["step"] for r in read_metrics_lines(tmp_path / "run" / "metrics.jsonl") if r.get("split") == "train"]
+    assert steps == sorted(set(steps))  # no step trained twice
