@@ -160,12 +160,10 @@ def check(cfg: Any, *, world_size: int = 1) -> None:
     _check_distributed(cfg, world_size)
 
 
-def _check_corpus(path: str, cfg: Any, world_size: int, what: str) -> None:
+def _check_corpus(path: str, cfg: Any, world_size: int) -> None:
     """A prepared corpus (its manifest) that gives every rank at least one micro-batch."""
     from core.corpus import read_manifest
 
-    if not path:
-        raise ConfigError(f"{what} is empty. Set it to a corpus directory written by `pretrain prepare`.")
     raw = read_manifest(path)  # names the missing or damaged manifest and the fix
     samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
     need = world_size * _micro_batch(cfg)
@@ -177,14 +175,20 @@ def _check_corpus(path: str, cfg: Any, world_size: int, what: str) -> None:
         )
 
 
-def _check_finetune_files(cfg: Any) -> None:
-    for key in ("train", "validation"):
-        value = getattr(cfg.data, key)
+def _input_paths(cfg: Any) -> list[tuple[str, str]]:
+    """(key, path) of every file or corpus the job reads; an empty one is a config error, dry run or not."""
+    if TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning
+        found = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
+        hint = "a file of labelled examples (see docs/finetune.md)"
+    elif cfg.data.corpora:
+        found = [(f"data.corpora[{i}].path", part.path) for i, part in enumerate(cfg.data.corpora)]
+        hint = "a corpus directory written by `pretrain prepare`"
+    else:
+        found, hint = [("data.corpus", cfg.data.corpus)], "a corpus directory written by `pretrain prepare`"
+    for key, value in found:
         if not value:
-            raise ConfigError(f"data.{key} is empty. Set data.{key}= a file of labelled examples (see docs/finetune.md).")
-        if not Path(value).is_file():
-            raise ConfigError(f"data.{key}={value}: no such file. Point data.{key} at an existing file "
-                              f"(a path on a filesystem every node sees, for a cluster job).")
+            raise ConfigError(f"{key} is empty. Set it to {hint}.")
+    return found
 
 
 def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[str]:
@@ -192,21 +196,21 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
     for ``world_size`` ranks, or fine-tuning's ``data.train`` / ``data.validation``.
 
     ``strict`` raises ``ConfigError``; otherwise (``submit --dry-run``, where the paths may be the
-    cluster's) each problem comes back as a warning line.
+    cluster's) a missing or too small input comes back as a warning line. An empty path always raises.
     """
-    try:
-        if TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning
-            _check_finetune_files(cfg)
-        elif cfg.data.corpora:
-            for i, part in enumerate(cfg.data.corpora):
-                _check_corpus(part.path, cfg, world_size, f"data.corpora[{i}].path")
-        else:
-            _check_corpus(cfg.data.corpus, cfg, world_size, "data.corpus")
-    except ConfigError as exc:
-        if strict:
-            raise
-        return [f"{exc} (not checked further: a dry run renders anyway)"]
-    return []
+    warnings = []
+    for key, path in _input_paths(cfg):
+        try:
+            if key.startswith("data.corpus"):
+                _check_corpus(path, cfg, world_size)
+            elif not Path(path).is_file():
+                raise ConfigError(f"{key}={path}: no such file. Point {key} at an existing file "
+                                  f"(a path on a filesystem every node sees, for a cluster job).")
+        except ConfigError as exc:
+            if strict:
+                raise
+            warnings.append(f"{exc} (a dry run renders anyway)")
+    return warnings
 
 
 #: accelerate's ``mixed_precision`` values a run can honour -> ``train.precision`` (fp8 needs Transformer
