@@ -45,8 +45,12 @@ def test_accelerate_file_fields_sit_between_our_defaults_and_the_run_config(tmp_
     assert cfg.distributed.offload_optimizer is True and cfg.distributed.deepspeed_config == ds_json
     assert cfg.distributed.zero_stage == 3  # the run config wins over the file
     assert cfg.train.precision == "fp32"  # set by bert_tiny_cpu.yaml (extended): the run config wins
-    assert "distributed.zero_stage=1 overridden by the run config (distributed.zero_stage=3)" in caplog.text
-    assert "train.grad_accum_steps=4 applied" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("deepspeed_config.zero_stage gives distributed.zero_stage=1, but the run config sets "
+               "distributed.zero_stage=3: the run config wins" in m for m in warned), warned
+    assert any("mixed_precision gives train.precision='bf16', but the run config sets train.precision='fp32'" in m
+               for m in warned), warned
+    assert "deepspeed_config.gradient_accumulation_steps applied as train.grad_accum_steps=4" in caplog.text
     overridden = load_launched_config(run, ["train.grad_accum_steps=2"], environ=environ)
     assert overridden.train.grad_accum_steps == 2  # key=value overrides win over everything
     assert load_launched_config(None, [], environ=environ).train.precision == "bf16"  # over our default fp32
