@@ -231,12 +231,21 @@ def script_step(words: list[str]) -> tuple[list[str] | None, str]:
     return argv, "as written"
 
 
+@pytest.fixture
+def readme_demo_out(request) -> Path:
+    """The shared small demo output, or ``PRETRAIN_TEST_DEMO_OUT`` (e.g. the `demo_out` of a real `make demo`)."""
+    given = os.environ.get("PRETRAIN_TEST_DEMO_OUT")
+    if given:
+        return Path(given).resolve()
+    return request.getfixturevalue("demo_output")[0]
+
+
 @pytest.mark.slow
-def test_readme_runs_in_order_after_the_demo(demo_output, tmp_path):
+def test_readme_runs_in_order_after_the_demo(readme_demo_out, tmp_path):
     """Every command of README.md, in order, from a checkout with a fresh `make demo` output: the README
     is one script that works. Training, fine-tuning and sweep commands get tiny step counts; cluster
     commands are dry runs. No launch shows library chatter (NOISE)."""
-    demo_dir, _ = demo_output
+    demo_dir = readme_demo_out
     for name in ("configs", "slurm"):
         (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / "demo_out").symlink_to(demo_dir)
