@@ -65,7 +65,8 @@ def test_accelerate_fields_we_cannot_honour_name_the_run_config_key():
 
 
 def test_pretrain_entry_shows_our_info_lines_on_rank_0_only(tmp_path):
-    """configure_logging: the accelerate-file line (INFO) reaches the console of rank 0, not of rank 1."""
+    """configure_logging: the accelerate-file line (a WARNING: the run config's fp32 wins) reaches the console
+    of rank 0, not of rank 1."""
     out = {}
     for rank in ("0", "1"):
         env = {**job_env(), "ACCELERATE_MIXED_PRECISION": "bf16", "RANK": rank}
@@ -73,7 +74,8 @@ def test_pretrain_entry_shows_our_info_lines_on_rank_0_only(tmp_path):
                                f"train.run_dir={tmp_path}/r{rank}"], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
         out[rank] = proc.stderr
-    assert "INFO pipelines.engine.distributed: accelerate config file: train.precision='bf16' overridden" in out["0"]
+    assert ("WARNING pipelines.engine.distributed: accelerate config file: mixed_precision gives train.precision='bf16', "
+            "but the run config sets train.precision='fp32'") in out["0"]
     assert "accelerate config file" not in out["1"]
 
 
@@ -103,7 +105,7 @@ def test_accelerate_launch_config_file_precision_reaches_the_run(bert_corpus, tm
     assert saved["train"]["precision"] == "bf16" and saved["distributed"]["zero_stage"] == 1
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["precision"] == "bf16" and state["zero_stage"] == 1
-    assert "train.precision='bf16' applied" in proc.stderr
+    assert "mixed_precision applied as train.precision='bf16'" in proc.stderr
 
 
 @pytest.mark.slow
