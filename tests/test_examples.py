@@ -201,9 +201,9 @@ def readme_commands() -> list[str]:
 
 
 def _with_overrides(words: list[str], extra: list[str]) -> list[str]:
-    """``extra`` after the last ``key=value`` word (argparse takes overrides only before the --flags)."""
-    last = max((i for i, w in enumerate(words) if "=" in w and not w.startswith("-")), default=len(words) - 1)
-    return words[:last + 1] + extra + words[last + 1:]
+    """``extra`` after the command's own overrides, before its first --flag (argparse takes them only there)."""
+    first_flag = next((i for i, w in enumerate(words) if i > 2 and w.startswith("-")), len(words))
+    return words[:first_flag] + extra + words[first_flag:]
 
 
 def script_step(words: list[str]) -> tuple[list[str] | None, str]:
@@ -220,15 +220,14 @@ def script_step(words: list[str]) -> tuple[list[str] | None, str]:
         return [sys.executable, *words[1:]], "as written"
     if prog in ("accelerate", "torchrun"):
         return [str(bindir / prog), *words[1:], *TINY_TRAIN], "as written + tiny steps"
-    cmd = words[1]
-    argv = [sys.executable, "-m", "pipelines.cli", *words[1:]]
+    cmd, pretrain = words[1], [sys.executable, "-m", "pipelines.cli"]
     if cmd == "submit" or (cmd == "sweep" and "--slurm" in words):
-        return argv + ["--dry-run"], "--dry-run (needs a SLURM cluster)"
+        return pretrain + words[1:] + ["--dry-run"], "--dry-run (needs a SLURM cluster)"
     if cmd == "sweep":
-        return _with_overrides(argv, TINY["sweep"]) + TINY_SWEEP_RUNS, "2 runs of 6 steps"
+        return pretrain + _with_overrides(words, TINY["sweep"])[1:] + TINY_SWEEP_RUNS, "2 runs of 6 steps"
     if cmd in TINY:
-        return _with_overrides(argv, TINY[cmd]), "as written + " + " ".join(TINY[cmd])
-    return argv, "as written"
+        return pretrain + _with_overrides(words, TINY[cmd])[1:], "as written + " + " ".join(TINY[cmd])
+    return pretrain + words[1:], "as written"
 
 
 @pytest.fixture
