@@ -201,7 +201,7 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
     warnings = []
     for key, path in _input_paths(cfg):
         try:
-            if key.startswith("data.corpus"):
+            if key.startswith(("data.corpus", "data.corpora")):
                 _check_corpus(path, cfg, world_size)
             elif not Path(path).is_file():
                 raise ConfigError(f"{key}={path}: no such file. Point {key} at an existing file "

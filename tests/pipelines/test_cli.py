@@ -73,6 +73,13 @@ def test_train_with_a_missing_corpus_stops_before_any_process_starts(nproc, tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
+    mixture = f"data.corpora=[{{path: {bert_corpus}, weight: 0.7}}, {{path: {tmp_path / 'absent'}, weight: 0.3}}]"
+    code = main(["train", BERT_CPU, mixture, f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"{tmp_path / 'absent'}/manifest.json does not exist" in line
+
+
 def test_finetune_with_a_missing_data_file_stops_before_any_process_starts(tmp_path, capsys):
     code = main(["finetune", CLASSIFICATION, f"checkpoint={tmp_path}",
                  f"data.train={tmp_path / 'train.tsv'}", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
