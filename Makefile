@@ -27,11 +27,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The fast suite with every dependency at the lowest version pyproject.toml allows (torch: TORCH_SPEC).
+# The fast suite with every dependency at the lowest version pyproject.toml allows, torch included
+# (.ci/lowest_pins.py; torch's floor is PyPI's CUDA build, a few GB to download, run on the CPU).
 test-lowest:
 	$(PYTHON) -m venv .venv-lowest
 	.venv-lowest/bin/python -m pip install -q --upgrade pip
-	.venv-lowest/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) .ci/lowest_pins.py > .venv-lowest/constraints.txt
 	.venv-lowest/bin/python -m pip install -q -c .venv-lowest/constraints.txt -e ".[dev]"
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/.venv-lowest/torch_extensions .venv-lowest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)

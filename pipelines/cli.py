@@ -69,14 +69,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.engine.check import check
+    from pipelines.engine.check import check, check_inputs
 
     cfg = load_run_config(args.config, args.overrides)
     check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
+    check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
     if args.nproc > 1:
         from pipelines.engine.distributed import launch
 
-        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher)
+        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher,
+                      accelerate_config=args.accelerate_config)
     from pipelines.engine.trainer import train
 
     train(cfg)
@@ -85,15 +87,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
-    from pipelines.engine.check import check
+    from pipelines.engine.check import check, check_inputs
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     check(cfg, world_size=args.nproc)
+    check_inputs(cfg, world_size=args.nproc)
     if args.nproc > 1:
         from pipelines.engine.distributed import launch
 
-        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher, module="pipelines.finetune")
+        return launch(args.config, args.overrides, args.nproc, launcher=args.launcher,
+                      accelerate_config=args.accelerate_config, module="pipelines.finetune")
     run_finetune(cfg)
     return 0
 
@@ -143,7 +147,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         account=args.account, job_name=args.job_name, cpus_per_task=args.cpus_per_task, mem=args.mem,
         signal_seconds=args.signal_seconds, launcher=args.launcher, kind=args.kind, sbatch_args=tuple(args.sbatch_arg),
     )
-    job = render_job(args.config, args.overrides, opts)
+    job = render_job(args.config, args.overrides, opts, check_files=not args.dry_run)
     for warning in job.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
@@ -196,6 +200,11 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="Local processes (2+ launches a distributed job).")
     parser.add_argument(
         "--launcher", choices=("accelerate", "torchrun", "deepspeed"), default="accelerate", help="Multi-process launcher."
+    )
+    parser.add_argument(
+        "--accelerate-config", default=None, metavar="FILE",
+        help="--launcher accelerate: its --config_file (default: configs/accelerate/cpu_zero2.yaml on CPU, multi_gpu.yaml "
+             "on GPU). Where it and the run config disagree (zero_stage, mixed_precision), the run config wins.",
     )
 
 

@@ -102,3 +102,18 @@ def test_extras_users_ask_for_exist():
     for extra, dist in {"wandb": "wandb", "mlflow": "mlflow", "near-dedup": "datasketch"}.items():
         assert dist in extras.get(extra, set()), f"pip install pretrain[{extra}] should install {dist}"
     assert "webdataset" in extras["dev"]  # the tests and benchmarks read shards with it; the package does not
+
+
+def test_the_lowest_versions_job_tests_the_declared_torch_floor():
+    """`make test-lowest` installs torch at pyproject's lower bound (not the newer local wheel), so the
+    range a cluster's existing torch is kept for (README) is a tested one."""
+    import subprocess
+
+    torch_req = next(Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+                     if Requirement(r).name == "torch")
+    floor = next(s.version for s in torch_req.specifier if s.operator == ">=")
+    pins = subprocess.run([sys.executable, str(REPO / ".ci" / "lowest_pins.py"), str(REPO / "pyproject.toml")],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert f"torch=={floor}" in pins
+    recipe = (REPO / "Makefile").read_text().split("\ntest-lowest:", 1)[1].split("\n\n", 1)[0]
+    assert "TORCH_SPEC" not in recipe and "constraints.txt -e" in recipe  # torch comes from the pins, nothing else

@@ -7,6 +7,11 @@ schedule warmups/decays), a schedule dry-run with the run's real values, the bat
 arithmetic and the distributed options that exclude each other. Device-specific checks (fp16 on a
 CPU, nccl without GPUs) stay in ``distributed.validate``, which knows the device.
 
+``check_inputs(cfg)`` is the other half of a pre-launch check: the files the job will read (the
+corpus manifest and its size against the world, fine-tuning's data files) exist. ``pretrain train``
+/ ``finetune`` run it before any process starts, whatever ``--nproc``; ``pretrain submit`` too (a
+``--dry-run`` turns what it finds into warnings, so a script for a cluster path still renders).
+
 This module imports no torch (``tests/pipelines/test_check.py`` proves it): checking a 64-point
 sweep or a launch costs milliseconds.
 """
@@ -22,7 +27,8 @@ from typing import Any
 from core.config import ConfigError
 from pipelines.engine.schedules import build_schedule
 
-__all__ = ["MODEL_CATALOG", "TASK_FAMILY", "check", "model_width", "run_schedule"]
+__all__ = ["ACCELERATE_PRECISION", "MODEL_CATALOG", "TASK_FAMILY", "check", "check_accelerate_file", "check_inputs",
+           "model_width", "run_schedule"]
 
 #: Registered model sizes -> (family, hidden_size), torch-free; a test keeps it equal to ``models.list_models()``.
 MODEL_CATALOG: dict[str, tuple[str, int]] = {
@@ -153,3 +159,81 @@ def check(cfg: Any, *, world_size: int = 1) -> None:
     _check_model(cfg)
     _check_schedule(cfg)
     _check_distributed(cfg, world_size)
+
+
+def _check_corpus(path: str, cfg: Any, world_size: int) -> None:
+    """A prepared corpus (its manifest) that gives every rank at least one micro-batch."""
+    from core.corpus import read_manifest
+
+    raw = read_manifest(path)  # names the missing or damaged manifest and the fix
+    samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
+    need = world_size * _micro_batch(cfg)
+    if samples < need:
+        raise ConfigError(
+            f"The corpus {path} has {samples} training samples, fewer than one micro-batch per rank "
+            f"(world size {world_size} x data.micro_batch_size {_micro_batch(cfg)} = {need}). "
+            f"Lower data.micro_batch_size or the number of processes, or prepare more data."
+        )
+
+
+def _input_paths(cfg: Any) -> list[tuple[str, str]]:
+    """(key, path) of every file or corpus the job reads; an empty one is a config error, dry run or not."""
+    if TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning
+        found = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
+        hint = "a file of labelled examples (see docs/finetune.md)"
+    elif cfg.data.corpora:
+        found = [(f"data.corpora[{i}].path", part.path) for i, part in enumerate(cfg.data.corpora)]
+        hint = "a corpus directory written by `pretrain prepare`"
+    else:
+        found, hint = [("data.corpus", cfg.data.corpus)], "a corpus directory written by `pretrain prepare`"
+    for key, value in found:
+        if not value:
+            raise ConfigError(f"{key} is empty. Set it to {hint}.")
+    return found
+
+
+def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[str]:
+    """Check that the files the job reads exist: the corpus (or every corpus of a mixture) and its size
+    for ``world_size`` ranks, or fine-tuning's ``data.train`` / ``data.validation``.
+
+    ``strict`` raises ``ConfigError``; otherwise (``submit --dry-run``, where the paths may be the
+    cluster's) a missing or too small input comes back as a warning line. An empty path always raises.
+    """
+    warnings = []
+    for key, path in _input_paths(cfg):
+        try:
+            if key.startswith(("data.corpus", "data.corpora")):
+                _check_corpus(path, cfg, world_size)
+            elif not Path(path).is_file():
+                raise ConfigError(f"{key}={path}: no such file. Point {key} at an existing file "
+                                  f"(a path on a filesystem every node sees, for a cluster job).")
+        except ConfigError as exc:
+            if strict:
+                raise
+            warnings.append(f"{exc} (a dry run renders anyway)")
+    return warnings
+
+
+#: accelerate's ``mixed_precision`` values a run can honour -> ``train.precision`` (fp8 needs Transformer
+#: Engine / MS-AMP / torchao kernels our models do not use).
+ACCELERATE_PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def check_accelerate_file(path: str | Path) -> None:
+    """Refuse an ``accelerate launch --config_file`` file whose settings a run cannot honour, before
+    accelerate's launcher starts (it fails on ``mixed_precision: fp8`` with a traceback of its own)."""
+    from core.config import load_yaml
+
+    data = load_yaml(path)
+    mp = str(data.get("mixed_precision", "no")).lower()
+    if mp not in ACCELERATE_PRECISION:
+        raise ConfigError(
+            f"{path}: mixed_precision: {mp} is not supported (our models run fp32, bf16 or fp16). Set it to "
+            f"'no', bf16 or fp16 in that file, or remove it and set train.precision in the run config."
+        )
+    ds = data.get("deepspeed_config") or {}
+    for field, key in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        device = str(ds.get(field, "none")).lower()
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"{path}: deepspeed_config.{field}: {device} is not supported (only cpu offload). Remove "
+                              f"it and set distributed.{key}=true in the run config for CPU offload.")

@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
+from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file
 from pipelines.engine.config import RunConfig
 
-__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run"]
+__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run",
+           "quiet_libraries"]
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +66,24 @@ def _slurm_master() -> str:
         return nodes.split(",")[0].split("[")[0]
 
 
+#: Library notices that are not warnings for our users (each matched exactly; everything else still shows):
+#: DeepSpeed 0.19 gathers with ``all_gather_into_tensor``, which torch 2.13 deprecates -- our code does not call it.
+_DEPRECATIONS_OF_LIBRARIES = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
+
+
+def quiet_libraries() -> None:
+    """Say what DeepSpeed would guess (``DS_ACCELERATOR=cpu`` without CUDA, so it does not warn that it
+    "could not detect" one) and ignore the deprecations listed above. Called before DeepSpeed is imported:
+    by ``init_env`` in every rank and in-process run, by ``launch`` for its children, and by export."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    for message in _DEPRECATIONS_OF_LIBRARIES:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def init_env() -> DistEnv:
     """Make the torch.distributed env variables complete for whatever launched us; return the topology."""
+    quiet_libraries()
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "accelerate" if "ACCELERATE_MIXED_PRECISION" in env else ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed/env")
@@ -112,7 +130,7 @@ def accelerate_file_settings(environ: dict[str, str] | None = None) -> dict[str,
             continue
         value: Any
         if var == "ACCELERATE_MIXED_PRECISION":
-            value = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(raw.lower())
+            value = ACCELERATE_PRECISION.get(raw.lower())
             if value is None:
                 raise ConfigError(f"accelerate config: mixed_precision={raw} is not supported. Set it to no, bf16 or fp16 "
                                   f"there, or remove it and set train.precision in the run config.")
@@ -136,8 +154,11 @@ def accelerate_file_settings(environ: dict[str, str] | None = None) -> dict[str,
 def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
                          cls: type | None = None, environ: dict[str, str] | None = None) -> Any:
     """The run config of a launched rank: our defaults < the ``accelerate launch --config_file`` file's
-    fields < the run config file < ``key=value`` overrides. Rank 0 logs every accelerate field it
-    applied or that the run config overrode; the resolved values end up in run_dir/config.yaml."""
+    fields < the run config file < ``key=value`` overrides.
+
+    The rule: the run config wins. A field the run config (file or override) leaves unset takes the
+    accelerate file's value (INFO on rank 0); one it sets to another value keeps the run config's,
+    with a WARNING on rank 0 naming both values. The resolved values end up in run_dir/config.yaml."""
     from core.config import apply_overrides, deep_merge, from_dict, load_yaml
 
     if cls is None:
@@ -151,8 +172,13 @@ def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | 
         for key, value in settings.items():
             section, name = key.split(".")
             final = getattr(getattr(cfg, section), name)
-            how = "applied" if final == value else f"overridden by the run config ({key}={final!r})"
-            log.info("accelerate config file: %s=%r %s.", key, value, how)
+            field = next(f for var, (f, k) in _ACCELERATE_FIELDS.items() if k == key)
+            if final == value:
+                log.info("accelerate config file: %s applied as %s=%r.", field, key, value)
+            else:
+                log.warning("accelerate config file: %s gives %s=%r, but the run config sets %s=%r: the run config "
+                            "wins. Set %s in the run config (or as an override) to use the other value, or remove "
+                            "%s from the accelerate file.", field, key, value, key, final, key, field)
     return cfg
 
 
@@ -349,6 +375,7 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
     target = ["-m", module, str(config_path), *overrides]
     if launcher == "accelerate":
         acfg = accelerate_config or str(REPO / "configs/accelerate" / ("multi_gpu.yaml" if torch.cuda.is_available() else "cpu_zero2.yaml"))
+        check_accelerate_file(acfg)  # one line for what accelerate's launcher would answer with a traceback
         exe = str(bindir / "accelerate") if (bindir / "accelerate").exists() else (shutil.which("accelerate") or "accelerate")
         cmd = [exe, "launch", "--config_file", acfg, "--num_processes", str(num_processes), "--num_machines", "1",
                "--main_process_port", port, *target]
@@ -363,6 +390,7 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
         cmd = [sys.executable, *target]
     else:
         raise ConfigError(f"Unknown launcher {launcher!r}: choose accelerate, torchrun, deepspeed or python.")
+    quiet_libraries()  # DS_ACCELERATOR for the launcher process (accelerate / deepspeed import DeepSpeed) and the ranks
     env = fresh_world_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_processes))))

@@ -13,8 +13,13 @@ whose gradients are non-finite is not applied.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import os
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +288,32 @@ def _drop_accelerate_deepspeed_env() -> None:
             del os.environ[k]
 
 
+#: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.
+_DS_OP_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
+
+
+@contextlib.contextmanager
+def _joining_quietly() -> Iterator[None]:
+    """Around ``Accelerator(...)``, which joins the process group (and DeepSpeed's comm backend):
+
+    - ``OMP_NUM_THREADS`` is the thread count this process already runs with (a sweep's ``threads``,
+      a launcher's setting), so accelerate neither replaces it (cores / local ranks) nor warns that it
+      is unset; the variable is put back afterwards;
+    - DeepSpeed's "op built successfully" line is dropped; everything else it prints is passed on.
+    """
+    had = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = had or str(torch.get_num_threads())
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        if had is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        sys.stdout.write("".join(line for line in out.getvalue().splitlines(keepends=True) if not _DS_OP_BUILT.match(line)))
+        sys.stdout.flush()
+
+
 def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer: Any, schedule_fn: Any) -> Engine:
     """Accelerator (+ DeepSpeed plugin) around model/optimizer/LR schedule; joins the process group.
 
@@ -302,14 +333,16 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
         mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
         plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size))
-        acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg])
+        with _joining_quietly():
+            acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg])
         model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
         engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
         if cfg.model.compile:
             model.compile()
         return engine
     # DDP: mixed precision is ours (DDPEngine's autocast + GradScaler), not accelerate's
-    acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
+    with _joining_quietly():
+        acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
     if cfg.model.compile:
         model = torch.compile(model)
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step

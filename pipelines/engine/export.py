@@ -58,6 +58,9 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
         sd = safe_torch_load(engine / "model.pt", map_location="cpu")
         return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
     if list(engine.glob("*zero_pp_rank_*optim_states.pt")) and state.get("zero_stage") != 0:
+        from pipelines.engine.distributed import quiet_libraries
+
+        quiet_libraries()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False

@@ -55,7 +55,7 @@ class FinetuneConfig:
     )
     train: TrainConfig = option(
         help="Training loop (max_steps comes from epochs).",
-        default_factory=lambda: TrainConfig(task="classification", run_dir="runs/finetune", resume="never"),
+        default_factory=lambda: TrainConfig(task="classification", run_dir="runs/finetune", resume="auto"),
     )
     distributed: DistributedConfig = option(
         help="Distribution.", default_factory=lambda: DistributedConfig(engine="ddp", zero_stage=0)

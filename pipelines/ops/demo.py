@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 
 from core.files import atomic_write_text, claim_output_dir
-from pipelines.ops.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
+from pipelines.ops.demo_data import (
+    write_classification_task,
+    write_digit_images,
+    write_package_qa_task,
+    write_pretraining_corpus,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -82,9 +87,12 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     text_stats = write_pretraining_corpus(raw, max_chars=400_000 if opts.small else None)
     task_stats = write_classification_task(task)
     write_package_qa_task(out / "qa")  # for configs/demo/finetune_package_qa.yaml (not run by the demo)
+    digits = write_digit_images(out / "digits")  # for configs/data/digits_images.yaml (not run by the demo)
     print(f"{text_stats['files']} files, {text_stats['chars'] / 1e6:.2f} MB of text; "
           f"task: {task_stats['train']} train / {task_stats['validation']} validation docstrings "
           f"from {', '.join(task_stats['labels'])} ({time.perf_counter() - t:.0f}s)")
+    print(f"{digits} digit images in {out / 'digits'} (configs/data/digits_images.yaml)" if digits is not None else
+          f"{out / 'digits'} not written: the digit images come with scikit-learn (pip install -e \".[demo]\").")
 
     t = _stage("2/5 Preparing WebDataset shards with a Ray job (WordPiece + BERT sentence pairs)")
     prep_overrides = [f"output={corpus}", f"sources=[{{type: text, paths: ['{raw}'], text_mode: file}}]"]
@@ -121,6 +129,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             f"data.train={task / 'train.tsv'}",
             f"data.validation={task / 'validation.tsv'}",
             f"train.run_dir={out / 'runs' / 'finetune-docstrings'}",
+            "train.resume=never",  # a rerun of the demo fine-tunes afresh (the shipped configs resume: auto)
             "train.overwrite=true",
         ]
         + (["epochs=4"] if opts.small else []),

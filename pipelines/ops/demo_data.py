@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.files import atomic_write_text
+from core.files import atomic_write_bytes, atomic_write_text
 
 #: Packages whose docstrings form the classification task (the largest ones with distinct topics).
 TASK_PACKAGES = ("tkinter", "asyncio", "email", "logging", "xml")
@@ -183,3 +183,28 @@ def write_package_qa_task(out_dir: str | Path, *, context_words: int = 50, seed:
         "validation": len(rows["validation"]),
         "majority_baseline": _majority_share([label for _, label in rows["validation"]]),
     }
+
+
+def write_digit_images(out_dir: str | Path) -> int | None:
+    """scikit-learn's 1,797 handwritten 8x8 digits as PNGs in ``OUT/<digit>/<index>.png``, the image
+    folder `configs/data/digits_images.yaml` reads (an image corpus for the ViT configs).
+
+    The images ship inside scikit-learn (no download); it is the ``demo`` extra (``make demo`` installs
+    it with ``dev``). Without it nothing is written and None is returned.
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        return None
+    import numpy as np
+    from PIL import Image
+
+    digits = load_digits()
+    out = Path(out_dir)
+    for i, (pixels, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        folder = out / str(int(label))
+        folder.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        Image.fromarray((pixels * 255 / 16).round().astype(np.uint8), mode="L").save(buf, format="PNG")
+        atomic_write_bytes(folder / f"{i:04d}.png", buf.getvalue())
+    return len(digits.images)

@@ -42,6 +42,7 @@ __all__ = [
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
 BODY_MARKER = "# ---- body"
+ACCELERATE_FILE = REPO / "configs" / "accelerate" / "multi_node.yaml"  # slurm/pretrain.sbatch's --config_file
 Kind = Literal["pretrain", "finetune"]
 Launcher = Literal["accelerate", "torchrun"]
 
@@ -132,8 +133,11 @@ def resolve_run(kind: Kind, config: str | Path, overrides: Sequence[str] = (), *
     return ResolvedRun(kind, Path(config), tuple(overrides), cfg, run_dir, cfg.train.max_steps, cfg.train.resume)
 
 
-def validate_job(run: ResolvedRun, opts: SubmitOptions) -> list[str]:
-    """Refuse jobs that cannot work (ConfigError naming the fix); return warnings for doubtful ones."""
+def validate_job(run: ResolvedRun, opts: SubmitOptions, *, check_files: bool = True) -> list[str]:
+    """Refuse jobs that cannot work (ConfigError naming the fix); return warnings for doubtful ones.
+
+    ``check_files=False`` (a dry run) reports a missing corpus or data file as a warning: the paths
+    may be the cluster's, which this machine does not see."""
     warnings: list[str] = []
     if opts.nodes < 1:
         raise ConfigError(f"--nodes must be >= 1, got {opts.nodes}.")
@@ -148,6 +152,10 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions) -> list[str]:
             f"--time {opts.time} ({parse_time(opts.time)} s) must be longer than the pre-emption warning "
             f"--signal-seconds {opts.signal_seconds}; lower --signal-seconds or raise --time."
         )
+    if opts.launcher == "accelerate":
+        from pipelines.engine.check import check_accelerate_file
+
+        check_accelerate_file(ACCELERATE_FILE)  # what the job's `accelerate launch` reads
     cfg, world = run.cfg, opts.world_size
     if opts.gpus_per_node == 0:
         if cfg.train.precision == "fp16":
@@ -174,39 +182,16 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions) -> list[str]:
                     f"{path}: train_batch_size={tb} != data.micro_batch_size {micro} x train.grad_accum_steps "
                     f"{cfg.train.grad_accum_steps} x world size {world} = {global_batch}. Set it to \"auto\"."
                 )
-    from pipelines.engine.check import check
+    from pipelines.engine.check import check, check_inputs
 
     check(cfg, world_size=world)  # names, schedule dry-run, batch arithmetic: as every rank will
-    if run.kind == "pretrain":
-        _check_corpus(cfg, world)
+    warnings += check_inputs(cfg, world_size=world, strict=check_files)  # corpus / data files on the shared fs
     if run.resume == "never":
         warnings.append("train.resume=never: a pre-empted job will not be requeued (it could not continue). Use auto.")
     if not opts.time:
         warnings.append("no --time: the partition's default limit applies; the USR1 warning comes "
                         f"{opts.signal_seconds} s before it.")
     return warnings
-
-
-def _check_corpus(cfg: RunConfig, world: int) -> None:
-    """The corpus must exist (on the shared filesystem) and give every rank at least one batch."""
-    corpus = Path(cfg.data.corpus)
-    if not cfg.data.corpus:
-        raise ConfigError("data.corpus is empty. Set it to a corpus directory written by `pretrain prepare`.")
-    manifest = corpus / "manifest.json"
-    try:
-        raw = json.loads(manifest.read_text(encoding="utf-8"))
-    except OSError:
-        raise ConfigError(f"{manifest} does not exist. data.corpus must be a prepared corpus on a filesystem every node sees.") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{manifest} is not valid JSON ({exc}); re-run `pretrain prepare`.") from None
-    samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
-    need = world * cfg.data.micro_batch_size
-    if samples < need:
-        raise ConfigError(
-            f"The corpus {corpus} has {samples} training samples, fewer than one micro-batch per rank "
-            f"(world size {world} x data.micro_batch_size {cfg.data.micro_batch_size} = {need}). "
-            f"Lower data.micro_batch_size or the node/GPU count, or prepare more data."
-        )
 
 
 # ----------------------------------------------------------------------------------------- render
@@ -241,13 +226,15 @@ def sbatch_lines(opts: SubmitOptions, *, job_name: str, output: str, chdir: Path
 
 
 def render_job(config: str | Path, overrides: Sequence[str], opts: SubmitOptions, *, cwd: Path | None = None,
-               python: str | None = None, repo: Path = REPO) -> RenderedJob:
-    """Validate and render the sbatch script for ``config`` + ``overrides`` (raises ConfigError)."""
+               python: str | None = None, repo: Path = REPO, check_files: bool = True) -> RenderedJob:
+    """Validate and render the sbatch script for ``config`` + ``overrides`` (raises ConfigError).
+
+    ``check_files=False`` (``--dry-run``) warns about a missing corpus or data file instead."""
     cwd = (cwd or Path.cwd()).resolve()
     config = Path(config)
     config_abs = config if config.is_absolute() else cwd / config
     run = resolve_run(opts.kind, config_abs, overrides, cwd=cwd)
-    warnings = validate_job(run, opts)
+    warnings = validate_job(run, opts, check_files=check_files)
     job_name = opts.job_name or f"{opts.kind}-{run.run_dir.name}"
     log_dir = run.run_dir / "logs"
     python = python or sys.executable

@@ -74,3 +74,103 @@ def test_prepare_refuses_a_one_class_image_corpus_naming_the_folder_or_column(tm
                  f"sources=[{{type: image_csv, paths: ['{csv}'], path_field: file, label_field: label}}]"])
     err = capsys.readouterr().err
     assert code == 1 and "column 'label'" in err and str(csv) in err and "label_field" in err, err
+
+
+# ------------------------------------------------------------------------------ pre-launch checks
+
+
+BERT_CPU = str(REPO / "configs/train/bert_tiny_cpu.yaml")
+CLASSIFICATION = str(REPO / "configs/finetune/classification.yaml")
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err  # no per-rank copies, no traceback
+    return lines[0]
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_train_with_a_missing_corpus_stops_before_any_process_starts(nproc, tmp_path, capsys):
+    """README's `pretrain train CONFIG data.corpus=... --nproc N`: one line, exit 2, for every N."""
+    code = main(["train", BERT_CPU, f"data.corpus={tmp_path / 'corpus'}",
+                 f"train.run_dir={tmp_path / 'run'}", "--nproc", nproc])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and "manifest.json does not exist" in line and str(tmp_path / "corpus") in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
+    mixture = f"data.corpora=[{{path: {bert_corpus}, weight: 0.7}}, {{path: {tmp_path / 'absent'}, weight: 0.3}}]"
+    code = main(["train", BERT_CPU, mixture, f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"{tmp_path / 'absent'}/manifest.json does not exist" in line
+
+
+def test_finetune_with_a_missing_data_file_stops_before_any_process_starts(tmp_path, capsys):
+    code = main(["finetune", CLASSIFICATION, f"checkpoint={tmp_path}",
+                 f"data.train={tmp_path / 'train.tsv'}", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"data.train={tmp_path / 'train.tsv'}: no such file" in line
+
+
+def test_a_too_small_corpus_for_the_world_is_refused_before_launch(bert_corpus, tmp_path, capsys):
+    code = main(["train", BERT_CPU, f"data.corpus={bert_corpus}",
+                 "data.micro_batch_size=100000", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and "fewer than one micro-batch per rank (world size 2 x data.micro_batch_size 100000" in line
+
+
+def test_fp8_accelerate_file_is_refused_with_one_line(bert_corpus, tmp_path, capsys):
+    """accelerate's own launcher answers `mixed_precision: fp8` with a traceback; we check the file first."""
+    acc = tmp_path / "fp8.yaml"
+    acc.write_text((REPO / "configs/accelerate/cpu_zero2.yaml").read_text().replace("mixed_precision: 'no'", "mixed_precision: fp8"))
+    code = main(["train", BERT_CPU, f"data.corpus={bert_corpus}",
+                 f"train.run_dir={tmp_path / 'run'}", "--nproc", "2", "--accelerate-config", str(acc)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"{acc}: mixed_precision: fp8 is not supported" in line and "train.precision" in line
+
+
+def test_accelerate_file_disagreeing_with_the_run_config_is_a_warning_naming_both(tmp_path, monkeypatch, capsys):
+    """What a rank of `accelerate launch --config_file F -m pipelines.pretrain CONFIG` sees: accelerate exports
+    the file's fields; the run config (bert_tiny_cpu.yaml: fp32, ZeRO-2) wins, loudly."""
+    from pipelines.pretrain import main as rank_main
+
+    for var, value in {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                       "ACCELERATE_GRADIENT_CLIPPING": "0.5", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(var, value)
+    code = rank_main([BERT_CPU, f"data.corpus={tmp_path / 'absent'}",
+                      f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2  # then the missing corpus
+    warnings = [line for line in err.splitlines() if " WARNING " in line]
+    assert any("mixed_precision gives train.precision='bf16', but the run config sets train.precision='fp32': the "
+               "run config wins" in w for w in warnings), err
+    assert any("deepspeed_config.zero_stage gives distributed.zero_stage=3, but the run config sets "
+               "distributed.zero_stage=2" in w for w in warnings), err
+    assert "optim.grad_clip" in err and not any("grad_clip" in w for w in warnings)  # unset in the run config: applied
+
+
+# ------------------------------------------------------------------------------------ dry runs
+
+
+def test_submit_dry_run_renders_for_a_cluster_corpus_with_a_warning(capsys):
+    """README: `pretrain submit configs/train/bert_tiny_cpu.yaml data.corpus=/shared/corpus ... --dry-run`."""
+    argv = ["submit", BERT_CPU, "data.corpus=/nonexistent-shared/corpus",
+            "train.run_dir=/nonexistent-shared/runs/bert", "--nodes", "4", "--gpus-per-node", "8"]
+    assert main([*argv, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --nodes=4" in out
+    assert "warning: /nonexistent-shared/corpus/manifest.json does not exist" in err
+    assert main(argv) == 2  # a real submission still refuses it, before sbatch
+    assert "manifest.json does not exist" in capsys.readouterr().err
+
+
+def test_finetune_submit_dry_run_checks_data_and_the_shipped_config_requeues(capsys):
+    argv = ["submit", CLASSIFICATION, "checkpoint=/nonexistent-shared/release",
+            "data.train=/nonexistent-shared/train.tsv", "--kind", "finetune", "--gpus-per-node", "1", "--time", "1:00:00"]
+    assert main([*argv, "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH" in out and "warning: data.train=/nonexistent-shared/train.tsv: no such file" in err
+    assert "resume=never" not in err  # the shipped fine-tune configs resume (a requeued job continues)
+    assert main(argv) == 2 and "data.train=/nonexistent-shared/train.tsv" in capsys.readouterr().err

@@ -45,8 +45,12 @@ def test_accelerate_file_fields_sit_between_our_defaults_and_the_run_config(tmp_
     assert cfg.distributed.offload_optimizer is True and cfg.distributed.deepspeed_config == ds_json
     assert cfg.distributed.zero_stage == 3  # the run config wins over the file
     assert cfg.train.precision == "fp32"  # set by bert_tiny_cpu.yaml (extended): the run config wins
-    assert "distributed.zero_stage=1 overridden by the run config (distributed.zero_stage=3)" in caplog.text
-    assert "train.grad_accum_steps=4 applied" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("deepspeed_config.zero_stage gives distributed.zero_stage=1, but the run config sets "
+               "distributed.zero_stage=3: the run config wins" in m for m in warned), warned
+    assert any("mixed_precision gives train.precision='bf16', but the run config sets train.precision='fp32'" in m
+               for m in warned), warned
+    assert "deepspeed_config.gradient_accumulation_steps applied as train.grad_accum_steps=4" in caplog.text
     overridden = load_launched_config(run, ["train.grad_accum_steps=2"], environ=environ)
     assert overridden.train.grad_accum_steps == 2  # key=value overrides win over everything
     assert load_launched_config(None, [], environ=environ).train.precision == "bf16"  # over our default fp32
@@ -61,7 +65,8 @@ def test_accelerate_fields_we_cannot_honour_name_the_run_config_key():
 
 
 def test_pretrain_entry_shows_our_info_lines_on_rank_0_only(tmp_path):
-    """configure_logging: the accelerate-file line (INFO) reaches the console of rank 0, not of rank 1."""
+    """configure_logging: the accelerate-file line (a WARNING: the run config's fp32 wins) reaches the console
+    of rank 0, not of rank 1."""
     out = {}
     for rank in ("0", "1"):
         env = {**job_env(), "ACCELERATE_MIXED_PRECISION": "bf16", "RANK": rank}
@@ -69,7 +74,8 @@ def test_pretrain_entry_shows_our_info_lines_on_rank_0_only(tmp_path):
                                f"train.run_dir={tmp_path}/r{rank}"], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
         out[rank] = proc.stderr
-    assert "INFO pipelines.engine.distributed: accelerate config file: train.precision='bf16' overridden" in out["0"]
+    assert ("WARNING pipelines.engine.distributed: accelerate config file: mixed_precision gives train.precision='bf16', "
+            "but the run config sets train.precision='fp32'") in out["0"]
     assert "accelerate config file" not in out["1"]
 
 
@@ -99,7 +105,7 @@ def test_accelerate_launch_config_file_precision_reaches_the_run(bert_corpus, tm
     assert saved["train"]["precision"] == "bf16" and saved["distributed"]["zero_stage"] == 1
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["precision"] == "bf16" and state["zero_stage"] == 1
-    assert "train.precision='bf16' applied" in proc.stderr
+    assert "mixed_precision applied as train.precision='bf16'" in proc.stderr
 
 
 @pytest.mark.slow

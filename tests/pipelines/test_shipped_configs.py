@@ -111,3 +111,30 @@ def test_a_misspelt_warmup_in_a_shipped_sweep_fails_the_build(tmp_path):
     target.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="Did you mean `untuned_linear`?"):
         build_for_real(target)
+
+
+
+@pytest.fixture(scope="module")
+def demo_sources(tmp_path_factory) -> Path:
+    """What `pretrain demo` writes as prep inputs: its text (demo_out/raw) and digit images (demo_out/digits)."""
+    pytest.importorskip("sklearn")  # the digit images ship with scikit-learn (the `demo` extra)
+    from pipelines.ops.demo_data import write_digit_images, write_pretraining_corpus
+
+    root = tmp_path_factory.mktemp("after_demo")
+    write_pretraining_corpus(root / "demo_out" / "raw", max_chars=20_000)
+    assert write_digit_images(root / "demo_out" / "digits") == 1797
+    return root
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "data").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_data_configs_read_what_the_demo_writes(path, demo_sources, monkeypatch):
+    """`pretrain prepare configs/data/X.yaml output=...` right after `make demo`: the default sources are
+    files the demo wrote (its text in demo_out/raw, its digit images in demo_out/digits)."""
+    from data_prep.config import PrepConfig
+    from data_prep.sources import resolve_inputs
+
+    monkeypatch.chdir(demo_sources)  # the configs' paths are relative to where `make demo` ran
+    entries, class_map = resolve_inputs(load_config(path, [], cls=PrepConfig), str(demo_sources / "work"))
+    assert entries and all(Path(e["path"]).resolve().is_relative_to(demo_sources / "demo_out") for e in entries)
+    if class_map:
+        assert class_map == {str(d): d for d in range(10)} and len(entries) == 1797

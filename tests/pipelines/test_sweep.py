@@ -266,3 +266,19 @@ def test_sigterm_stops_a_local_sweep_after_saving_the_current_run(tmp_path, bert
     assert record["status"] == "interrupted" and record["stopped_by"] == "signal"
     assert (runs / "adam-none-lr1e-3-s0" / "checkpoints" / "latest").is_file()
     assert [s.name for s in pending(load_sweep(path))] == ["adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0"]
+
+
+def test_a_sweeps_threads_hold_in_its_in_process_runs(tmp_path, bert_corpus, monkeypatch, recwarn):
+    """`threads: 1` (the shipped sweeps) is the thread count the run computes with -- accelerate does not
+    replace it with cores / local ranks when OMP_NUM_THREADS is unset, nor warn about it."""
+    import monitoring.throughput as throughput
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a shell that never set it
+    monkeypatch.setattr(throughput, "_cpu_peak_cache", {})  # the run measures its CPU peak after joining the world
+    path = write_sweep(tmp_path / "threads.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=TINY_RUN,
+                       threads=1, jobs=1)
+    [record] = run_local(load_sweep(path))
+    assert record["status"] == "ok"
+    assert [threads for _dtype, threads in throughput._cpu_peak_cache] == [1]
+    assert not [w for w in recwarn if "OMP_NUM_THREADS" in str(w.message)]
+    assert "OMP_NUM_THREADS" not in __import__("os").environ  # put back as it was

@@ -1,0 +1,10 @@
+"""Library chatter a user must not see when a job launches (issue #28): each line -> where it came from.
+
+Shared by tests/pipelines/test_demo.py and tests/test_examples.py, which check launch logs for them."""
+
+NOISE = {
+    "Setting accelerator to CPU": "DeepSpeed's accelerator auto-detection (DS_ACCELERATOR unset)",
+    "built successfully": "DeepSpeed's print() when it loads its CPU shared-memory collectives",
+    "all_gather_into_tensor` is deprecated": "torch 2.13 FutureWarning on DeepSpeed's collective",
+    "OMP_NUM_THREADS/MKL_NUM_THREADS unset": "accelerate replacing the thread count of a CPU process",
+}
