@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa-data", default="package", choices=["package", "cloze", "where"])
     add_recipe_args(parser)
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--max-train", type=int, default=1200, help="cloze: training questions kept")
-    parser.add_argument("--max-dev", type=int, default=300, help="cloze: dev questions kept")
+    parser.add_argument("--max-train", type=int, default=1200, help="cloze/where: training questions kept")
+    parser.add_argument("--max-dev", type=int, default=300, help="cloze/where: dev questions kept")
+    parser.add_argument("--max-per-class", type=int, default=0,
+                        help="classification: docstrings kept per package and split (0 = all)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         elif task == "qa":
             write_package_qa_task(data)
         else:
-            write_classification_task(data)
+            write_classification_task(data, max_per_class=args.max_per_class or None)
         metric = "F1" if task == "qa" else "accuracy"
         for seed in (int(s) for s in args.seeds.split(",")):
             a = ours(task, release, data, root / f"ours-{task}-{seed}", args, seed)
