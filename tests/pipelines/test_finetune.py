@@ -97,3 +97,20 @@ def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
     history = metrics["history"]
     assert len(history) == 8 and history[-1]["loss"] < history[0]["loss"]  # dev loss falls across epochs
     assert metrics["metrics"]["accuracy"] > 0.45  # 3 classes of 20 dev sentences each: chance is 0.33
+
+
+def test_best_epoch_breaks_a_tie_of_the_selection_metric_by_the_dev_loss(tmp_path):
+    """Equal dev window accuracy on a small dev set is a tie of counts, not of models: the epoch with the
+    lower dev loss is kept (issue #31); with equal losses too, the earlier one."""
+    from pipelines.finetune.runner import best_epoch
+
+    rows = [{"step": 7, "split": "eval", "accuracy": 0.014, "loss": 3.9}, {"step": 10, "split": "eval", "accuracy": 0.9},
+            {"step": 14, "split": "eval", "accuracy": 0.649, "loss": 1.41}, {"step": 14, "split": "train", "loss": 1.0},
+            {"step": 21, "split": "eval", "accuracy": 0.649, "loss": 1.17}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    step, history = best_epoch(tmp_path, "accuracy", 7)  # step 10 is no epoch end: not a candidate
+    assert step == 21 and [h["epoch"] for h in history] == [1, 2, 3]
+    assert best_epoch(tmp_path, "loss", 7)[0] == 21
+    rows[-1]["loss"] = 1.41
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert best_epoch(tmp_path, "accuracy", 7)[0] == 14
