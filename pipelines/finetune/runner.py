@@ -60,7 +60,9 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
     common = dict(micro_batch_size=d.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
     trainer = Trainer(
         run_cfg, model=job.model, task=job.task, env=env,
-        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True, **common),
+        # every epoch sees every example: the last batch is partial (topped up with masked fillers), as in transformers
+        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True,
+                                  filler={**job.train_feats[0], "valid": False}, **common),
         eval_data=MapStyleSource(job.val_feats, job.collate, shuffle=False, **common),
         model_build=job.model_build, data_info=job.data_info, should_stop=early_stopping(cfg), config_to_save=cfg,
     )
@@ -92,7 +94,7 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
     """The `RunConfig` the Trainer runs for fine-tuning: `epochs` passes, one evaluation and checkpoint each."""
     d = cfg.data
     per_step = world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = num_train // per_step
+    steps_per_epoch = -(-num_train // (world_size * d.micro_batch_size)) // cfg.train.grad_accum_steps  # last batch partial
     if steps_per_epoch < 1:
         raise FinetuneError(f"{d.train}: {num_train} training examples/windows are fewer than one optimizer step "
                             f"({per_step}); lower data.micro_batch_size or train.grad_accum_steps.")

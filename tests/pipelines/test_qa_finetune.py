@@ -165,11 +165,12 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
 
     The conditions of a checkpoint made elsewhere: dropout on (0.1 on hidden states and attention
     probabilities), linear warmup + linear decay as configured, two epochs with the per-epoch
-    evaluation between them. The reference is `BertForQuestionAnswering` from the same release with
-    our initial head + `torch.optim.AdamW` with the usual groups (no decay on biases and LayerNorm) +
-    transformers' `get_linear_schedule_with_warmup` + `clip_grad_norm_(1.0)`, windows made as
-    `run_qa` makes them, its span loss over the window's tokens (ours masks padding out of the
-    softmax: documented, applied to both). Dropout masks are made equal by starting every reference
+    evaluation between them, a partial last batch in each (every window trained on each epoch). The
+    reference is `BertForQuestionAnswering` from the same release with our initial head +
+    `torch.optim.AdamW` with the usual groups (no decay on biases and LayerNorm) + transformers'
+    `get_linear_schedule_with_warmup` + `clip_grad_norm_(1.0)`, windows made as `run_qa` makes
+    them, batches as a `DataLoader` without `drop_last`, its span loss over the window's tokens
+    (ours masks padding out of the softmax: documented, applied to both). Dropout masks are made equal by starting every reference
     forward from the RNG state our forward started from (a global forward hook records it): our
     model and transformers' draw their masks in the same order and shapes, so every logged loss and
     every exported weight must match. Any difference in what the model sees, where dropout acts,
@@ -187,7 +188,7 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
     short = [e for e in cloze["train"] if len(cloze["tokenizer"](e.question)["input_ids"]) <= 40]  # no question cut
     train = write_squad(tmp_path / "train.json", short[:200])
     dev = write_squad(tmp_path / "dev.json", cloze["dev"][:20])
-    lr, wd, mb, seed, warmup, epochs = 2e-3, 0.01, 16, 3, 5, 2
+    lr, wd, mb, seed, warmup, epochs = 2e-3, 0.01, 12, 3, 5, 2
     cfg = qa_config(base, tmp_path / "run", train, dev, epochs=epochs, **{
         "optim.lr": lr, "optim.weight_decay": wd, "data.micro_batch_size": mb, "schedule.warmup": "linear",
         "schedule.warmup_steps": warmup, "schedule.decay": "linear", "train.seed": seed, "train.log_every": 1})
@@ -213,14 +214,14 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
     no_decay = [p for n, p in ref.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in ref.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
-    steps = len(feats) // mb
+    steps = -(-len(feats) // mb)  # the last batch is partial, as a DataLoader's without drop_last
     hf_factor = get_linear_schedule_with_warmup(opt, warmup, epochs * steps).lr_lambdas[0]
     # Our schedules number the update being taken from 1 (pipelines/engine/schedules.py), transformers'
     # from 0: our update k is transformers' k + 1 (the first warmup update gets lr/warmup, not 0).
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: hf_factor(k + 1))
     ref_losses, ref_at_step = [], {}
     for epoch in range(epochs):
-        order = np.random.default_rng([seed, epoch, 13]).permutation(len(feats))[: steps * mb]  # MapStyleSource's
+        order = np.random.default_rng([seed, epoch, 13]).permutation(len(feats))  # MapStyleSource's
         for k in range(steps):
             items = [feats[i] for i in order[k * mb: (k + 1) * mb]]
             width = max(len(f["input_ids"]) for f in items)
@@ -241,6 +242,7 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
         ref_at_step[len(ref_losses)] = {n: v.clone() for n, v in ref.state_dict().items()}
 
     assert len(ours_losses) == len(rng_at_forward) == epochs * steps >= 20
+    assert len(feats) % mb, "the data must leave a partial last batch: every window is trained on each epoch"
     # every step drew fresh masks: the RNG was never re-seeded to one state (a mask repeated every step)
     assert len({bytes(s.numpy()) for s in rng_at_forward}) == len(rng_at_forward)
     assert ours_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
