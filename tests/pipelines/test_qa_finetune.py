@@ -215,6 +215,8 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
     decay = [p for n, p in ref.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
     steps = -(-len(feats) // mb)  # the last batch is partial, as a DataLoader's without drop_last
+    assert len(feats) % mb, "the data must leave a partial last batch: every window is trained on each epoch"
+    assert len(ours_losses) == len(rng_at_forward) == epochs * steps >= 20
     hf_factor = get_linear_schedule_with_warmup(opt, warmup, epochs * steps).lr_lambdas[0]
     # Our schedules number the update being taken from 1 (pipelines/engine/schedules.py), transformers'
     # from 0: our update k is transformers' k + 1 (the first warmup update gets lr/warmup, not 0).
@@ -241,8 +243,6 @@ def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
             ref_losses.append(loss.item())
         ref_at_step[len(ref_losses)] = {n: v.clone() for n, v in ref.state_dict().items()}
 
-    assert len(ours_losses) == len(rng_at_forward) == epochs * steps >= 20
-    assert len(feats) % mb, "the data must leave a partial last batch: every window is trained on each epoch"
     # every step drew fresh masks: the RNG was never re-seeded to one state (a mask repeated every step)
     assert len({bytes(s.numpy()) for s in rng_at_forward}) == len(rng_at_forward)
     assert ours_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
