@@ -18,7 +18,9 @@ cloze``, cloze questions on `pydoc_data.topics` paragraphs; with ``--qa-data whe
 word W?" on those paragraphs (W's one span is the answer, in any window of a long paragraph);
 classification = which package a docstring comes from. The release is ``--release DIR`` (any BERT-architecture transformers
 directory with a fast tokenizer), else a BERT of ``--layers``/``--hidden`` with a WordPiece
-tokenizer trained on the pydoc topics, random weights drawn by transformers (seed 0).
+tokenizer trained on the pydoc topics, random weights drawn by transformers (seed 0). ``--dropout P``
+fine-tunes both sides with hidden/attention dropout P instead of the release's; ``--max-per-class``
+keeps fewer classification docstrings (a smaller, cheaper run).
 
 Prints per task and seed both scores and the gap (ours - HF), then the means.
 """
@@ -62,6 +64,19 @@ def make_release(out: Path, layers: int, hidden: int, vocab: int = 4000) -> Path
                                num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
                                max_position_embeddings=512)).save_pretrained(str(out))
     fast.save_pretrained(str(out))
+    return out
+
+
+def with_dropout(release: Path, out: Path, p: float) -> Path:
+    """A view of ``release`` whose config.json sets hidden and attention-probability dropout to ``p``
+    (the other files are symlinked), so both sides fine-tune with that dropout."""
+    out.mkdir(parents=True)
+    for f in release.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((release / "config.json").read_text(encoding="utf-8"))
+    config.update(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return out
 
 
@@ -253,9 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa-data", default="package", choices=["package", "cloze", "where"])
     add_recipe_args(parser)
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--max-train", type=int, default=1200, help="cloze: training questions kept")
-    parser.add_argument("--max-dev", type=int, default=300, help="cloze: dev questions kept")
+    parser.add_argument("--max-train", type=int, default=1200, help="cloze/where: training questions kept")
+    parser.add_argument("--max-dev", type=int, default=300, help="cloze/where: dev questions kept")
+    parser.add_argument("--max-per-class", type=int, default=0,
+                        help="classification: docstrings kept per package and split (0 = all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="fine-tune both sides with this hidden/attention dropout instead of the release's")
     args = parser.parse_args(argv)
 
     import torch
@@ -265,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="finetune-quality-"))
     release = Path(args.release) if args.release else make_release(root / "release", args.layers, args.hidden)
+    if args.dropout is not None:
+        release = with_dropout(release, root / f"release-dropout-{args.dropout}", args.dropout)
     results: dict[str, list[tuple[float, float]]] = {}
     for task in args.tasks.split(","):
         data = root / f"data-{task}"
@@ -273,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         elif task == "qa":
             write_package_qa_task(data)
         else:
-            write_classification_task(data)
+            write_classification_task(data, max_per_class=args.max_per_class or None)
         metric = "F1" if task == "qa" else "accuracy"
         for seed in (int(s) for s in args.seeds.split(",")):
             a = ours(task, release, data, root / f"ours-{task}-{seed}", args, seed)

@@ -52,7 +52,8 @@ class ClassificationTask(Task):
             err = (logits.squeeze(-1).float() - labels.float()) ** 2
             out["loss"] = (err * valid).sum() / valid.sum().clamp(min=1)
         else:
-            out["loss"] = torch.nn.functional.cross_entropy(logits.float(), labels.masked_fill(~valid, -100))
+            ce = torch.nn.functional.cross_entropy(logits.float(), labels.masked_fill(~valid, -100), reduction="sum")
+            out["loss"] = ce / valid.sum().clamp(min=1)  # 0, not NaN, for a batch of fillers only
         return out
 
     def eval_sums(self, out, batch):

@@ -86,13 +86,21 @@ class QATask(Task):
         valid = batch["valid"].bool()
         s_ok = (out["start_logits"].argmax(-1) == batch["start_positions"]) & valid
         e_ok = (out["end_logits"].argmax(-1) == batch["end_positions"]) & valid
+        null = (batch["start_positions"] == 0) & (batch["end_positions"] == 0) & valid  # labelled at [CLS]
+        span_ok = s_ok & e_ok
         return {"count": float(valid.sum()), "loss_sum": float((out["per_item_loss"] * valid).sum()),
-                "start_ok": float(s_ok.sum()), "end_ok": float(e_ok.sum()), "span_ok": float((s_ok & e_ok).sum())}
+                "start_ok": float(s_ok.sum()), "end_ok": float(e_ok.sum()), "span_ok": float(span_ok.sum()),
+                "answer_count": float((valid & ~null).sum()), "answer_ok": float((span_ok & ~null).sum()),
+                "null_count": float(null.sum()), "null_ok": float((span_ok & null).sum())}
 
     def eval_metrics(self, s):
+        """``accuracy`` over every window; ``answer_accuracy`` over the windows that hold the answer and
+        ``null_accuracy`` over those labelled at [CLS]: a run stuck on [CLS] has a high null and a
+        near-zero answer accuracy, and its overall accuracy is the share of null windows."""
         n = max(s["count"], 1.0)
         return {"loss": s["loss_sum"] / n, "start_accuracy": s["start_ok"] / n, "end_accuracy": s["end_ok"] / n,
-                "accuracy": s["span_ok"] / n}
+                "accuracy": s["span_ok"] / n, "answer_accuracy": s["answer_ok"] / max(s["answer_count"], 1.0),
+                "null_accuracy": s["null_ok"] / max(s["null_count"], 1.0), "null_share": s["null_count"] / n}
 
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())

@@ -60,7 +60,9 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
     common = dict(micro_batch_size=d.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
     trainer = Trainer(
         run_cfg, model=job.model, task=job.task, env=env,
-        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True, **common),
+        # every epoch sees every example: the last batch is partial (topped up with masked fillers), as in transformers
+        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True,
+                                  filler={**job.train_feats[0], "valid": False}, **common),
         eval_data=MapStyleSource(job.val_feats, job.collate, shuffle=False, **common),
         model_build=job.model_build, data_info=job.data_info, should_stop=early_stopping(cfg), config_to_save=cfg,
     )
@@ -92,7 +94,7 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
     """The `RunConfig` the Trainer runs for fine-tuning: `epochs` passes, one evaluation and checkpoint each."""
     d = cfg.data
     per_step = world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = num_train // per_step
+    steps_per_epoch = -(-num_train // (world_size * d.micro_batch_size)) // cfg.train.grad_accum_steps  # last batch partial
     if steps_per_epoch < 1:
         raise FinetuneError(f"{d.train}: {num_train} training examples/windows are fewer than one optimizer step "
                             f"({per_step}); lower data.micro_batch_size or train.grad_accum_steps.")
@@ -153,6 +155,7 @@ def early_stopping(cfg: FinetuneConfig):
 
 
 def best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, list[dict[str, Any]]]:
+    """The step of the best epoch-end evaluation by ``metric`` (ties: lower dev loss, then earlier) and the history."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
         try:
@@ -166,5 +169,8 @@ def best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, l
     if metric not in rows[-1]:
         raise FinetuneError(f"selection_metric={metric!r} is not among the dev metrics {sorted(k for k in rows[-1] if k not in ('step', 'split', 'time'))}.")
     sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
-    best = max(rows, key=lambda r: (sign * r[metric], -r["step"]))
+    # Ties of a count-based metric (accuracy on a small dev set) go to the lower dev loss, then the earlier
+    # epoch: two epochs with equal window accuracy are not equal models (issue #31: a tie kept epoch 2 of 3
+    # at 67.5 F1 where epoch 3, with the lower loss, had 71.1).
+    best = max(rows, key=lambda r: (sign * r[metric], -r.get("loss", 0.0), -r["step"]))
     return int(best["step"]), [{"epoch": r["step"] // steps_per_epoch, **{k: v for k, v in r.items() if k not in ("split", "time")}} for r in rows]

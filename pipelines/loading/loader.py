@@ -452,24 +452,30 @@ class MapStyleSource(_PositionedSource):
 
     Epoch order is ``rng(seed, epoch)`` over indices (or identity without shuffle); each rank takes
     every ``world``-th index of the first ``nb*world*mb``; resume skips indices, never data.
-    ``collate(list_of_items) -> dict`` builds the batch.
+    ``collate(list_of_items) -> dict`` builds the batch. ``filler``: keep the last partial batch (an
+    epoch then sees every item, as a ``DataLoader`` with ``drop_last=False``); ``filler`` is an item
+    its collate and task mark invalid (e.g. ``valid: False``), given to a rank whose share of the last
+    batch is empty. Without it the last ``len % (world*mb)`` items of each epoch's order are left out.
     """
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, micro_batch_size: int,
                  rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
-                 start_method: str = "forkserver"):
+                 start_method: str = "forkserver", filler: Any = None):
         self.dataset, self.collate, self.mb = dataset, collate, micro_batch_size
         self.rank, self.world, self.seed, self.shuffle, self.num_workers = rank, world, seed, shuffle, num_workers
-        self.start_method = start_method
-        self.batches_per_epoch = len(dataset) // (world * micro_batch_size)
+        self.start_method, self.filler = start_method, filler
+        per_batch = world * micro_batch_size
+        self.batches_per_epoch = -(-len(dataset) // per_batch) if filler is not None else len(dataset) // per_batch
         if self.batches_per_epoch == 0:
             raise DataError(f"The dataset has {len(dataset)} items, fewer than one batch per rank ({world} x {micro_batch_size}).")
         self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
 
     def _indices(self, epoch: int) -> list[int]:
+        """This rank's item indices for ``epoch`` in order; -1 stands for the filler."""
         n = len(self.dataset)
         order = np.random.default_rng([self.seed, epoch, 13]).permutation(n) if self.shuffle else np.arange(n)
-        used = order[: self.batches_per_epoch * self.world * self.mb]
+        slots = self.batches_per_epoch * self.world * self.mb
+        used = np.concatenate([order, np.full(max(0, slots - n), -1)])[:slots]
         return [int(i) for i in used[self.rank:: self.world]]
 
     def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
@@ -482,7 +488,7 @@ class MapStyleSource(_PositionedSource):
         batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
         return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
-                          collate_fn=functools.partial(_collate_items, self.dataset, self.collate),
+                          collate_fn=functools.partial(_collate_items, self.dataset, self.collate, self.filler),
                           **loader_kwargs(self.num_workers, self.start_method))
 
     def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:
@@ -492,7 +498,7 @@ class MapStyleSource(_PositionedSource):
         batched = [list(range(start, start + size)) for start, size, _ in plan]
         loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers,
                             generator=torch.Generator().manual_seed(self.seed),
-                            collate_fn=functools.partial(_collate_items, self.dataset, self.collate),
+                            collate_fn=functools.partial(_collate_items, self.dataset, self.collate, None),
                             **loader_kwargs(self.num_workers, self.start_method))
         for batch, (_, _, counted) in zip(loader, plan, strict=True):
             yield batch, counted
@@ -528,6 +534,10 @@ def evaluation_plan(total: int, mb: int, rank: int, world: int, limit: int | Non
     return plan
 
 
-def _collate_items(dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], indices: list[int]) -> dict[str, Any]:
-    """One batch of a map-style dataset (a module-level function: workers may be started by pickling)."""
-    return collate([dataset[i] for i in indices])
+def _collate_items(dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], filler: Any,
+                   indices: list[int]) -> dict[str, Any]:
+    """One batch of a map-style dataset (a module-level function: workers may be started by pickling).
+
+    Filler slots (-1) are left out, so the last batch is simply smaller; only a rank whose last batch
+    would be empty gets one filler (every rank must take the step)."""
+    return collate([dataset[i] for i in indices if i >= 0] or [filler])

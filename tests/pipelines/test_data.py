@@ -231,6 +231,28 @@ def test_map_style_source_balances_and_seeks():
     assert head + [x["x"] for x in c.batches(limit=3)] == full
 
 
+def test_map_style_source_with_a_filler_keeps_the_last_partial_batch():
+    """Fine-tuning passes over every item each epoch, the last batch partial (a DataLoader without
+    drop_last); a rank whose share of that batch is empty gets the filler so every rank takes the step."""
+    items = list(range(13))
+    collate = lambda b: {"x": b}  # noqa: E731
+    ranks = [data.MapStyleSource(items, collate, micro_batch_size=3, rank=r, world=2, seed=1, filler="pad") for r in range(2)]
+    assert ranks[0].batches_per_epoch == 3  # ceil(13 / 6); 2 when the last 1 item is dropped
+    epochs = [[b["x"] for b in s.batches(limit=6)] for s in ranks]  # two epochs
+    for e in range(2):
+        real = sorted(x for r in range(2) for batch in epochs[r][3 * e: 3 * e + 3] for x in batch if x != "pad")
+        assert real == items  # every item once per epoch
+    assert [len(b) for b in epochs[0][:3]] == [3, 3, 1] and epochs[1][2] == ["pad"]
+    assert epochs[0][:3] != epochs[0][3:]  # reshuffled per epoch
+    single = data.MapStyleSource(items, collate, micro_batch_size=4, seed=1, filler="pad")
+    assert [len(b["x"]) for b in single.batches(limit=4)] == [4, 4, 4, 1]
+    b = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1, filler="pad")
+    head = [x["x"] for x in b.batches(limit=4)]
+    c = data.MapStyleSource(items, collate, micro_batch_size=3, rank=0, world=2, seed=1, filler="pad")
+    c.load_state_dict(b.state_dict())
+    assert head + [x["x"] for x in c.batches(limit=2)] == epochs[0]  # resume mid-epoch, across the boundary
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_format_1_corpora_still_train_with_a_warning(tmp_path, caplog, workers):
     v2 = load_manifest(cf.make_bert_corpus(tmp_path / "v2", train_sizes=(25, 11, 7), val_sizes=(8,)))

@@ -173,3 +173,20 @@ def test_the_shipped_config_resumes_when_the_job_runs_again(hf_checkpoint, topic
     assert second["best_step"] == first["best_step"] and second["metrics"] == pytest.approx(first["metrics"])
     steps = [r["step"] for r in read_metrics_lines(tmp_path / "run" / "metrics.jsonl") if r.get("split") == "train"]
     assert steps == sorted(set(steps))  # no step trained twice
+
+
+def test_best_epoch_breaks_a_tie_of_the_selection_metric_by_the_dev_loss(tmp_path):
+    """Equal dev window accuracy on a small dev set is a tie of counts, not of models: the epoch with the
+    lower dev loss is kept (issue #31); with equal losses too, the earlier one."""
+    from pipelines.finetune.runner import best_epoch
+
+    rows = [{"step": 7, "split": "eval", "accuracy": 0.014, "loss": 3.9}, {"step": 10, "split": "eval", "accuracy": 0.9},
+            {"step": 14, "split": "eval", "accuracy": 0.649, "loss": 1.41}, {"step": 14, "split": "train", "loss": 1.0},
+            {"step": 21, "split": "eval", "accuracy": 0.649, "loss": 1.17}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    step, history = best_epoch(tmp_path, "accuracy", 7)  # step 10 is no epoch end: not a candidate
+    assert step == 21 and [h["epoch"] for h in history] == [1, 2, 3]
+    assert best_epoch(tmp_path, "loss", 7)[0] == 21
+    rows[-1]["loss"] = 1.41
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert best_epoch(tmp_path, "accuracy", 7)[0] == 14

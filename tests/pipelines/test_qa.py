@@ -342,3 +342,29 @@ def test_qa_step_flops_count_real_window_lengths_not_max_positions_and_mlm_head(
     got = QATask(qa_tokenizer.pad_token_id).batch_flops(batch, cfg)
     assert got == pytest.approx(by_hand)
     assert got < len(feats) * training_flops_per_sample(cfg) / 4  # the old count: 512 positions + a 30k-word head
+
+
+def test_dev_metrics_split_answer_windows_from_null_windows():
+    """A run stuck on [CLS] answers every window at [CLS]: its overall window accuracy is the share of
+    null windows, which can beat a run that finds answers; `answer_accuracy` (windows that hold the
+    answer) and `null_accuracy` (windows labelled at [CLS]) tell the two apart (issue #31)."""
+    import torch
+
+    from pipelines.finetune.qa import QATask
+
+    task = QATask(pad_id=0)
+    starts, ends = torch.tensor([0, 0, 0, 3, 5, 0]), torch.tensor([0, 0, 0, 4, 6, 0])  # 3 null windows, 2 with answers, a filler
+    batch = {"start_positions": starts, "end_positions": ends,
+             "valid": torch.tensor([True, True, True, True, True, False])}  # the last one is an eval filler
+
+    def metrics(start_pred, end_pred):
+        logits = [torch.nn.functional.one_hot(torch.tensor(p), 8).float() for p in (start_pred, end_pred)]
+        out = {"start_logits": logits[0], "end_logits": logits[1], "per_item_loss": torch.zeros(6)}
+        return task.eval_metrics(task.eval_sums(out, batch))
+
+    stuck = metrics([0] * 6, [0] * 6)
+    reads = metrics([0, 2, 2, 3, 5, 0], [0, 2, 2, 4, 6, 0])
+    assert stuck["null_share"] == pytest.approx(0.6) and stuck["accuracy"] == pytest.approx(0.6)
+    assert (stuck["answer_accuracy"], stuck["null_accuracy"]) == (0.0, 1.0)
+    assert reads["accuracy"] == pytest.approx(0.6)  # the same overall accuracy ...
+    assert reads["answer_accuracy"] == 1.0 and reads["null_accuracy"] == pytest.approx(1 / 3)  # ... not the same run

@@ -144,73 +144,114 @@ def run_qa_windows(examples: list[QAExample], tokenizer, *, max_length: int, str
     return windows
 
 
-def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
-    """Our QA fine-tuning takes the same steps as the loop a transformers user writes (issue #19).
+def outside_style_release(out: Path, tokenizer) -> Path:
+    """A checkpoint shaped like a sentence-embedding BERT released elsewhere (all-MiniLM-L6-v2's config.json):
+    `BertModel` weights only (a pooler, no MLM head), dropout 0.1 on hidden states and attention
+    probabilities, initializer_range 0.02, LayerNorm eps 1e-12, two token types, a lower-casing
+    WordPiece tokenizer; random weights, 2 layers x 32 so the test runs in seconds."""
+    from transformers import BertConfig, BertModel
 
-    Same release, head init and batch order; windows made as `run_qa` makes them; no dropout;
-    constant lr. The reference is
-    `BertForQuestionAnswering` + `torch.optim.AdamW` with the usual groups (no decay on biases and
-    LayerNorm) + `clip_grad_norm_(1.0)`, its span loss over the window's tokens (ours masks padding
-    out of the softmax: documented, applied to both). Every logged loss and the exported weights
-    must match: any difference in what the model sees, the labels, the loss averaging, the
-    parameter groups, clipping or the order of batches shows here, seed noise cannot hide it.
+    torch.manual_seed(1)
+    BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.1,
+                         attention_probs_dropout_prob=0.1, initializer_range=0.02, layer_norm_eps=1e-12,
+                         type_vocab_size=2)).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_training_steps_equal_a_plain_transformers_loop(cloze, tmp_path):
+    """Our QA fine-tuning takes the same steps as the loop a transformers user writes (issues #19, #31).
+
+    The conditions of a checkpoint made elsewhere: dropout on (0.1 on hidden states and attention
+    probabilities), linear warmup + linear decay as configured, two epochs with the per-epoch
+    evaluation between them, a partial last batch in each (every window trained on each epoch). The
+    reference is `BertForQuestionAnswering` from the same release with our initial head +
+    `torch.optim.AdamW` with the usual groups (no decay on biases and LayerNorm) + transformers'
+    `get_linear_schedule_with_warmup` + `clip_grad_norm_(1.0)`, windows made as `run_qa` makes
+    them, batches as a `DataLoader` without `drop_last`, its span loss over the window's tokens
+    (ours masks padding out of the softmax: documented, applied to both). Dropout masks are made equal by starting every reference
+    forward from the RNG state our forward started from (a global forward hook records it): our
+    model and transformers' draw their masks in the same order and shapes, so every logged loss and
+    every exported weight must match. Any difference in what the model sees, where dropout acts,
+    the labels, the loss averaging, the parameter groups, the schedule, clipping, the train/eval mode
+    around the evaluation or the order of batches shows here; seed noise cannot hide it.
     """
     import numpy as np
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertForQuestionAnswering
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from transformers import AutoTokenizer, BertForQuestionAnswering, get_linear_schedule_with_warmup
 
+    from models.heads import QuestionAnswering
     from pipelines.finetune.qa import build_qa_model
 
-    base = tmp_path / "release"
-    torch.manual_seed(1)
-    BertForMaskedLM(BertConfig(vocab_size=len(cloze["tokenizer"]), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
-                               attention_probs_dropout_prob=0.0)).save_pretrained(str(base))
-    cloze["tokenizer"].save_pretrained(str(base))
+    base = outside_style_release(tmp_path / "release", cloze["tokenizer"])
     short = [e for e in cloze["train"] if len(cloze["tokenizer"](e.question)["input_ids"]) <= 40]  # no question cut
     train = write_squad(tmp_path / "train.json", short[:200])
     dev = write_squad(tmp_path / "dev.json", cloze["dev"][:20])
-    lr, wd, mb, seed = 2e-3, 0.01, 8, 3
-    cfg = qa_config(base, tmp_path / "run", train, dev, epochs=1, **{
-        "optim.lr": lr, "optim.weight_decay": wd, "data.micro_batch_size": mb, "schedule.warmup": "none",
-        "schedule.decay": "constant", "train.seed": seed, "train.log_every": 1})
-    result = run_finetune(cfg)
+    lr, wd, mb, seed, warmup, epochs = 2e-3, 0.01, 12, 3, 5, 2
+    cfg = qa_config(base, tmp_path / "run", train, dev, epochs=epochs, **{
+        "optim.lr": lr, "optim.weight_decay": wd, "data.micro_batch_size": mb, "schedule.warmup": "linear",
+        "schedule.warmup_steps": warmup, "schedule.decay": "linear", "train.seed": seed, "train.log_every": 1})
+    rng_at_forward: list[torch.Tensor] = []
+
+    def record_rng(module, _inputs):
+        if isinstance(module, QuestionAnswering) and module.training:
+            rng_at_forward.append(torch.get_rng_state())
+
+    hook = register_module_forward_pre_hook(record_rng)
+    try:
+        result = run_finetune(cfg)
+    finally:
+        hook.remove()
     ours_losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                    if json.loads(line).get("split") == "train"]
 
     feats = run_qa_windows(read_squad(train)[0], AutoTokenizer.from_pretrained(str(base)), max_length=96, stride=24)
     ref = BertForQuestionAnswering.from_pretrained(str(base)).train()
+    assert ref.config.hidden_dropout_prob == ref.config.attention_probs_dropout_prob == 0.1
     head = build_qa_model(base, "pretrained", seed).qa_outputs  # the head our run started from
     ref.qa_outputs.load_state_dict(head.state_dict())
     no_decay = [p for n, p in ref.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in ref.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
-    steps = len(feats) // mb
-    order = np.random.default_rng([seed, 0, 13]).permutation(len(feats))[: steps * mb]  # MapStyleSource's epoch order
-    ref_losses = []
-    for k in range(steps):
-        items = [feats[i] for i in order[k * mb: (k + 1) * mb]]
-        width = max(len(f["input_ids"]) for f in items)
-        ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
-        types = torch.tensor([f["token_type_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
-        mask = (torch.arange(width)[None, :] < torch.tensor([len(f["input_ids"]) for f in items])[:, None]).long()
-        out = ref(input_ids=ids, attention_mask=mask, token_type_ids=types)
-        s, e = out.start_logits.masked_fill(mask == 0, -1e4), out.end_logits.masked_fill(mask == 0, -1e4)
-        loss = (torch.nn.functional.cross_entropy(s, torch.tensor([f["start_positions"] for f in items]))
-                + torch.nn.functional.cross_entropy(e, torch.tensor([f["end_positions"] for f in items]))) / 2
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        ref_losses.append(loss.item())
+    steps = -(-len(feats) // mb)  # the last batch is partial, as a DataLoader's without drop_last
+    assert len(feats) % mb, "the data must leave a partial last batch: every window is trained on each epoch"
+    assert len(ours_losses) == len(rng_at_forward) == epochs * steps >= 20
+    hf_factor = get_linear_schedule_with_warmup(opt, warmup, epochs * steps).lr_lambdas[0]
+    # Our schedules number the update being taken from 1 (pipelines/engine/schedules.py), transformers'
+    # from 0: our update k is transformers' k + 1 (the first warmup update gets lr/warmup, not 0).
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: hf_factor(k + 1))
+    ref_losses, ref_at_step = [], {}
+    for epoch in range(epochs):
+        order = np.random.default_rng([seed, epoch, 13]).permutation(len(feats))  # MapStyleSource's
+        for k in range(steps):
+            items = [feats[i] for i in order[k * mb: (k + 1) * mb]]
+            width = max(len(f["input_ids"]) for f in items)
+            ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
+            types = torch.tensor([f["token_type_ids"] + [0] * (width - len(f["input_ids"])) for f in items])
+            mask = (torch.arange(width)[None, :] < torch.tensor([len(f["input_ids"]) for f in items])[:, None]).long()
+            torch.set_rng_state(rng_at_forward[len(ref_losses)])  # the dropout masks of our step
+            out = ref(input_ids=ids, attention_mask=mask, token_type_ids=types)
+            s, e = out.start_logits.masked_fill(mask == 0, -1e4), out.end_logits.masked_fill(mask == 0, -1e4)
+            loss = (torch.nn.functional.cross_entropy(s, torch.tensor([f["start_positions"] for f in items]))
+                    + torch.nn.functional.cross_entropy(e, torch.tensor([f["end_positions"] for f in items]))) / 2
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            ref_losses.append(loss.item())
+        ref_at_step[len(ref_losses)] = {n: v.clone() for n, v in ref.state_dict().items()}
 
-    assert len(ours_losses) == steps >= 20
+    # every step drew fresh masks: the RNG was never re-seeded to one state (a mask repeated every step)
+    assert len({bytes(s.numpy()) for s in rng_at_forward}) == len(rng_at_forward)
     assert ours_losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
     # A constant added to every logit of a softmax has zero gradient in exact arithmetic: the attention
     # key biases, the span head's bias and the last LayerNorm's bias (it reaches the logits only through
     # the head: the same shift at every position). Adam turns their rounding noise into lr-sized steps,
     # in transformers as in ours, so they are not compared.
     noise_driven = ("attention.self.key.bias", "qa_outputs.bias", "layer.1.output.LayerNorm.bias")
-    exported = BertForQuestionAnswering.from_pretrained(result["release_dir"]).state_dict()
-    far = {n: float((exported[n] - v).abs().max()) for n, v in ref.state_dict().items()
+    exported = BertForQuestionAnswering.from_pretrained(result["release_dir"]).state_dict()  # the best epoch
+    far = {n: float((exported[n] - v).abs().max()) for n, v in ref_at_step[result["best_step"]].items()
            if not n.endswith(noise_driven) and not torch.allclose(exported[n], v, rtol=1e-3, atol=1e-4)}
     assert not far, far
