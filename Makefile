@@ -21,11 +21,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/pretrain demo --out demo_out
 
+# DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR: one per venv, so a stale build lock
+# left in the user's ~/.cache by a killed job (or another checkout's build) never stalls the suite.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The fast suite with every dependency at the lowest version pyproject.toml allows, torch included
 # (.ci/lowest_pins.py; torch's floor is PyPI's CUDA build, a few GB to download, run on the CPU).
