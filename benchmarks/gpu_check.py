@@ -19,9 +19,10 @@ own micro batch, precision and compile setting, once under DeepSpeed ZeRO-2 (the
 once with ``distributed.engine=ddp``, each as ``torchrun --nproc_per_node 1 -m pipelines.pretrain CONFIG
 data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last train record: tokens or
 images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
-steps). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
-compiled where the recipe compiles) gives each recipe's ceiling. Periodic evaluation and checkpoints are
-off (they are not per-step costs); the run's final evaluation and checkpoint come after the timed steps.
+steps, the first 20 of 40 with compilation and the loader's start-up left out). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
+compiled where the recipe compiles) gives each recipe's ceiling. Evaluation (``data.eval_split=none``) and
+periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
+the run's final checkpoint comes after the timed steps and counts in the wall time only.
 
 ``--cpu-smoke`` runs the same pipeline end to end on the CPU with the tiny CPU configs, tiny corpora and
 a few steps (fp32): it proves the script, not a speed.
@@ -156,7 +157,7 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
            "-m", "pipelines.pretrain", config, f"data.corpus={corpus}", f"train.run_dir={run_dir}",
            f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
-           "train.eval_batches=2", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
+           "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
     if engine != "deepspeed":
         cmd.append(f"distributed.engine={engine}")
@@ -212,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     corpora = Path(args.corpora).resolve()
+    missing = [n for n in args.recipes.split(",") if not (corpora / n / "manifest.json").is_file()]
+    if missing:
+        print(f"error: {corpora} has no prepared corpus for {', '.join(missing)}. Run `python benchmarks/gpu_check.py "
+              f"prepare --out {args.corpora}{' --cpu-smoke' if args.cpu_smoke else ''}` first (on a machine with Ray).",
+              file=sys.stderr)
+        return 2
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -260,7 +267,7 @@ def main() -> int:
     pr = sub.add_parser("run", help="train each recipe under each engine, print the table")
     pr.add_argument("--corpora", default=".gpu_check")
     pr.add_argument("--work", default="/tmp/gpu_check_runs")
-    pr.add_argument("--steps", type=int, default=60, help="steps per run; figures average the last 20")
+    pr.add_argument("--steps", type=int, default=40, help="steps per run; figures average the last 20 (>= 22)")
     pr.add_argument("--engines", default=",".join(ENGINES))
     pr.add_argument("--no-bare", action="store_true")
     pr.add_argument("--json", default="")

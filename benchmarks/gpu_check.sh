@@ -9,29 +9,26 @@
 #
 #   python benchmarks/gpu_check.py prepare                 # here: ~20 MB, with our own `pretrain prepare`
 #   bash benchmarks/gpu_check.sh                           # there: installs .whl/, prints the table
-#   bash benchmarks/gpu_check.sh --cpu-smoke --steps 6     # anywhere: the same pipeline on the tiny CPU configs
-#     (after `python benchmarks/gpu_check.py prepare --cpu-smoke --out .gpu_check`)
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --cpu-smoke --corpora /tmp/gc --steps 6
+#     # anywhere: the same pipeline on the tiny CPU configs, after `gpu_check.py prepare --cpu-smoke --out /tmp/gc`
 #
 # Extra arguments go to `gpu_check.py run` (--recipes gpt,bert --engines deepspeed --steps N --no-bare).
 # The table is also written to $OUT/gpu_check.md (+ gpu_check.json) when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+# the wheels only where deepspeed is missing (the GPU image); a set-up machine runs with PYTHON=.venv/bin/python
+if ! $PY -c 'import deepspeed' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export PYTHONUNBUFFERED=1
 # DeepSpeed: never build its ops (the optimizer is torch's fused AdamW, ZeRO-2 needs no kernels).
 export DS_BUILD_OPS=0
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && [ ! -d "$SITE" ] && PY=.venv/bin/python
 
-if [ ! -d .gpu_check ]; then
-    echo "no .gpu_check/: run 'python benchmarks/gpu_check.py prepare' on a machine with Ray first" >&2
-    exit 2
-fi
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 $PY -c 'import sys, torch, transformers, accelerate, deepspeed
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
