@@ -82,9 +82,9 @@ def child(args: argparse.Namespace) -> dict:
         for _ in range(2):
             fn()
     times: dict[str, list[float]] = {"bare": [], "engine": []}
-    for _ in range(args.rounds):
-        times["bare"].append(block(bare_step))
-        times["engine"].append(block(engine_step))
+    for i in range(args.rounds):  # which side goes first alternates too
+        for side in (("bare", "engine") if i % 2 == 0 else ("engine", "bare")):
+            times[side].append(block(bare_step if side == "bare" else engine_step))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

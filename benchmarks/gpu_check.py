@@ -43,7 +43,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("gpt", "bert", "vit")
-ENGINES = ("deepspeed", "ddp")
+ENGINES = ("deepspeed", "ddp")  # the default rows; --engines also takes zero0, zero1, zero3
+ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0": ["distributed.zero_stage=0"],
+                    "zero1": ["distributed.zero_stage=1"], "zero3": ["distributed.zero_stage=3", "model.compile=false"]}
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
 GPU = {
@@ -159,8 +161,7 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
            f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
            "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
-    if engine != "deepspeed":
-        cmd.append(f"distributed.engine={engine}")
+    cmd += ENGINE_OVERRIDES[engine] + list(args.set)
     if args.cpu_smoke:
         cmd += ["data.num_workers=1", "data.micro_batch_size=8"]
     print("$ " + " ".join(cmd), flush=True)
@@ -270,6 +271,8 @@ def main() -> int:
     pr.add_argument("--steps", type=int, default=40, help="steps per run; figures average the last 20 (>= 22)")
     pr.add_argument("--engines", default=",".join(ENGINES))
     pr.add_argument("--no-bare", action="store_true")
+    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every training run, e.g. --set model.compile=true (repeatable)")
     pr.add_argument("--json", default="")
     for q in (pp, pr):
         q.add_argument("--recipes", default=",".join(RECIPES))

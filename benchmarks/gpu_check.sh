@@ -12,7 +12,8 @@
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --cpu-smoke --corpora /tmp/gc --steps 6
 #     # anywhere: the same pipeline on the tiny CPU configs, after `gpu_check.py prepare --cpu-smoke --out /tmp/gc`
 #
-# Extra arguments go to `gpu_check.py run` (--recipes gpt,bert --engines deepspeed --steps N --no-bare).
+# Extra arguments go to `gpu_check.py run` (--recipes gpt,bert --engines deepspeed,ddp,zero0,zero1,zero3 --steps N
+# --no-bare --set model.compile=true).
 # The table is also written to $OUT/gpu_check.md (+ gpu_check.json) when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
