@@ -8,11 +8,17 @@ peak the model's kernels can reach at all, and so how much of a run's gap to it 
 how much the rest. MFU = ``models.flops`` FLOPs per sample x samples/s / the device's dense peak.
 
     python benchmarks/model_step.py [--device cuda] [--batch 32] [--seq-len 1024] [--steps 30] [--compile]
+    python benchmarks/model_step.py --model bert-base --batch 8 --seq-len 128 --no-hf --json out.json
+    python benchmarks/model_step.py --model vit-base --batch 128 --no-hf
+
+BERT batches mask 15 % of the positions (MLM+NSP, as the recipe's collator does), ViT batches are
+random 224 px images with 1000 classes. ``--json`` writes the rows (``gpu_check.py`` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,16 +31,31 @@ import models  # noqa: E402
 from monitoring.throughput import cpu_peak_flops, peak_flops_for  # noqa: E402
 
 
-def time_steps(model: torch.nn.Module, ids: torch.Tensor, steps: int, warmup: int, dtype: torch.dtype | None) -> float:
+def make_batch(model: torch.nn.Module, batch: int, seq_len: int, dev: torch.device) -> tuple[dict[str, torch.Tensor], float]:
+    """One random batch the model's pretraining task feeds it, and the MLM share of positions (BERT)."""
+    cfg = model.config
+    if model.family == "vit":
+        return {"pixel_values": torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size, device=dev),
+                "labels": torch.randint(0, cfg.num_labels, (batch,), device=dev)}, 1.0
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
+    if model.family == "gpt":
+        return {"input_ids": ids, "labels": ids}, 1.0
+    masked = torch.rand(batch, seq_len, device=dev) < 0.15
+    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
+            "labels": torch.where(masked, ids, -100), "next_sentence_label": torch.randint(0, 2, (batch,), device=dev)}, 0.15
+
+
+def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, warmup: int, dtype: torch.dtype | None) -> float:
     """Seconds per step (forward, backward, AdamW) after `warmup` untimed steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    first = next(iter(inputs.values()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=first.is_cuda)
+    sync = torch.cuda.synchronize if first.is_cuda else (lambda: None)
     for i in range(warmup + steps):
         if i == warmup:
             sync()
             t0 = time.perf_counter()
-        with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(input_ids=ids, labels=ids)["loss"]
+        with torch.autocast(first.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = model(**inputs)["loss"]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -52,33 +73,55 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--compile", action="store_true", help="also time ours under torch.compile")
+    p.add_argument("--vocab-size", type=int, default=0, help="the tokenizer's (default: GPT-2's for gpt, the config's else)")
+    p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU)")
     args = p.parse_args()
 
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.overrides.split(",") if kv)}
     dev, dtype = torch.device(args.device), torch.bfloat16 if args.precision == "bf16" else None
     torch.manual_seed(0)
-    ours = models.create(args.model, vocab_size=50257, **overrides).to(dev).train()
-    hf = models.hf.to_hf(ours).to(dev).train()
-    hf.config.use_cache = False
-    ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq_len), device=dev)
-    flops = models.flops.training_flops_per_sample(ours.config, args.seq_len)
+    if args.vocab_size:
+        overrides["vocab_size"] = args.vocab_size
+    elif args.model.startswith("gpt"):
+        overrides.setdefault("vocab_size", 50257)  # GPT-2's tokenizer
+    ours = models.create(args.model, **overrides)
+    ours = ours.to(dev).train()
+    inputs, mlm_fraction = make_batch(ours, args.batch, args.seq_len, dev)
+    if ours.family == "vit":
+        flops, unit, per_sample = models.flops.training_flops_per_sample(ours.config), "images/s", 1
+    else:
+        flops = models.flops.training_flops_per_sample(ours.config, args.seq_len, mlm_fraction=mlm_fraction)
+        unit, per_sample = "tokens/s", args.seq_len
     if dev.type == "cuda":
         name, peak = torch.cuda.get_device_name(dev), peak_flops_for(torch.cuda.get_device_name(dev), args.precision)
     else:
         name, peak = "CPU", cpu_peak_flops("fp32" if dtype is None else "bf16")
 
-    rows = [("ours", time_steps(ours, ids, args.steps, args.warmup, dtype)), ("HF", time_steps(hf, ids, args.steps, args.warmup, dtype))]
+    rows = [("ours", time_steps(ours, inputs, args.steps, args.warmup, dtype))]
+    if not args.no_hf:
+        hf = models.hf.to_hf(ours).to(dev).train()
+        hf.config.use_cache = False
+        rows.append(("HF", time_steps(hf, inputs, args.steps, args.warmup, dtype)))
+        del hf
     if args.compile:
         t0 = time.perf_counter()
         compiled = torch.compile(ours)
-        rows.append(("ours, compiled", time_steps(compiled, ids, args.steps, args.warmup, dtype)))
+        rows.append(("ours, compiled", time_steps(compiled, inputs, args.steps, args.warmup, dtype)))
         print(f"compile + warm-up: {time.perf_counter() - t0 - args.steps * rows[-1][1]:.0f} s")
-    print(f"device: {name}, {args.precision}, peak {peak / 1e12:.1f} TFLOP/s; {args.model}, batch {args.batch} x {args.seq_len}")
-    print(f"{'model':<15} {'ms/step':>8} {'tokens/s':>11} {'MFU':>6} {'vs HF':>6}")
-    hf_s = rows[1][1]
-    for label, s in rows:
-        print(f"{label:<15} {s * 1e3:>8.1f} {args.batch * args.seq_len / s:>11,.0f} {flops * args.batch / s / peak:>6.1%} {hf_s / s:>5.2f}x")
+    size = f"{args.batch} x {args.seq_len}" if per_sample > 1 else f"{args.batch} images"
+    print(f"device: {name}, {args.precision}, peak {peak / 1e12:.1f} TFLOP/s; {args.model}, batch {size}")
+    print(f"{'model':<15} {'ms/step':>8} {unit:>11} {'MFU':>6} {'vs HF':>6}")
+    base = rows[1][1] if not args.no_hf else rows[0][1]
+    out = []
+    for label, sec in rows:
+        rate = args.batch * per_sample / sec
+        print(f"{label:<15} {sec * 1e3:>8.1f} {rate:>11,.0f} {flops * args.batch / sec / peak:>6.1%} {base / sec:>5.2f}x")
+        out.append({"model": label, "ms_per_step": sec * 1e3, "rate": rate, "unit": unit,
+                    "mfu": flops * args.batch / sec / peak if peak else None})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "peak_flops": peak, "rows": out}, indent=1))
 
 
 if __name__ == "__main__":

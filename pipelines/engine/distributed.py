@@ -215,7 +215,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     from pipelines.engine.optim import deepspeed_optimizer_fields
 
     d, t = cfg.distributed, cfg.train
-    zero: dict[str, Any] = {"stage": d.zero_stage, "contiguous_gradients": True, "overlap_comm": torch.cuda.is_available()}
+    # overlap_comm reduces gradient buckets on a side stream while backward goes on, and pays for it with a
+    # full device synchronize per step (ZeRO-1/2's independent_gradient_partition_epilogue); one rank has
+    # nothing to reduce, so there it is off (same results: a world of one's reduction is the identity).
+    overlap = torch.cuda.is_available() and world_size > 1
+    zero: dict[str, Any] = {"stage": d.zero_stage, "contiguous_gradients": True, "overlap_comm": overlap}
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if d.offload_params:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import math
 import os
 import re
 import sys
@@ -152,7 +153,8 @@ class DDPEngine(Engine):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        skipped = not bool(torch.isfinite(norm))
+        norm = float(norm)  # the step's one host read here: the update waits on it anyway
+        skipped = not math.isfinite(norm)
         out: dict[str, Any] = {}
         if self.scaler is not None:
             out["loss_scale"] = float(self.scaler.get_scale())  # the scale these gradients were computed with

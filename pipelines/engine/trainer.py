@@ -229,14 +229,16 @@ class Trainer:
         run.meter.start_step()
         micro = [next(batches) for _ in range(t.grad_accum_steps)]
         run.meter.data_ready()
-        loss_sum, tokens, bad, keys, flops = 0.0, 0, 0, [], 0.0
+        loss_sum, tokens, bad, keys, flops = None, 0, 0, [], 0.0
         for i, batch in enumerate(micro):
             keys.extend(batch.get("keys", []))
             bad += int(batch.get("num_bad", 0))
             tokens += self.task.tokens(batch)
             flops += self.task.batch_flops(batch, self.model_config) or 0.0
             boundary_loss = self.task.forward(engine, self._to_device(batch))["loss"]
-            loss_sum += float(boundary_loss.detach())
+            # summed on the device in float64 (what float() + float() did on the host): no read per micro-batch
+            micro_loss = boundary_loss.detach().to(torch.float64)
+            loss_sum = micro_loss if loss_sum is None else loss_sum + micro_loss
             if i < len(micro) - 1:
                 engine.backward(boundary_loss)
         local_loss = loss_sum / t.grad_accum_steps
@@ -257,22 +259,27 @@ class Trainer:
         self.last_loss = loss
         rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait,
                                    flops=flops or None)
-        if run.trace is not None:
-            run.trace.write(json.dumps({"step": self.step, "loss": local_loss, "keys": keys, "pid": os.getpid()}) + "\n")
+        if run.trace is not None:  # PRETRAIN_TRACE_DIR (tests, debugging): this rank's own loss, one more read
+            run.trace.write(json.dumps({"step": self.step, "loss": local_loss.item(), "keys": keys, "pid": os.getpid()}) + "\n")
             run.trace.flush()
         return _StepResult(loss=loss, agg=agg, result=result, rates=rates)
 
-    def _reduce_metrics(self, local_loss: float, tokens: int, bad: int, run: _RunState) -> tuple[dict[str, Any], float]:
+    def _reduce_metrics(self, local_loss: torch.Tensor, tokens: int, bad: int, run: _RunState) -> tuple[dict[str, Any], float]:
         """One small all-reduce before the update: mean loss, global tokens, bad samples and the stop flags
-        (signal, wall time), so every rank takes the same decisions. Returns (sums, seconds waited for peers)."""
+        (signal, wall time), so every rank takes the same decisions. Returns (sums, seconds waited for peers).
+
+        This is the step's one host read of device values (the loss decides whether the update is
+        applied): the loss stays on its device, the host counters join it there, one ``tolist()`` reads
+        the sums back (tests/pipelines/test_host_syncs.py counts the reads per step)."""
         t = self.cfg.train
         time_up = t.max_time_minutes > 0 and (time.time() - run.started) / 60 >= t.max_time_minutes
         arrived = time.perf_counter()
-        agg = self.engine.all_reduce(torch.tensor([local_loss, float(tokens), float(bad), float(self._signal or 0), float(time_up)],
-                                                  dtype=torch.float64), "sum")
-        peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived
-        return {"loss": agg[0].item() / self.engine.world_size, "tokens": int(agg[1].item()), "bad": int(agg[2].item()),
-                "signal": agg[3].item() > 0, "time_up": agg[4].item() > 0}, peer_wait
+        host = torch.tensor([float(tokens), float(bad), float(self._signal or 0), float(time_up)], dtype=torch.float64)
+        agreed = self.engine.all_reduce(torch.cat([local_loss.reshape(1), host.to(local_loss.device, non_blocking=True)]), "sum")
+        loss, tokens_sum, bad_sum, signal_sum, time_up_sum = agreed.tolist()
+        peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived (and the device, on a GPU)
+        return {"loss": loss / self.engine.world_size, "tokens": int(tokens_sum), "bad": int(bad_sum),
+                "signal": signal_sum > 0, "time_up": time_up_sum > 0}, peer_wait
 
     def _check_health(self, step: _StepResult, run: _RunState) -> str | None:
         """Bad samples, NaN/Inf and spikes, data starvation; the verdict is the same on every rank (its

@@ -1,0 +1,128 @@
+"""What our engines add per training step over the bare step, on one process: DDP and DeepSpeed ZeRO-0/1/2.
+
+The bare step is forward + backward + ``optimizer.step()`` + ``zero_grad`` of the model with the
+optimizer ``build_optimizer`` makes, on one batch kept in memory. The engine step is what
+``Trainer._train_step`` asks of the engine for the same batch: ``engine(**batch)``, the loss read of
+the step's agreement, ``engine.backward``, ``engine.step()`` (clipping, the overflow check, the LR
+scheduler; DeepSpeed: its gradient hooks, buckets, flat fp32 partitions and their copies). No loader,
+no logging: ``logging_overhead.py`` and ``loader_throughput.py`` time those.
+
+Each engine runs in a child process (one accelerate state per process) that times the bare step and
+the engine step in alternating blocks on identical copies of the model, and keeps each one's median
+block: the ratio is taken within one process and one stretch of time, which is what stays meaningful
+on a shared machine. Prints one table: ms per step, and engine / bare - 1 (goal: <= 5 %).
+
+    python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ENGINES = {"ddp": ("ddp", 0), "zero0": ("deepspeed", 0), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2)}
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    import models
+    from core.config import load_config
+    from pipelines.engine import distributed as dist
+    from pipelines.engine import engines
+    from pipelines.engine.config import RunConfig
+    from pipelines.engine.optim import build_optimizer
+
+    engine_name, stage = ENGINES[args.child]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist.free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    cfg = load_config(REPO / "configs/train/gpt_tiny_cpu.yaml",
+                      [f"distributed.engine={engine_name}", f"distributed.zero_stage={stage}", "train.precision=fp32",
+                       f"data.micro_batch_size={args.batch}", "optim.grad_clip=1.0"], cls=RunConfig)
+    env = dist.init_env()
+    torch.manual_seed(0)
+    model = models.create(args.model, vocab_size=args.vocab)
+    bare = copy.deepcopy(model)
+    bare_opt = build_optimizer(bare, cfg.optim, offload=False, device=env.device)
+    engine = engines.build_engine(cfg, env, model, build_optimizer(model, cfg.optim, offload=False, device=env.device),
+                                  lambda step: 1.0)
+    engine.train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def bare_step() -> None:
+        loss = bare(**batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0)
+        bare_opt.step()
+        bare_opt.zero_grad(set_to_none=True)
+
+    def engine_step() -> None:
+        loss = engine(**batch)["loss"]
+        loss.detach().to(torch.float64).reshape(1).tolist()  # the step's agreement read (Trainer._reduce_metrics)
+        engine.backward(loss)
+        engine.step()
+
+    def block(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(args.block):
+            fn()
+        return (time.perf_counter() - t0) / args.block
+
+    for fn in (bare_step, engine_step):  # warm-up: allocator, DeepSpeed's first-step set-up
+        for _ in range(2):
+            fn()
+    times: dict[str, list[float]] = {"bare": [], "engine": []}
+    for i in range(args.rounds):  # which side goes first alternates too
+        for side in (("bare", "engine") if i % 2 == 0 else ("engine", "bare")):
+            times[side].append(block(bare_step if side == "bare" else engine_step))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--block", type=int, default=5, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=6, help="alternating bare / engine blocks")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    print(f"{args.model}, batch {args.batch} x {args.seq_len}, fp32, CPU, {args.threads} thread(s); "
+          f"median of {args.rounds} alternating blocks of {args.block} steps")
+    print(f"{'engine':<8} {'bare ms':>9} {'engine ms':>10} {'overhead':>9}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
+    for name in args.engines.split(","):
+        cmd = [sys.executable, __file__, "--child", name, "--model", args.model, "--vocab", str(args.vocab), "--batch",
+               str(args.batch), "--seq-len", str(args.seq_len), "--block", str(args.block), "--rounds", str(args.rounds),
+               "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"{name:<8} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+            continue
+        r = json.loads(lines[-1][7:])
+        print(f"{name:<8} {r['bare'] * 1e3:>9.1f} {r['engine'] * 1e3:>10.1f} {r['engine'] / r['bare'] - 1:>+9.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The GPU recipes as a user runs them, in one table: throughput, MFU, data wait and peak memory per engine.
+
+Issue #30's check, meant to run the moment a GPU is at hand (``benchmarks/gpu_check.sh`` wraps it on a
+machine without this repo's environment). Two steps, because Ray (``pretrain prepare``) is not on the
+GPU machines:
+
+    python benchmarks/gpu_check.py prepare [--out .gpu_check]     # here, on the CPU: corpora with our own prepare
+    python benchmarks/gpu_check.py run [--corpora .gpu_check]     # there, on the GPU
+
+``prepare`` writes a synthetic text (Zipf-distributed pseudo-words, so a 50,257-token BPE and a 30,522-token
+WordPiece are fully trained: the recipes' vocabularies, hence their LM-head FLOPs) and synthetic photos-like
+images (smooth colour fields, shapes and noise, 256 px), and runs ``pretrain prepare`` on them with the
+shipped data configs: ``gpt_packed.yaml`` at seq_len 1024, ``demo_bert.yaml`` at 128, ``digits_images.yaml``
+with ``resize_shorter=256 format=jpeg`` (how an ImageNet-style corpus is stored). The corpora are small
+enough to travel with the device tool (~20 MB): the runs loop over them for as many epochs as they need.
+
+``run`` trains each recipe of ``configs/train/gpu/`` (GPT-2 small, BERT-base phase 1, ViT-B/16) with its
+own micro batch, precision and compile setting, once under DeepSpeed ZeRO-2 (the recipe as shipped) and
+once with ``distributed.engine=ddp``, each as ``torchrun --nproc_per_node 1 -m pipelines.pretrain CONFIG
+data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last train record: tokens or
+images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
+steps, the first 20 of 40 with compilation and the loader's start-up left out). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
+compiled where the recipe compiles) gives each recipe's ceiling. Evaluation (``data.eval_split=none``) and
+periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
+the run's final checkpoint comes after the timed steps and counts in the wall time only.
+
+``--cpu-smoke`` runs the same pipeline end to end on the CPU with the tiny CPU configs, tiny corpora and
+a few steps (fp32): it proves the script, not a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = ("gpt", "bert", "vit")
+ENGINES = ("deepspeed", "ddp")  # the default rows; --engines also takes zero0, zero1, zero3
+ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0": ["distributed.zero_stage=0"],
+                    "zero1": ["distributed.zero_stage=1"], "zero3": ["distributed.zero_stage=3", "model.compile=false"]}
+
+# recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
+GPU = {
+    "gpt": ("configs/train/gpu/gpt2_small.yaml", "configs/data/gpt_packed.yaml", ["seq_len=1024", "tokenizer.vocab_size=50257"]),
+    "bert": ("configs/train/gpu/bert_base_phase1.yaml", "configs/data/demo_bert.yaml", ["seq_len=128", "tokenizer.vocab_size=30522"]),
+    "vit": ("configs/train/gpu/vit_b16.yaml", "configs/data/digits_images.yaml", ["images.resize_shorter=256", "images.format=jpeg"]),
+}
+CPU = {
+    "gpt": ("configs/train/gpt_tiny_cpu.yaml", "configs/data/gpt_packed.yaml", ["seq_len=64", "tokenizer.vocab_size=2000"]),
+    "bert": ("configs/train/bert_tiny_cpu.yaml", "configs/data/demo_bert.yaml", ["seq_len=64", "tokenizer.vocab_size=2000"]),
+    "vit": ("configs/train/vit_tiny_cpu.yaml", "configs/data/digits_images.yaml", ["images.resize_shorter=40", "images.format=jpeg"]),
+}
+# (text MB, images, image px) per mode
+SIZES = {"gpu": (3.0, 640, 256), "cpu": (0.3, 96, 48)}
+BARE = {  # recipe -> model_step.py arguments of the recipe's model and batch (filled from the run config)
+    "gpt": ["--seq-len", "1024"], "bert": ["--seq-len", "128"], "vit": [],
+}
+
+
+# ------------------------------------------------------------------------------------------- prepare
+def write_text(out: Path, megabytes: float, seed: int = 0) -> None:
+    """Documents of sentences of pseudo-words drawn from a Zipf law over 80,000 words (blank line between
+    documents), split over 16 files: every vocabulary size the recipes use gets fully trained."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    freq = 1.0 / np.arange(1, 27) ** 0.9
+    lengths = rng.integers(2, 11, 80_000)
+    words = ["".join(rng.choice(letters, n, p=freq / freq.sum())) for n in lengths]
+    ranks = 1.0 / np.arange(1, len(words) + 1) ** 1.07
+    p = ranks / ranks.sum()
+    out.mkdir(parents=True, exist_ok=True)
+    per_file = int(megabytes * 1e6 / 16)
+    for f in range(16):
+        docs, size = [], 0
+        while size < per_file:
+            sentences = []
+            for _ in range(int(rng.integers(6, 25))):
+                w = rng.choice(len(words), int(rng.integers(5, 21)), p=p)
+                sentences.append(" ".join(words[i] for i in w).capitalize() + ".")
+            doc = " ".join(sentences)
+            docs.append(doc)
+            size += len(doc) + 2
+        (out / f"part-{f:02d}.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+
+
+def write_images(out: Path, count: int, size: int, classes: int = 10, seed: int = 0) -> None:
+    """``count`` RGB PNGs in ``classes`` folders: a smooth colour field, a few ellipses, sensor-like noise
+    (so JPEG sizes and decode times are those of photos, not of flat test patterns)."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    for i in range(count):
+        label = i % classes
+        base = np.stack([np.sin(xx * rng.uniform(1, 6) + rng.uniform(0, 6)) * 0.5 + 0.5 for _ in range(3)], -1)
+        base[..., label % 3] = base[..., label % 3] * 0.5 + 0.5  # the class tints one channel
+        img = Image.fromarray((base * 255).astype(np.uint8))
+        draw = ImageDraw.Draw(img)
+        for _ in range(int(rng.integers(3, 8))):
+            x0, y0 = rng.integers(0, size, 2)
+            w, h = rng.integers(size // 8, size // 2, 2)
+            draw.ellipse([int(x0), int(y0), int(x0 + w), int(y0 + h)], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        pixels = np.asarray(img).astype(np.int16) + rng.normal(0, 8, (size, size, 3)).astype(np.int16)
+        folder = out / f"class_{label:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i:05d}.png")
+
+
+def prepare(args: argparse.Namespace) -> int:
+    mode = "cpu" if args.cpu_smoke else "gpu"
+    table, (text_mb, n_images, px) = (CPU if args.cpu_smoke else GPU), SIZES[mode]
+    out = Path(args.out).resolve()
+    src = out / "sources"
+    if not (src / "text").is_dir():
+        write_text(src / "text", text_mb)
+    if not (src / "images").is_dir():
+        write_images(src / "images", n_images, px)
+    for name in args.recipes.split(","):
+        _, data_cfg, extra = table[name]
+        target = out / name
+        if (target / "manifest.json").is_file():
+            print(f"{target}: prepared already", flush=True)
+            continue
+        source = ("[{type: image_folder, paths: [" + str(src / "images") + "]}]" if name == "vit"
+                  else "[{type: text, paths: [" + str(src / "text") + "/*.txt], text_mode: " +
+                  ("paragraphs" if name == "bert" else "file") + "}]")
+        cmd = [sys.executable, "-m", "pipelines.cli", "prepare", data_cfg, f"output={target}", f"sources={source}",
+               "shard_target_mb=16", *extra]
+        print("$ " + " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, check=True)
+        print(f"{name}: prepared in {time.perf_counter() - t0:.0f} s", flush=True)
+    shutil.rmtree(src)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {size / 2**20:.1f} MiB", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- run
+def recipe_batch(config: str) -> int:
+    from core.config import load_config
+    from pipelines.engine.config import RunConfig
+
+    return load_config(REPO / config, [], cls=RunConfig).data.micro_batch_size
+
+
+def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace) -> dict:
+    """One recipe run as a user runs it; the run's own last train record (+ wall time)."""
+    config = (CPU if args.cpu_smoke else GPU)[name][0]
+    run_dir = work / f"{name}-{engine}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
+           "-m", "pipelines.pretrain", config, f"data.corpus={corpus}", f"train.run_dir={run_dir}",
+           f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
+           "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
+           "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
+    cmd += ENGINE_OVERRIDES[engine] + list(args.set)
+    if args.cpu_smoke:
+        cmd += ["data.num_workers=1", "data.micro_batch_size=8"]
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:] + proc.stderr[-6000:], flush=True)
+        return {"error": f"rc {proc.returncode}", "wall_s": wall}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r][-1]
+    return {**last, "wall_s": wall}
+
+
+def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> dict:
+    config = (CPU if args.cpu_smoke else GPU)[name][0]
+    from core.config import load_config
+    from pipelines.engine.config import RunConfig
+
+    cfg = load_config(REPO / config, [], cls=RunConfig)
+    out = work / f"bare-{name}.json"
+    cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
+           "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
+    if args.cpu_smoke:
+        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, int)}
+        if name == "vit":
+            ov["image_size"] = cfg.data.image_size
+        cmd += ["--device", "cpu", "--precision", "fp32", "--seq-len", "64"] + (["--overrides", ",".join(f"{k}={v}" for k, v in ov.items())] if ov else [])
+        cmd += ["--batch", "8"]
+    else:
+        cmd += ["--precision", "bf16", *BARE[name]] + (["--compile"] if cfg.model.compile else [])
+        if name == "vit":
+            cmd += ["--overrides", f"image_size={cfg.data.image_size}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
+        return {"error": f"rc {proc.returncode}", "wall_s": time.perf_counter() - t0}
+    row = json.loads(out.read_text())["rows"][-1]  # the compiled row where the recipe compiles
+    return {**row, "wall_s": time.perf_counter() - t0}
+
+
+def _vocab(corpus: Path) -> list[str]:
+    """The model's vocabulary as the run builds it: the corpus tokenizer's size (images: none)."""
+    tok = json.loads((corpus / "manifest.json").read_text()).get("tokenizer") or {}
+    return ["--vocab-size", str(tok["vocab_size"])] if tok.get("vocab_size") else []
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    corpora = Path(args.corpora).resolve()
+    missing = [n for n in args.recipes.split(",") if not (corpora / n / "manifest.json").is_file()]
+    if missing:
+        print(f"error: {corpora} has no prepared corpus for {', '.join(missing)}. Run `python benchmarks/gpu_check.py "
+              f"prepare --out {args.corpora}{' --cpu-smoke' if args.cpu_smoke else ''}` first (on a machine with Ray).",
+              file=sys.stderr)
+        return 2
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results: list[tuple[str, str, int, dict]] = []
+    for name in args.recipes.split(","):
+        batch = recipe_batch((CPU if args.cpu_smoke else GPU)[name][0]) if not args.cpu_smoke else 8
+        for engine in args.engines.split(","):
+            results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args)))
+            _print_table(results, device, started)
+        if not args.no_bare:
+            results.append((name, "bare step", batch, bare_step(name, args, work, corpora / name)))
+            _print_table(results, device, started)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"recipe": n, "engine": e, "batch": b, **r} for n, e, b, r in results], indent=1))
+    return 1 if any("error" in r for *_, r in results) else 0
+
+
+def _print_table(results: list, device: str, started: str) -> None:
+    """The whole table so far (a run stopped at its time limit still leaves the finished rows)."""
+    print(f"\n## gpu_check: {device}, torch {__import__('torch').__version__}, {started}\n")
+    print("| recipe | engine | micro batch | tokens or images/s | MFU | data wait | peak mem GiB | step ms | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, engine, batch, r in results:
+        if "error" in r:
+            print(f"| {name} | {engine} | {batch} | {r['error']} | | | | | {r['wall_s']:.0f} |")
+            continue
+        if engine == "bare step":
+            rate, unit, mfu = r["rate"], r["unit"], r.get("mfu")
+            wait, mem, ms = "-", "-", r["ms_per_step"]
+        else:
+            unit = "images/s" if name == "vit" else "tokens/s"
+            rate = r["samples_per_s"] if name == "vit" else r["tokens_per_s"]
+            mfu, wait, ms = r.get("mfu"), f"{r['data_wait_share']:.1%}", r["step_time"] * 1e3
+            mem = f"{r['mem_peak_mb'] / 1024:.1f}" if "mem_peak_mb" in r else "-"
+        mfu_s = f"{mfu:.1%}" if mfu is not None else "-"
+        print(f"| {name} | {engine} | {batch} | {rate:,.0f} {unit} | {mfu_s} | {wait} | {mem} | {ms:.1f} | {r['wall_s']:.0f} |")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="write the corpora (CPU, needs Ray)")
+    pp.add_argument("--out", default=".gpu_check")
+    pr = sub.add_parser("run", help="train each recipe under each engine, print the table")
+    pr.add_argument("--corpora", default=".gpu_check")
+    pr.add_argument("--work", default="/tmp/gpu_check_runs")
+    pr.add_argument("--steps", type=int, default=40, help="steps per run; figures average the last 20 (>= 22)")
+    pr.add_argument("--engines", default=",".join(ENGINES))
+    pr.add_argument("--no-bare", action="store_true")
+    pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every training run, e.g. --set model.compile=true (repeatable)")
+    pr.add_argument("--json", default="")
+    for q in (pp, pr):
+        q.add_argument("--recipes", default=",".join(RECIPES))
+        q.add_argument("--cpu-smoke", action="store_true", help="tiny CPU configs and corpora: proves the script")
+    args = p.parse_args()
+    os.environ.setdefault("PYTHONPATH", str(REPO))
+    return prepare(args) if args.cmd == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""One rank of ``python -m pipelines.pretrain`` with every host sync of the training loop counted per step.
+
+A host sync is a call that makes the host wait for the device (on a GPU): reading a tensor's value
+(``item``, ``tolist``, ``__float__``, ``__bool__``, ``__int__``, ``numpy``, ``cpu``, ``to("cpu")``)
+or a ``torch.distributed`` collective. On the CPU nothing waits, so the calls are counted instead:
+each one is attributed to the optimizer step being run (``Trainer._train_step`` .. the next one) and to
+its call site (the frame in this repo's ``pipelines/``, ``monitoring/``, ``models/`` or ``core/`` that made
+it; calls made inside torch or DeepSpeed are counted as ``<library> via`` our frame that called them).
+
+    python sync_trace_job.py OUT.json CONFIG key=value ...      # also under torchrun (OUT.rank-N.json)
+
+Writes ``{"log_every": N, "steps": {step: {site: count}}}`` per rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as td
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+OURS = tuple(str(REPO / d) + os.sep for d in ("pipelines", "monitoring", "models", "core"))
+HERE = str(Path(__file__).resolve())
+
+READS = ["item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy", "cpu"]
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "barrier", "gather", "all_gather_object", "broadcast_object_list"]
+
+counts: dict[int, collections.Counter] = {}
+state = {"step": 0, "depth": 0}
+
+
+def _site() -> str:
+    """``file:function`` of our code that made the call, or ``<library> via file:function`` when torch's
+    or DeepSpeed's own code made it (under our call at that site)."""
+    f, direct = sys._getframe(3), True
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(OURS):
+            site = f"{os.path.relpath(name, REPO)}:{f.f_code.co_name}"
+            return site if direct else f"<library> via {site}"
+        direct = False
+        f = f.f_back
+    return "<library>"
+
+
+def _record(kind: str) -> None:
+    if state["step"] and not state["depth"]:
+        counts.setdefault(state["step"], collections.Counter())[f"{kind} @ {_site()}"] += 1
+
+
+def _wrap(owner, name: str, kind: str, only_to_cpu: bool = False) -> None:
+    orig = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if not only_to_cpu or _to_host(args, kwargs):
+            _record(kind)
+        state["depth"] += 1  # a collective reading a tensor inside counts once
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            state["depth"] -= 1
+
+    setattr(owner, name, wrapper)
+
+
+def _to_host(args, kwargs) -> bool:
+    """``tensor.to(...)`` moving a device tensor to the host (the host copy of a CPU tensor is no sync)."""
+    t = args[0]
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    if isinstance(target, torch.Tensor):
+        target = target.device
+    try:
+        return target is not None and not isinstance(target, torch.dtype) and torch.device(target).type == "cpu" \
+            and t.device.type != "cpu"
+    except (TypeError, RuntimeError):
+        return False
+
+
+def install() -> None:
+    for name in READS:
+        _wrap(torch.Tensor, name, f"Tensor.{name}")
+    _wrap(torch.Tensor, "to", "Tensor.to(cpu)", only_to_cpu=True)
+    for name in COLLECTIVES:
+        if hasattr(td, name):
+            _wrap(td, name, f"dist.{name}")
+    from pipelines.engine import trainer
+
+    orig_step = trainer.Trainer._train_step
+
+    def train_step(self, batches, run):
+        state["step"] = self.step + 1
+        return orig_step(self, batches, run)
+
+    orig_eval = trainer.Trainer.evaluate
+
+    def evaluate(self):  # evaluation is not a training step
+        step, state["step"] = state["step"], 0
+        try:
+            return orig_eval(self)
+        finally:
+            state["step"] = step
+
+    orig_save = trainer.Trainer.save
+
+    def save(self, *a, **k):  # neither is a checkpoint
+        step, state["step"] = state["step"], 0
+        try:
+            return orig_save(self, *a, **k)
+        finally:
+            state["step"] = step
+
+    orig_fit = trainer.Trainer.fit
+
+    def fit(self):  # what follows the loop (final evaluation, checkpoint, teardown) is no step
+        try:
+            return orig_fit(self)
+        finally:
+            state["step"] = 0
+
+    trainer.Trainer._train_step, trainer.Trainer.evaluate, trainer.Trainer.save = train_step, evaluate, save
+    trainer.Trainer.fit = fit
+
+
+def main() -> int:
+    out, argv = Path(sys.argv[1]), sys.argv[2:]
+    install()
+    from pipelines.pretrain import main as pretrain_main
+
+    log_every = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("train.log_every=")), 0)
+    rank = int(os.environ.get("RANK", "0"))
+    rc = pretrain_main(argv)
+    state["step"] = 0
+    path = out.with_suffix(f".rank-{rank}.json")
+    path.write_text(json.dumps({"log_every": log_every, "steps": {s: dict(c) for s, c in sorted(counts.items())}}, indent=1))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Host syncs per training step: a step that is not a log step reads device values back once.
+
+On a GPU every read of a tensor's value (``.item()``, ``float()``, ``.tolist()``, ``.cpu()``) and every
+collective makes the host wait for the device, so the host cannot queue the next step's work while
+the device runs this one. A real run of ``python -m pipelines.pretrain`` (``sync_trace_job.py``)
+counts the calls our code makes per step; the steps between log steps must make only the step's
+agreement (``Trainer._reduce_metrics``: the loss decides whether the update is applied) and the
+engine's gradient-norm read (whether the gradients are finite). Calls torch or DeepSpeed make inside
+their own code are theirs (DeepSpeed's overflow check, torch's CPU optimizer step counters) and are
+not held against us here. Periodic work (log, skew, eval, checkpoint steps) is outside the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from job_helpers import REPO, job_env
+
+from pipelines.engine.distributed import free_port
+
+JOB = Path(__file__).with_name("sync_trace_job.py")
+STEPS, LOG_EVERY = 7, 3
+HOT_PATH = {  # what our code may read per non-log step, per engine (world of 1; 2 ranks add the agreement's all_reduce)
+    "ddp": {"Tensor.tolist @ pipelines/engine/trainer.py:_reduce_metrics": 1,
+            "Tensor.__float__ @ pipelines/engine/engines.py:step": 1},
+    "deepspeed": {"Tensor.tolist @ pipelines/engine/trainer.py:_reduce_metrics": 1,
+                  "Tensor.__float__ @ pipelines/engine/engines.py:step": 1},
+}
+
+
+def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int) -> list[dict]:
+    overrides = [f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
+                 f"train.log_every={LOG_EVERY}", f"logging.skew_every={LOG_EVERY}", "train.eval_every=0",
+                 "train.eval_batches=1", "train.checkpoint_every=0", "data.num_workers=0", "data.micro_batch_size=4",
+                 "train.grad_accum_steps=2", f"distributed.engine={engine}", "logging.tensorboard=false"]
+    out = tmp_path / "syncs.json"
+    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                                                      str(processes), "--master_port", str(free_port())]
+    proc = subprocess.run([*launch, str(JOB), str(out), "configs/train/gpt_tiny_cpu.yaml", *overrides], cwd=REPO,
+                          env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads(out.with_suffix(f".rank-{r}.json").read_text()) for r in range(processes)]
+
+
+def _ours(counts: dict[str, int]) -> dict[str, int]:
+    return {site: n for site, n in counts.items() if "<library>" not in site}
+
+
+def _non_log_steps() -> list[str]:
+    return [str(s) for s in range(2, STEPS) if s % LOG_EVERY]  # step 1 logs too; the last step ends the run
+
+
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_one_process_non_log_steps_read_the_device_once_plus_the_grad_norm(engine, gpt_corpus, tmp_path):
+    (trace,) = _traced_run(tmp_path, gpt_corpus, engine, processes=1)
+    for step in _non_log_steps():
+        assert _ours(trace["steps"][step]) == HOT_PATH[engine], f"step {step}: {trace['steps'][step]}"
+    # the log steps read more (that is where the metrics are reduced), and the trace sees them
+    assert set(trace["steps"]) >= {str(s) for s in range(1, STEPS + 1)}
+
+
+@pytest.mark.slow
+def test_two_ranks_add_only_the_agreement_collective(gpt_corpus, tmp_path):
+    expected = {**HOT_PATH["deepspeed"], "dist.all_reduce @ pipelines/engine/engines.py:all_reduce": 1}
+    for trace in _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=2):
+        for step in _non_log_steps():
+            assert _ours(trace["steps"][step]) == expected, f"step {step}: {trace['steps'][step]}"
