@@ -32,6 +32,7 @@ import torch
 from core.config import ConfigError
 from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file
 from pipelines.engine.config import RunConfig
+from pipelines.engine.launch_output import LaunchOutput
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run",
            "quiet_libraries"]
@@ -399,9 +400,15 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_processes))))
     env.update(extra_env or {})
-    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env)
+    debug = bool(os.environ.get("PRETRAIN_DEBUG"))
+    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stderr=None if debug else subprocess.PIPE)
+    output = None if debug else LaunchOutput(proc.stderr)  # each rank's error line once, not the launcher's report
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
-        return proc.wait()
+        code = proc.wait()
+    if output is None:
+        return code
+    output.join()
+    return 2 if code and output.errors else code  # a problem the ranks explained: the user's to fix, as with one process

@@ -172,6 +172,74 @@ def test_the_cli_prints_a_workers_data_error_as_one_paragraph(tmp_path, capsys, 
     assert code == 2 and "train-000000.tar" in line and "unsafe tar member" in line
 
 
+@pytest.mark.slow
+def test_a_ranks_data_error_under_two_processes_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """`pretrain train ... --nproc 2` on a crafted shard: each rank stops on it, and the user reads the error
+    once (not once per rank) and no launcher traceback -- as with one process."""
+    from reliability_helpers import REPO
+
+    from pipelines.cli import main
+
+    corpus = _corpus(tmp_path)
+    _retype_first_member(corpus, tarfile.SYMTYPE)
+    monkeypatch.chdir(REPO)
+    code = main(["train", "configs/train/bert_tiny_cpu.yaml", f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}",
+                 "train.max_steps=2", "train.eval_every=0", "data.micro_batch_size=4", "data.shuffle_buffer=16",
+                 "distributed.engine=ddp", "distributed.zero_stage=0", "--nproc", "2"])
+    err = capsys.readouterr().err
+    line = _one_paragraph(err)
+    assert code == 2 and "train-000000.tar" in line and "unsafe tar member" in line
+    assert "ChildFailedError" not in err and "Root Cause" not in err and "closing signal" not in err, err
+
+
+# The elastic agent's output after both ranks of a 2-process run stopped with exit code 2 (torch 2.13).
+_AGENT_REPORT = """\
+W1126 09:30:19.658000 31635 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] \
+Sending process 31641 closing signal SIGTERM
+Traceback (most recent call last):
+  File ".venv/bin/accelerate", line 6, in <module>
+    sys.exit(main())
+             ^^^^^^
+  File ".venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pipelines.pretrain FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 31640)
+============================================================
+"""
+_CRASH = """\
+Traceback (most recent call last):
+  File "pipelines/pretrain.py", line 45, in main
+    summary = train(cfg)
+RuntimeError: a bug, not the user's input
+"""
+
+
+@pytest.mark.parametrize("rank_lines", ["error", "crash"])
+def test_launch_output_drops_the_agents_report_only_after_a_ranks_error_line(rank_lines, capsys):
+    import io
+
+    from pipelines.engine.launch_output import LaunchOutput
+
+    error = "error: Shard c/train-000000.tar of c/manifest.json holds an unsafe tar member.\n"
+    ranks = error + "a warning a user should see\n" + error if rank_lines == "error" else _CRASH
+    out = LaunchOutput(io.BytesIO((ranks + _AGENT_REPORT + "after\n").encode()))
+    out.join()
+    shown = capsys.readouterr().err
+    if rank_lines == "error":  # the error once, the warning kept, the report and the agent's lines gone
+        assert shown == error + "a warning a user should see\nafter\n" and out.dropped_report
+    else:  # no rank explained itself: everything passes, the agent's report included
+        assert shown == _CRASH + _AGENT_REPORT + "after\n" and not out.dropped_report
+
+
 def test_a_token_id_outside_the_vocabulary_is_a_bad_sample_naming_its_shard(tmp_path, capsys, monkeypatch):
     import numpy as np
     from reliability_helpers import rewrite_shard
