@@ -158,7 +158,8 @@ class Manifest:
         """The tokenizer directory, refused unless it and every file in it lie inside the corpus (no link out)."""
         d = safe_path(self.root, str((self.raw.get("tokenizer") or {}).get("path", "tokenizer")), "the tokenizer path", self.path)
         try:
-            return tree_inside(self.root, d, what=f"the tokenizer of {self.path}", links=False)
+            tree_inside(self.root, os.path.abspath(d), what=f"the tokenizer of {self.path}", links=False)
+            return d
         except OutsideError as exc:
             raise DataError(f"{exc} A corpus is read only from inside itself; do not train on it as it is.") from None
 

@@ -161,13 +161,14 @@ def inside(root: str | os.PathLike, path: str | os.PathLike, *, what: str) -> Pa
 
 
 def tree_inside(root: str | os.PathLike, directory: str | os.PathLike, *, what: str, links: bool = True) -> Path:
-    """``directory`` (under ``root``) and every file and folder in it, refused unless each resolves inside ``root``.
+    """``directory`` (absolute, or relative to ``root``: ``"."`` is ``root`` itself) and every file and folder
+    in it, refused unless each resolves inside ``root``.
 
     ``links=False``: any symlink in it is refused, even one that stays inside (a directory that is
     copied into checkpoints, where links are never followed).
     """
     d = inside(root, directory, what=what)
-    for dirpath, dirnames, filenames in os.walk(d, followlinks=False):
+    for dirpath, dirnames, filenames in os.walk(os.path.abspath(d), followlinks=False):  # absolute: never re-joined to root
         for name in [*dirnames, *filenames]:
             entry = Path(dirpath) / name
             inside(root, entry, what=f"a file of {what}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ __all__ = ["inspect_corpus", "decode_sample"]
 def _inside(corpus: Path, file: Path, what: str) -> bool:
     """True if ``file`` lies inside ``corpus``; a link out is refused (a DataError naming it)."""
     try:
-        inside(corpus, file, what=what)
+        inside(corpus, os.path.abspath(file), what=what)  # ``file`` is already under ``corpus``: not joined again
     except OutsideError as exc:
         raise DataError(str(exc)) from None
     return True

@@ -313,7 +313,7 @@ def from_hf(
         path = Path(src)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; expected a transformers checkpoint directory.")
-        tree_inside(path, path, what="the model directory")  # nothing outside it is read (an HF cache snapshot: cp -rL it)
+        tree_inside(path, ".", what="the model directory")  # nothing outside it is read (an HF cache snapshot: cp -rL it)
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
         sd, source = load_hf_state_dict(path), str(path)
         arch = (hf_cfg.architectures or [""])[0]

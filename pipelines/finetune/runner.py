@@ -110,7 +110,7 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
     path = Path(checkpoint)
     if (path / "config.json").is_file():
-        return tree_inside(path, path, what="the release directory")  # tokenizer and weights: nothing read from outside
+        return tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
         from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint

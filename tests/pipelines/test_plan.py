@@ -212,25 +212,33 @@ def test_activation_bytes_for_bert_and_vit():
 
 
 _PEAK_RUN = """
-import json, resource, sys, torch, models
+import json, sys, torch, models
 torch.set_num_threads(1); torch.manual_seed(0)
 overrides, B, T = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 x = torch.randint(0, overrides["vocab_size"], (B, T))
+warm = models.create("gpt-tiny", **{**overrides, "num_layers": 1, "hidden_size": 32, "num_heads": 2,
+                                    "intermediate_size": 64, "vocab_size": 64})  # the kernels' own pages, loaded lazily
+torch.optim.AdamW(warm.parameters()).step(warm(x[:1, :8] % 64, labels=x[:1, :8] % 64)["loss"].backward())
+del warm
 with open("/proc/self/statm") as f:
     base = int(f.read().split()[1]) * 4096
 model = models.create("gpt-tiny", **overrides).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 for _ in range(2):
     model(x, labels=x)["loss"].backward(); opt.step(); opt.zero_grad(set_to_none=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+print(peak - base)
 """
 
 
 def test_total_memory_is_the_peak_of_a_real_cpu_run():
     """Two fp32 AdamW steps of a 11M-parameter GPT (ZeRO-0 / DDP layout: 16 B per parameter + activations):
-    peak RSS over the process before the model existed is within -3 % / +10 % of the plan's total. glibc
-    serves every allocation over 64 KiB by mmap (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave RSS;
-    dropping the gradients (-8 %), the moments (-17 %) or the logits' head (-10 %) from the plan fails it."""
+    the process's peak RSS (VmHWM) over its RSS before the model existed (after a warm-up step of a tiny
+    model has loaded torch's kernels) is 90-97 % of the plan's total: the plan is conservative by a few
+    per cent, on torch 2.13 (CPU) and 2.11 (CUDA build) alike (0.928 both, 2026-11-26). glibc serves every
+    allocation over 64 KiB by mmap (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave RSS; dropping the
+    gradients or the moments from the plan fails it (0.99, 1.06)."""
     overrides = {**_TINY, "num_layers": 4, "hidden_size": 384, "num_heads": 6, "intermediate_size": 1536,
                  "vocab_size": 8192, "max_position_embeddings": 256}
     B, T = 8, 256
@@ -246,7 +254,7 @@ def test_total_memory_is_the_peak_of_a_real_cpu_run():
     row = P.memory_rows(param_count(shape), largest_layer_params(shape), engine="ddp", precision="fp32", moments=2,
                         gpus=1, gpus_per_node=1, activations={False: acts, True: acts},
                         head_transient=8 * B * T * shape.vocab_size, limit=1e30, cuda=False)[0]
-    assert 0.97 <= measured / row.total <= 1.10, (measured, row)
+    assert 0.90 <= measured / row.total <= 0.97, (measured, row)
 
 
 # --- checkpoint bytes against a real DeepSpeed checkpoint -----------------------------------------------------------

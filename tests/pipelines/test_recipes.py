@@ -1,5 +1,6 @@
 """The GPU recipes (configs/train/gpu/) are what their headers say: they load, the model builds (on
-the meta device: no memory), the schedule builds, the global batch on 4 x 8 GPUs is the paper's, a
+the meta device: no memory), the schedule builds, the global batch on the GPUs the recipe is written for
+(4 x 8; 8 x 8 for GPT 350M and 1.3B) is the paper's, a
 4-node x 8-GPU ``pretrain submit --dry-run`` renders, and README's throughput estimates are the
 FLOPs formula's (``models.flops``) at 50 % of an H100 SXM's bf16 peak."""
 
@@ -17,12 +18,14 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "configs" / "train" / "gpu"
 H100_BF16_PEAK = 989.5e12  # monitoring/throughput.py's H100 SXM entry
-#: recipe -> (model params, global batch in the paper, seq_len of the estimate; None = images)
+#: recipe -> (model params, global batch in the paper, seq_len of the estimate (None = images), GPUs it is written for)
 RECIPES = {
-    "bert_base_phase1.yaml": (110_106_428, 256, 128),
-    "bert_base_phase2.yaml": (110_106_428, 256, 512),
-    "gpt2_small.yaml": (124_439_808, 512, 1024),
-    "vit_b16.yaml": (86_567_656, 4096, None),
+    "bert_base_phase1.yaml": (110_106_428, 256, 128, 32),
+    "bert_base_phase2.yaml": (110_106_428, 256, 512, 32),
+    "gpt2_small.yaml": (124_439_808, 512, 1024, 32),
+    "gpt2_medium.yaml": (354_823_168, 512, 1024, 64),
+    "gpt3_xl.yaml": (1_315_723_264, 512, 2048, 64),
+    "vit_b16.yaml": (86_567_656, 4096, None, 32),
 }
 
 
@@ -47,10 +50,10 @@ def test_recipe_builds_with_the_papers_batch(name):
     from pipelines.engine.config import load_run_config
     from pipelines.engine.schedules import build_schedule
 
-    params, batch, _ = RECIPES[name]
+    params, batch, _, gpus = RECIPES[name]
     cfg = load_run_config(GPU / name)
     assert cfg.train.precision == "bf16" and cfg.distributed.engine == "deepspeed" and cfg.distributed.zero_stage == 2
-    assert cfg.data.micro_batch_size * cfg.train.grad_accum_steps * 32 == batch
+    assert cfg.data.micro_batch_size * cfg.train.grad_accum_steps * gpus == batch
     with torch.device("meta"):
         model = models.create(cfg.model.name, **cfg.model.overrides)
     assert sum(p.numel() for p in model.parameters()) == params
@@ -100,7 +103,7 @@ def test_readme_lists_every_recipe_with_the_formulas_estimate():
     from pipelines.engine.config import load_run_config
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for name, (_, _, seq_len) in RECIPES.items():
+    for name, (_, _, seq_len, _) in RECIPES.items():
         row = next((line for line in readme.splitlines() if f"configs/train/gpu/{name}" in line and "|" in line), None)
         assert row is not None, f"README has no table row for configs/train/gpu/{name}"
         expected = _estimate(load_run_config(GPU / name), seq_len)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +195,28 @@ def test_a_corpus_file_linked_from_outside_is_never_read_or_copied(tmp_path, cap
     assert str(target) in err and "outside" in err, err[-2000:]
     copied = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.read_bytes() == secret.read_bytes()]
     assert not copied
+
+
+def test_paths_relative_to_the_current_directory_are_read_as_the_readme_writes_them(good_run, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """README commands name `demo_out/corpus` and `release/bert-tiny` relative to where the user stands: the
+    inside-checks must not join such a path to itself (`demo_out/corpus/demo_out/corpus/tokenizer`)."""
+    import corpus_fixtures as cf
+
+    from core.corpus import load_manifest
+    from models.hf import from_hf
+    from pipelines.cli import main
+    from pipelines.engine.export import export_checkpoint
+    from pipelines.finetune.runner import resolve_release
+
+    cf.make_bert_corpus(tmp_path / "demo_out" / "corpus", train_sizes=(16,), val_sizes=(8,))
+    export_checkpoint(good_run, tmp_path / "release" / "bert-tiny")
+    monkeypatch.chdir(tmp_path)
+    assert load_manifest("demo_out/corpus").tokenizer_dir == Path("demo_out/corpus/tokenizer")
+    assert main(["inspect", "demo_out/corpus"]) == 0 and "B: " in capsys.readouterr().out  # samples decoded
+    assert resolve_release("release/bert-tiny", tmp_path / "ft", None) == Path("release/bert-tiny")
+    model, report = from_hf("release/bert-tiny")
+    assert not report.missing
 
 
 def test_a_checkpoint_copy_never_follows_a_link(tmp_path):
