@@ -286,10 +286,6 @@ class _PositionedSource:
             produced += 1
             yield batch
 
-    def rewind(self) -> None:
-        """Back to the start of epoch 0."""
-        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
-
 
 class StreamingSource:
     """Seekable, rank-balanced batches of one corpus split or a weighted mixture; the trainer's data source.
