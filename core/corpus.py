@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from core.config import ConfigError
+from core.corpus_kinds import corpus_kind, corpus_kind_names
 from core.files import OutsideError, atomic_write_text, sha256_file, tree_inside
 from core.records import UnsafeMember, expand_record, index_name, split_member_name
 
@@ -57,7 +58,7 @@ __all__ = [
 SCHEMA_VERSION = "2.0"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 READABLE_MAJORS = (1, 2)  # 1.x: one sample per record, no index (deprecated, still trains)
-KINDS = ("bert_pairs", "packed_lm", "images")
+KINDS = corpus_kind_names()  # the built-in kinds; a manifest is checked against the registry (core.corpus_kinds)
 SHARD_FILE_RE = re.compile(r"^(train|validation)-\d{6}\.(tar|idx\.npy)$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 log = logging.getLogger(__name__)
@@ -228,8 +229,8 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
     if version[0] < SCHEMA_MAJOR:
         log.warning("%s is corpus format %s, which is deprecated: it trains, but its shards are much larger than "
                     "format 2's and have no index (each is scanned once per loader worker). Re-run `pretrain prepare` to write format %s.", path, raw["schema_version"], SCHEMA_VERSION)
-    if raw.get("kind") not in KINDS:
-        raise DataError(f"{path}: kind {raw.get('kind')!r} is not one of {', '.join(KINDS)}.")
+    if raw.get("kind") not in corpus_kind_names():
+        raise DataError(f"{path}: kind {raw.get('kind')!r} is not one of {', '.join(corpus_kind_names())}.")
     if kind is not None and raw["kind"] != kind:
         raise DataError(
             f"{path} holds a {raw['kind']!r} corpus but the task needs {kind!r}. "
@@ -250,7 +251,7 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
     )
     for split, info in (raw.get("splits") or {}).items():
         m.splits[split] = [_shard_info(s, root, path, version[0]) for s in info.get("shards", [])]
-    if m.kind != "images" and check_tokenizer:
+    if corpus_kind(m.kind).tokenized and check_tokenizer:
         tdir = m.tokenizer_dir
         if not (tdir / "tokenizer.json").is_file():
             raise DataError(f"{tdir}/tokenizer.json is missing (manifest {path}). Re-run `pretrain prepare`.")

@@ -4,7 +4,8 @@ Why: in format 1 every sample cost two tar members (a 512-byte header plus paddi
 shards of short samples were ~25x their token payload, and a reader had to walk every header
 from the start of a shard to reach a sample. Format 2 groups samples into *records*: the tar
 members sharing one key (``KEY.EXT``, as stock WebDataset groups them), each array a ``.npy``
-(numpy's format: a small text header, then raw little-endian data; never pickle):
+(numpy's format: a small text header, then raw little-endian data; never pickle); each kind's
+class in ``core.corpus_kinds`` encodes and decodes its records:
 
 - ``packed_lm``: ``KEY.input_ids.npy``, 2-D ``(n, seq_len + 1)``.
 - ``bert_pairs``: ``KEY.input_ids.npy`` (1-D, the samples' ``[CLS] A [SEP] B [SEP]`` one after the
@@ -29,6 +30,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+
+from core.corpus_kinds import corpus_kind, kind_of_record
 
 __all__ = [
     "RECORD_BYTES", "RECORD_SAMPLES", "split_member_name", "npy_bytes", "npy_array", "token_records",
@@ -76,10 +79,6 @@ def npy_array(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count, offset=fp.tell()).reshape(shape)
 
 
-def _len_dtype(seq_len: int) -> str:
-    return "<u2" if seq_len < 65536 else "<u4"
-
-
 def token_records(kind: str, samples: Iterable[Any], prefix: str, *, seq_len: int, token_dtype: np.dtype,
                   max_bytes: int = RECORD_BYTES, max_samples: int = RECORD_SAMPLES) -> Iterator[tuple[str, dict[str, bytes], int]]:
     """Group samples into records ``(key, {ext: bytes}, samples)``; key ``{prefix}-{record:06d}``.
@@ -87,27 +86,18 @@ def token_records(kind: str, samples: Iterable[Any], prefix: str, *, seq_len: in
     ``samples``: ``packed_lm`` windows (arrays of ``seq_len + 1`` tokens) or ``bert_pairs`` tuples
     ``(input_ids, len_a, len_b, next_sentence_label)``.
     """
+    spec = corpus_kind(kind)
     itemsize = np.dtype(token_dtype).itemsize
     batch: list[Any] = []
     size, r = 0, 0
 
     def emit() -> tuple[str, dict[str, bytes], int]:
-        key = f"{prefix}-{r:06d}"
-        if kind == "packed_lm":
-            members = {"input_ids.npy": npy_bytes(np.stack(batch).astype(token_dtype, copy=False))}
-        else:
-            ld = _len_dtype(seq_len)
-            members = {
-                "input_ids.npy": npy_bytes(np.concatenate([b[0] for b in batch]).astype(token_dtype, copy=False)),
-                "len_a.npy": npy_bytes(np.array([b[1] for b in batch], dtype=ld)),
-                "len_b.npy": npy_bytes(np.array([b[2] for b in batch], dtype=ld)),
-                "nsp.npy": npy_bytes(np.array([b[3] for b in batch], dtype="<u1")),
-            }
-        return key, members, len(batch)
+        arrays = spec.encode(batch, seq_len=seq_len, token_dtype=token_dtype)
+        return f"{prefix}-{r:06d}", {f"{name}.npy": npy_bytes(arr) for name, arr in arrays.items()}, len(batch)
 
     for s in samples:
         batch.append(s)
-        size += (len(s) if kind == "packed_lm" else len(s[0])) * itemsize
+        size += spec.sample_tokens(s) * itemsize
         if size >= max_bytes or len(batch) >= max_samples:
             yield emit()
             batch, size, r = [], 0, r + 1
@@ -117,18 +107,6 @@ def token_records(kind: str, samples: Iterable[Any], prefix: str, *, seq_len: in
 
 def _arrays(members: dict[str, Any]) -> dict[str, np.ndarray]:
     return {ext[:-4]: npy_array(data) for ext, data in members.items() if ext.endswith(".npy")}
-
-
-def _bounds(kind: str, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample start offsets and lengths into the flat token array of a record."""
-    ids = a["input_ids"]
-    if ids.ndim == 2:
-        n, w = ids.shape
-        return np.arange(n, dtype=np.int64) * w, np.full(n, w, dtype=np.int64)
-    lengths = a["len_a"].astype(np.int64) + a["len_b"].astype(np.int64) + 3
-    if not (len(a["len_a"]) == len(a["len_b"]) == len(a["nsp"])) or int(lengths.sum()) != len(ids):
-        raise ValueError(f"record arrays disagree: {len(ids)} tokens, lengths sum to {int(lengths.sum())}")
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
 
 
 def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: int = 0,
@@ -142,12 +120,11 @@ def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: i
     if "input_ids.npy" not in members:
         raise ValueError(f"record {key} has no input_ids.npy (members: {', '.join(members)})")
     a = _arrays(members)
-    starts, lengths = _bounds(kind, a)
+    spec = corpus_kind(kind)
+    starts, lengths = spec.bounds(a)
     flat = a["input_ids"].reshape(-1).astype(np.int64)
     out = [{"key": f"{key}-{i:05d}", "input_ids": flat[s: s + n]} for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))]
-    if kind == "bert_pairs":
-        for d, la, lb, y in zip(out, a["len_a"].tolist(), a["len_b"].tolist(), a["nsp"].tolist(), strict=True):
-            d["len_a"], d["len_b"], d["next_sentence_label"] = la, lb, y
+    spec.decode(out, a)
     raw = a["input_ids"]
     too_long = bool(max_tokens) and len(lengths) > 0 and int(lengths.max()) > max_tokens
     if too_long or (vocab_size and raw.size and (int(raw.min()) < 0 or int(raw.max()) >= vocab_size)):
@@ -175,16 +152,13 @@ def expand_record(key: str, members: dict[str, bytes]) -> list[tuple[str, dict[s
     if "input_ids.npy" not in members:
         return [(key, members)]
     a = _arrays(members)
-    kind = "packed_lm" if a["input_ids"].ndim == 2 else "bert_pairs"
-    starts, lengths = _bounds(kind, a)
+    spec = kind_of_record(a)
+    starts, lengths = spec.bounds(a)
     ids = a["input_ids"].reshape(-1)
     ext = "input_ids.u16" if ids.dtype.itemsize == 2 else "input_ids.u32"
     out = []
     for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-        parts = {ext: ids[s: s + n].astype(ids.dtype.newbyteorder("<")).tobytes()}
-        if kind == "bert_pairs":
-            parts["meta.json"] = b'{"len_a": %d, "len_b": %d, "next_sentence_label": %d}' % (
-                a["len_a"][i], a["len_b"][i], a["nsp"][i])
+        parts = {ext: ids[s: s + n].astype(ids.dtype.newbyteorder("<")).tobytes(), **spec.meta(a, i)}
         out.append((f"{key}-{i:05d}", parts))
     return out
 

@@ -1,6 +1,7 @@
 """Pure-PyTorch models: BERT, GPT-2, ViT and task heads, with exact Hugging Face interop.
 
 ``models.create(name, **overrides)`` builds a registered size; ``models.list_models()`` lists them.
+A family is a torch-free ``core.families.FamilySpec`` plus its module: ``models.register_family(spec, module)``.
 ``models.hf`` (imports ``transformers``) is loaded lazily on first attribute access.
 """
 
@@ -12,13 +13,15 @@ from . import bert, flops, gpt, heads, vit  # noqa: F401  (registers the sizes)
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
-from .registry import create, get_config, list_models, register_model
+from .registry import create, get_config, list_models, register_family, registered_family, unregister_family
 from .vit import ViT, ViTConfig
 
 __all__ = [
     "create",
     "list_models",
-    "register_model",
+    "register_family",
+    "registered_family",
+    "unregister_family",
     "get_config",
     "BertConfig",
     "BertEncoder",

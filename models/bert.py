@@ -9,36 +9,19 @@ State-dict layout maps 1:1 onto ``transformers.BertForPreTraining`` (see ``model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.families.bert import BertConfig
+
 from . import init as inits
 from .heads import MLMHead
-from .layers import Block, SinusoidalPositionEmbedding, TransformerConfig, attention_mask_for_sdpa, make_norm
+from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
-from .registry import register_model
+from .registry import register_module
 
 __all__ = ["BertConfig", "BertEncoder", "BertForPreTraining", "masked_mean_cross_entropy"]
-
-
-@dataclass(kw_only=True)
-class BertConfig(TransformerConfig):
-    """BERT sizes and variants; defaults are BERT-base (uncased vocabulary)."""
-
-    vocab_size: int = 30522
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2  # segments A/B
-    pad_token_id: int = 0
-    position_embedding: Literal["learned", "sinusoidal"] = "learned"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.position_embedding not in ("learned", "sinusoidal"):
-            raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
 
 
 class BertEmbeddings(nn.Module):
@@ -173,14 +156,4 @@ class BertForPreTraining(nn.Module):
         return result
 
 
-# Turc et al. 2019 ("Well-Read Students Learn Better") sizes; base/large from Devlin et al.
-_SIZES = {"tiny": (2, 128), "mini": (4, 256), "small": (4, 512), "base": (12, 768), "large": (24, 1024)}
-for _name, (_layers, _width) in _SIZES.items():
-    register_model(
-        f"bert-{_name}",
-        BertForPreTraining,
-        num_layers=_layers,
-        hidden_size=_width,
-        num_heads=_width // 64,
-        intermediate_size=4 * _width,
-    )
+register_module("bert", BertForPreTraining)

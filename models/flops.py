@@ -19,68 +19,41 @@ N counts the matmul weights a token passes through:
 
 from __future__ import annotations
 
-from .bert import BertConfig
-from .gpt import GPTConfig
-from .layers import TransformerConfig
-from .vit import ViTConfig
+from core.families import family_of_config
+from core.families.transformer import TransformerConfig, attention_flops, block_matmul_params
+from core.families.vit import ViTConfig, vit_training_flops
 
-__all__ = ["training_flops_per_token", "training_flops_per_sample", "block_matmul_params", "encoder_training_flops"]
-
-
-def block_matmul_params(cfg: TransformerConfig) -> int:
-    """Matmul weights of all blocks: L (4 d^2 + 2 d d_ff)."""
-    d = cfg.hidden_size
-    return cfg.num_layers * (4 * d * d + 2 * d * cfg.intermediate_size)
-
-
-def _attention_flops(cfg: TransformerConfig, seq_len: int) -> int:
-    """12 L d T per token (training) for Q K^T and A V."""
-    return 12 * cfg.num_layers * cfg.hidden_size * seq_len
-
+__all__ = ["training_flops_per_token", "training_flops_per_sample", "training_flops_per_image", "block_matmul_params",
+           "encoder_training_flops"]
 
 def training_flops_per_token(
     config: TransformerConfig, seq_len: int | None = None, include_head: bool = True, mlm_fraction: float = 1.0
 ) -> float:
     """6 N + 12 L d T per token for BERT/GPT; for ViT the FLOPs per *image* (``seq_len`` ignored).
 
-    ``seq_len`` defaults to ``config.max_position_embeddings``; ``include_head=False`` drops the
-    pretraining heads (use it for fine-tuning heads, whose cost is negligible). ``mlm_fraction``:
-    share of positions the BERT MLM head runs at (1.0 = dense as in transformers; our sparse head
-    runs at the masked positions only, ~0.15).
+    The formula is the config's family's (``FamilySpec.flops``). ``seq_len`` defaults to
+    ``config.max_position_embeddings``; ``include_head=False`` drops the pretraining heads (use it
+    for fine-tuning heads, whose cost is negligible). ``mlm_fraction``: share of positions the BERT
+    MLM head runs at (1.0 = dense as in transformers; our sparse head runs at the masked positions
+    only, ~0.15).
     """
-    if isinstance(config, ViTConfig):
-        return training_flops_per_image(config, include_head)
-    T = seq_len or config.max_position_embeddings
-    d = config.hidden_size
-    n = block_matmul_params(config)
-    per_sequence = 0
-    if include_head and isinstance(config, BertConfig):
-        n += mlm_fraction * (d * d + d * config.vocab_size)
-        per_sequence = d * d + 2 * d
-    elif include_head and isinstance(config, GPTConfig):
-        n += d * config.vocab_size
-    elif not isinstance(config, (BertConfig, GPTConfig)):
-        raise TypeError(f"No FLOP count for {type(config).__name__}.")
-    return 6 * n + 6 * per_sequence / T + _attention_flops(config, T)
+    spec = family_of_config(config)
+    T = 0 if spec.flops_unit == "sample" else seq_len or config.max_position_embeddings
+    return spec.flops(config, T, include_head, mlm_fraction)
 
 
 def training_flops_per_image(config: ViTConfig, include_head: bool = True) -> float:
     """6 [P C p^2 d + T L (4 d^2 + 2 d d_ff) + d K] + 12 L d T^2 with T = P + 1."""
-    P = config.grid_size**2
-    T = P + 1
-    d = config.hidden_size
-    n = P * config.num_channels * config.patch_size**2 * d + T * block_matmul_params(config)
-    if include_head:
-        n += d * config.num_labels
-    return 6 * n + T * _attention_flops(config, T)
+    return vit_training_flops(config, 0, include_head)
 
 
 def training_flops_per_sample(config: TransformerConfig, seq_len: int | None = None, mlm_fraction: float = 1.0) -> float:
     """FLOPs per training sample: per token x T for text, per image for ViT (ThroughputMeter's ``flops_per_sample``)."""
-    if isinstance(config, ViTConfig):
-        return training_flops_per_image(config)
+    spec = family_of_config(config)
+    if spec.flops_unit == "sample":
+        return spec.flops(config, 0, True, mlm_fraction)
     T = seq_len or config.max_position_embeddings
-    return training_flops_per_token(config, T, mlm_fraction=mlm_fraction) * T
+    return spec.flops(config, T, True, mlm_fraction) * T
 
 
 def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int = 0, sequence_params: int = 0) -> float:
@@ -96,5 +69,5 @@ def encoder_training_flops(config: TransformerConfig, lengths, head_outputs: int
     total = 0.0
     for length in lengths:
         L = int(length)
-        total += 6 * n * L + _attention_flops(config, L) * L + 6 * config.hidden_size * head_outputs * L + 6 * sequence_params
+        total += 6 * n * L + attention_flops(config, L) * L + 6 * config.hidden_size * head_outputs * L + 6 * sequence_params
     return float(total)

@@ -8,37 +8,18 @@ State-dict layout maps 1:1 onto ``transformers.GPT2LMHeadModel`` (see ``models.h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import nn
 
+from core.families.gpt import GPTConfig
+
 from . import init as inits
 from .bert import masked_mean_cross_entropy
-from .layers import Block, SinusoidalPositionEmbedding, TransformerConfig, attention_mask_for_sdpa, make_norm
+from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
-from .registry import register_model
+from .registry import register_module
 
 __all__ = ["GPTConfig", "GPT"]
-
-
-@dataclass(kw_only=True)
-class GPTConfig(TransformerConfig):
-    """GPT-2 sizes and variants; defaults are GPT-2 small (124M)."""
-
-    vocab_size: int = 50257
-    max_position_embeddings: int = 1024  # context length n_ctx
-    position_embedding: Literal["learned", "sinusoidal"] = "learned"
-    tie_word_embeddings: bool = True
-    activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
-    layer_norm_eps: float = 1e-5
-    norm_placement: Literal["post", "pre"] = "pre"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.position_embedding not in ("learned", "sinusoidal"):
-            raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
 
 
 class GPT(nn.Module):
@@ -118,17 +99,4 @@ class GPT(nn.Module):
         return ids
 
 
-register_model("gpt-tiny", GPT, num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512)
-for _name, (_layers, _width) in {"small": (12, 768), "medium": (24, 1024), "large": (36, 1280)}.items():
-    register_model(
-        f"gpt2-{_name}",
-        GPT,
-        num_layers=_layers,
-        hidden_size=_width,
-        num_heads=_width // 64,
-        intermediate_size=4 * _width,
-    )
-# GPT-3 XL (Brown et al. 2020, Table 2.1: 1.3B, 24 layers, d_model 2048, context 2048). The table's
-# 24 heads x d_head 128 do not multiply to 2048; 16 heads of 128 is the shape open reproductions use.
-register_model("gpt3-xl", GPT, num_layers=24, hidden_size=2048, num_heads=16, intermediate_size=8192,
-               max_position_embeddings=2048)
+register_module("gpt", GPT)

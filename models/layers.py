@@ -13,15 +13,14 @@ memory-efficient kernel. Q, K and V come from one fused ``[3d, d]`` projection (
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from core.families.transformer import TransformerConfig
 
 __all__ = [
     "TransformerConfig",
@@ -34,47 +33,6 @@ __all__ = [
     "attention_mask_for_sdpa",
     "set_activation_checkpointing",
 ]
-
-_CHOICES = {
-    "activation": ("gelu", "gelu_tanh"),
-    "norm_placement": ("post", "pre"),
-    "init": ("standard", "t-fixup"),
-}
-
-
-@dataclass(kw_only=True)
-class TransformerConfig:
-    """Fields every family shares; each family's config subclasses this and adds its own."""
-
-    hidden_size: int = 768  # d_model; the trainer reads it for the Noam schedule
-    num_layers: int = 12
-    num_heads: int = 12
-    intermediate_size: int = 3072  # MLP width d_ff
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # gelu = erf form (BERT, ViT); gelu_tanh = GPT-2
-    hidden_dropout: float = 0.1  # on embeddings and each sublayer output
-    attention_dropout: float = 0.1  # on the attention probabilities
-    layer_norm_eps: float = 1e-12
-    norm_placement: Literal["post", "pre"] = "post"
-    init: Literal["standard", "t-fixup"] = "standard"  # t-fixup also removes every LayerNorm
-    initializer_range: float = 0.02  # std of the standard normal init
-
-    def __post_init__(self) -> None:
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{type(self).__name__}.{name} must be one of {allowed}, got {getattr(self, name)!r}.")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}).")
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}.")
-
-    @property
-    def use_layer_norm(self) -> bool:
-        return self.init != "t-fixup"
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
     """LayerNorm, or Identity when T-Fixup removed normalization."""

@@ -9,52 +9,18 @@ interpolation (§3.2 "2D interpolation of the pre-trained position embeddings"),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.families.vit import ViTConfig
+
 from . import init as inits
-from .layers import Block, TransformerConfig, make_norm
+from .layers import Block, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
-from .registry import register_model
+from .registry import register_module
 
 __all__ = ["ViTConfig", "ViT"]
-
-
-@dataclass(kw_only=True)
-class ViTConfig(TransformerConfig):
-    """ViT sizes; defaults are ViT-B/16 at 224px with 1000 classes (HF ``ViTConfig`` defaults otherwise)."""
-
-    image_size: int = 224
-    patch_size: int = 16
-    num_channels: int = 3
-    num_labels: int = 1000
-    id2label: dict[int, str] | None = None
-    qkv_bias: bool = True
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    norm_placement: Literal["post", "pre"] = "pre"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size}).")
-        if self.id2label is not None:  # YAML/JSON give string keys
-            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
-        if self.id2label is not None and len(self.id2label) != self.num_labels:
-            raise ValueError(f"id2label has {len(self.id2label)} names but num_labels is {self.num_labels}.")
-
-    @property
-    def grid_size(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        """Sequence length at the training resolution: patches + [CLS]."""
-        return self.grid_size**2 + 1
 
 
 class ViT(nn.Module):
@@ -130,15 +96,4 @@ class ViT(nn.Module):
         return result
 
 
-# DeiT (Touvron et al. 2021) Ti/S widths; B/L from Dosovitskiy et al. Table 1. All patch 16.
-_SIZES = {"tiny": (12, 192, 3), "small": (12, 384, 6), "base": (12, 768, 12), "large": (24, 1024, 16)}
-for _name, (_layers, _width, _heads) in _SIZES.items():
-    register_model(
-        f"vit-{_name}",
-        ViT,
-        num_layers=_layers,
-        hidden_size=_width,
-        num_heads=_heads,
-        intermediate_size=4 * _width,
-        patch_size=16,
-    )
+register_module("vit", ViT)

@@ -2,8 +2,8 @@
 
 The CLI calls it before spawning ranks (``pretrain train --nproc N``), a sweep calls it for every
 grid point before the first run, and every rank calls it again (``distributed.validate``) before
-the process group starts. It covers what a typed load cannot: registry names (model sizes,
-schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
+the process group starts. It covers what a typed load cannot: registry names (model sizes from
+the torch-free family specs of ``core.families``, schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
 arithmetic and the distributed options that exclude each other. Device-specific checks (fp16 on a
 CPU, nccl without GPUs) stay in ``distributed.validate``, which knows the device.
 
@@ -25,24 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from core.families import UnknownModel, families_for_task, family_of_model, model_catalog, model_names
 from pipelines.engine.schedules import build_schedule
 
-__all__ = ["ACCELERATE_PRECISION", "MODEL_CATALOG", "TASK_FAMILY", "check", "check_accelerate_file", "check_inputs",
-           "model_width", "run_schedule"]
+__all__ = ["ACCELERATE_PRECISION", "check", "check_accelerate_file", "check_inputs", "is_pretraining_task",
+           "model_catalog", "model_width", "run_schedule"]
 
-#: Registered model sizes -> (family, hidden_size), torch-free; a test keeps it equal to ``models.list_models()``.
-MODEL_CATALOG: dict[str, tuple[str, int]] = {
-    "bert-tiny": ("bert", 128), "bert-mini": ("bert", 256), "bert-small": ("bert", 512),
-    "bert-base": ("bert", 768), "bert-large": ("bert", 1024),
-    "gpt-tiny": ("gpt", 128), "gpt2-small": ("gpt", 768), "gpt2-medium": ("gpt", 1024), "gpt2-large": ("gpt", 1280),
-    "gpt3-xl": ("gpt", 2048),
-    "vit-tiny": ("vit", 192), "vit-small": ("vit", 384), "vit-base": ("vit", 768), "vit-large": ("vit", 1024),
-}
 
-#: train.task -> the model family its objective needs (None: any backbone with a head, fine-tuning).
-TASK_FAMILY: dict[str, str | None] = {
-    "mlm_nsp": "bert", "causal_lm": "gpt", "image_cls": "vit", "classification": None, "qa": None,
-}
+def is_pretraining_task(task: str) -> bool:
+    """A model family pretrains under ``task`` (else it is a fine-tuning task: the checkpoint has the architecture)."""
+    return bool(families_for_task(task))
 
 
 def _did_you_mean(name: str, choices: list[str]) -> str:
@@ -58,7 +50,7 @@ def model_width(cfg: Any) -> int:
     width = model.overrides.get("hidden_size")
     if isinstance(width, int) and width > 0:
         return width
-    return MODEL_CATALOG.get(model.name, ("", 0))[1]
+    return model_catalog().get(model.name, ("", 0))[1]
 
 
 def run_schedule(cfg: Any, *, d_model: int = 0):
@@ -71,20 +63,23 @@ def run_schedule(cfg: Any, *, d_model: int = 0):
 
 
 def _check_model(cfg: Any) -> None:
+    """The model size is registered, and its family pretrains under ``train.task`` (the family specs say)."""
     model = getattr(cfg, "model", None)
-    if model is None or TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning: the checkpoint has the architecture
+    needs = families_for_task(cfg.train.task)
+    if model is None or not needs:  # fine-tuning: the checkpoint has the architecture
         return
-    if model.name not in MODEL_CATALOG:
+    try:
+        family = family_of_model(model.name).name
+    except UnknownModel:
         raise ConfigError(
-            f"model.name: unknown model `{model.name}`.{_did_you_mean(model.name, sorted(MODEL_CATALOG))} "
-            f"Choose one of: {', '.join(sorted(MODEL_CATALOG))}."
-        )
-    need, family = TASK_FAMILY[cfg.train.task], MODEL_CATALOG[model.name][0]
-    if need != family:
-        fits = ", ".join(n for n, (f, _) in sorted(MODEL_CATALOG.items()) if f == need)
+            f"model.name: unknown model `{model.name}`.{_did_you_mean(model.name, model_names())} "
+            f"Choose one of: {', '.join(model_names())}."
+        ) from None
+    if family not in {spec.name for spec in needs}:
+        fits = ", ".join(sorted(size for spec in needs for size in spec.sizes))
         raise ConfigError(
-            f"train.task={cfg.train.task} needs a {need} model but model.name={model.name} is a {family} model. "
-            f"Set model.name to one of: {fits}."
+            f"train.task={cfg.train.task} needs a {' or '.join(spec.name for spec in needs)} model but "
+            f"model.name={model.name} is a {family} model. Set model.name to one of: {fits}."
         )
 
 
@@ -178,7 +173,7 @@ def _check_corpus(path: str, cfg: Any, world_size: int) -> None:
 
 def _input_paths(cfg: Any) -> list[tuple[str, str]]:
     """(key, path) of every file or corpus the job reads; an empty one is a config error, dry run or not."""
-    if TASK_FAMILY.get(cfg.train.task) is None:  # fine-tuning
+    if not is_pretraining_task(cfg.train.task):  # fine-tuning
         found = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
         hint = "a file of labelled examples (see docs/finetune.md)"
     elif cfg.data.corpora:

@@ -62,7 +62,8 @@ def _rng(*parts: Any) -> np.random.Generator:
 
 
 class Task:
-    """Base objective. Subclasses set ``name``/``corpus_kind``/``family`` and override as needed.
+    """Base objective. Subclasses set ``name`` and override as needed; which model families pretrain
+    under a task, and the corpus kind they read, is their ``core.families.FamilySpec``'s to say.
 
     - ``collate(samples, epoch=, train=) -> dict`` (runs in DataLoader workers; samples come from
       ``data.decode_sample`` for streaming corpora or from your dataset for ``MapStyleSource``; a
@@ -76,8 +77,7 @@ class Task:
 
     name = ""
     unit = "tok"  # what ``tokens(batch)`` counts, as the progress line's throughput shows it ("img/s" for images)
-    corpus_kind: str | None = None
-    family: str | None = None
+    family: str | None = None  # fine-tuning: the backbone family its head fits
     input_names: tuple[str, ...] = ()
 
     def collate(self, samples: list[Any], *, epoch: int, train: bool) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def _pad(rows: list[np.ndarray], length: int, value: int) -> torch.Tensor:
 class MLMNSPTask(Task):
     """BERT: dynamic masking (15 % of non-special tokens; 80 % [MASK] / 10 % random / 10 % kept) + NSP."""
 
-    name, corpus_kind, family = "mlm_nsp", "bert_pairs", "bert"
+    name = "mlm_nsp"
     input_names = ("input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label")
 
     def __init__(self, manifest: Any, *, seed: int, probability: float = 0.15, whole_word: bool = False):
@@ -227,7 +227,7 @@ class MLMNSPTask(Task):
 class CausalLMTask(Task):
     """GPT: packed windows of seq_len+1 tokens -> inputs [:-1], next-token labels [1:]."""
 
-    name, corpus_kind, family = "causal_lm", "packed_lm", "gpt"
+    name = "causal_lm"
     input_names = ("input_ids", "labels")
 
     def __init__(self, manifest: Any):
@@ -258,7 +258,7 @@ class CausalLMTask(Task):
 class ImageClsTask(Task):
     """ViT: random-resized-crop + flip (train) / resize + center-crop (eval), optional mixup; top-1."""
 
-    name, corpus_kind, family = "image_cls", "images", "vit"
+    name = "image_cls"
     unit = "img"
     input_names = ("pixel_values", "labels")
     mean = std = 0.5  # transformers' ViTImageProcessor defaults

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from core import families
 from core.config import ConfigError, save_config, to_dict
+from core.corpus_kinds import corpus_kind
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
@@ -80,8 +82,10 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
         raise ConfigError(f"model.overrides: {exc}") from None
     if cfg.model.init_from:
         _init_from(model, cfg.model.init_from)
-    if task.family and getattr(model, "family", task.family) != task.family:
-        raise ConfigError(f"train.task={task.name} needs a {task.family} model; model.name={cfg.model.name} is a {model.family} model.")
+    family = families.family_of_model(cfg.model.name)
+    if task.name in families.pretraining_tasks() and task.name not in family.tasks:
+        need = " or ".join(spec.name for spec in families.families_for_task(task.name))
+        raise ConfigError(f"train.task={task.name} needs a {need} model; model.name={cfg.model.name} is a {family.name} model.")
     seq_len = getattr(task, "seq_len", 0)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if seq_len and max_pos is not None and max_pos < seq_len:
@@ -457,9 +461,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     env = dist.init_env()
     dist.validate(cfg, env)
-    kind = {"mlm_nsp": "bert_pairs", "causal_lm": "packed_lm", "image_cls": "images"}.get(cfg.train.task)
-    if kind is None:
-        raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports mlm_nsp, causal_lm, image_cls.")
+    if cfg.train.task not in families.pretraining_tasks():
+        raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports "
+                          f"{', '.join(families.pretraining_tasks())}.")
+    kind = families.family_of_model(cfg.model.name).corpus_kind  # what the model's family reads (its spec says)
     d = cfg.data
     specs = [(c.name, c.weight, c.path, c.url_prefix or d.url_prefix) for c in d.corpora] or [("", 1.0, d.corpus, d.url_prefix)]
     manifests = [data_mod.load_manifest(path, kind=kind, url_prefix=prefix) for _, _, path, prefix in specs]
@@ -492,7 +497,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "tokens": {k: v.get("tokens") for k, v in manifest.raw.get("splits", {}).items()},
             "tokenizer": manifest.raw.get("tokenizer", {})}
     trainer = Trainer(cfg, model=model, task=task, train_data=train_src, eval_data=eval_src, env=env,
-                      tokenizer_dir=manifest.tokenizer_dir if manifest.kind != "images" else None,
+                      tokenizer_dir=manifest.tokenizer_dir if corpus_kind(manifest.kind).tokenized else None,
                       model_build=build, data_info=info)
     return trainer.fit()
 

@@ -54,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
+from core.corpus_kinds import corpus_kind
 from pipelines.loading.blend import SlotCursor
 from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
@@ -338,7 +339,7 @@ class StreamingSource:
         self.on_bad_sample, self.train, self.pin_memory = on_bad_sample, train, pin_memory
         self.max_bad_share, self.verify_checksums = max_bad_share, verify_checksums
         self.start_method, self.limits = start_method, limits or SampleLimits()
-        self.group = 1 if self.manifest.kind == "images" else max(1, min(_MAX_GROUP, math.ceil(shuffle_buffer / micro_batch_size)))
+        self.group = 1 if not corpus_kind(self.manifest.kind).tokenized else max(1, min(_MAX_GROUP, math.ceil(shuffle_buffer / micro_batch_size)))
         if num_workers > 0:
             worker_context(start_method)  # the forkserver starts now, while the model is being built
         # one epoch of the corpus that runs out first (relative to its weight), in this rank's micro-batches

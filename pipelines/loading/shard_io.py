@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import subprocess
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from core.corpus import DataError, Manifest, ShardInfo, iter_tar_samples
+from core.corpus_kinds import corpus_kind
 from core.records import UnsafeMember, decode_record, index_array, parse_members, sample_problem, split_member_name
 
 __all__ = ["ShardReader", "read_samples", "decode_sample", "Decoded", "SampleLimits"]
@@ -65,13 +65,14 @@ class SampleLimits:
         """A model's limits for samples of corpus ``kind`` (a causal LM reads ``seq_len + 1`` tokens, one as the last label)."""
         config = getattr(model, "config", None)
         positions = int(getattr(config, "max_position_embeddings", 0) or 0)
-        return cls(positions + (1 if positions and kind == "packed_lm" else 0), int(getattr(config, "vocab_size", 0) or 0))
+        return cls(corpus_kind(kind).max_tokens(positions), int(getattr(config, "vocab_size", 0) or 0))
 
     def for_corpus(self, m: Manifest) -> SampleLimits:
         """These limits narrowed by corpus ``m``'s own (its ``seq_len``, its tokenizer's vocabulary)."""
-        if m.kind == "images":
+        kind = corpus_kind(m.kind)
+        if not kind.tokenized:
             return SampleLimits()
-        seq = m.seq_len + (1 if m.kind == "packed_lm" else 0) if m.seq_len else 0
+        seq = kind.max_tokens(m.seq_len)
         return SampleLimits(min((v for v in (self.max_tokens, seq) if v), default=0),
                             min((v for v in (self.vocab_size, m.vocab_size) if v), default=0))
 
@@ -131,7 +132,7 @@ class ShardReader:
     def __init__(self, m: Manifest, *, verify: bool = True, limits: SampleLimits | None = None):
         self.m, self.verify = m, verify
         self.limits = (limits or SampleLimits()).for_corpus(m)
-        self.token_records = m.version[0] >= 2 and m.kind != "images"
+        self.token_records = m.version[0] >= 2 and corpus_kind(m.kind).tokenized
         self.indexes: dict[str, Any] = {}
         self.v1_members: dict[str, list[tuple[str, list[tuple[str, int, int]]]]] = {}  # format 1: (ext, data offset, size) per record
         self.records: OrderedDict[tuple[str, int], list[tuple[str, Any]]] = OrderedDict()
@@ -394,31 +395,10 @@ def read_samples(m: Manifest, shards: list[ShardInfo], start: int, length: int,
 
 
 def decode_sample(kind: str, key: str, parts: Any, token_dtype: str = "uint16") -> dict[str, Any]:
-    """Raw WebDataset parts (or a ``Decoded`` record sample) -> python/numpy sample (no pickle).
-    Raises ValueError on bad data."""
+    """Raw WebDataset parts (or a ``Decoded`` record sample) -> python/numpy sample (no pickle), as corpus
+    ``kind``'s class (``core.corpus_kinds``) decodes and validates it. Raises ValueError on bad data."""
+    spec = corpus_kind(kind)
     if isinstance(parts, Decoded):
-        if kind == "bert_pairs" and parts["len_a"] + parts["len_b"] + 3 != len(parts["input_ids"]):
-            raise ValueError(f"len_a+len_b+3 != {len(parts['input_ids'])} tokens")
+        spec.validate(parts)
         return {**parts, "input_ids": parts["input_ids"].copy()}  # a view of a cached record: never mutate it
-    if kind in ("bert_pairs", "packed_lm"):
-        ext = {"uint16": "u16", "uint32": "u32"}[token_dtype]
-        raw = parts.get(f"input_ids.{ext}")
-        if raw is None or len(raw) % (2 if ext == "u16" else 4):
-            raise ValueError(f"missing or misaligned input_ids.{ext}")
-        ids = np.frombuffer(raw, dtype="<u2" if ext == "u16" else "<u4").astype(np.int64)
-        out: dict[str, Any] = {"key": key, "input_ids": ids}
-        if kind == "bert_pairs":
-            meta = json.loads(bytes(parts["meta.json"]).decode("utf-8"))
-            out["len_a"], out["len_b"] = int(meta["len_a"]), int(meta["len_b"])
-            out["next_sentence_label"] = int(meta["next_sentence_label"])
-            if out["len_a"] + out["len_b"] + 3 != len(ids):
-                raise ValueError(f"len_a+len_b+3={out['len_a'] + out['len_b'] + 3} != {len(ids)} tokens")
-        return out
-    from PIL import Image
-
-    ext = next((e for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
-    if ext is None or "cls" not in parts:
-        raise ValueError("image sample needs an image (jpg/png/webp) and a .cls label")
-    img = Image.open(io.BytesIO(parts[ext]))
-    img.load()
-    return {"key": key, "image": img.convert("RGB"), "label": int(bytes(parts["cls"]).decode("ascii").strip())}
+    return spec.decode_parts(key, parts, token_dtype)

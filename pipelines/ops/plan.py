@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
-from pipelines.engine.check import TASK_FAMILY, check
+from pipelines.engine.check import check, is_pretraining_task
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
     MODEL_SHAPES,
@@ -247,7 +247,7 @@ def _mfu(cfg: Any, family: str) -> tuple[K.Constant, str]:
 
 def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     """The plan of a pretraining ``RunConfig`` on ``opts.gpus`` GPUs (raises ConfigError on what cannot run)."""
-    if TASK_FAMILY.get(cfg.train.task) is None:
+    if not is_pretraining_task(cfg.train.task):
         raise ConfigError(f"{config_name or 'the config'}: train.task={cfg.train.task} is fine-tuning; `pretrain plan` "
                           f"plans pretraining runs (configs/train/). Pass a pretraining config.")
     check(cfg, world_size=opts.gpus)
