@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core.corpus_kinds import corpus_kind
 from core.records import token_records
 from data_prep.bert_pairs import create_pairs, split_sentences
 from data_prep.clean import Stats, band_keys, clean_text, doc_hash, minhash_signature
@@ -97,7 +98,8 @@ def tokenize_flat(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[np
     (int32) are ``sentence_lengths[sentence_bounds[i]:sentence_bounds[i + 1]]`` (empty otherwise).
     One `encode_batch_fast` call for the whole list.
     """
-    if kind == "bert_pairs":
+    sentence_wise = corpus_kind(kind).sentences
+    if sentence_wise:
         sentences = [split_sentences(t) for t in texts]
         pieces = [s for doc in sentences for s in doc]
         per_doc = np.fromiter((len(doc) for doc in sentences), dtype=np.int64, count=len(sentences))
@@ -108,7 +110,7 @@ def tokenize_flat(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[np
     flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(piece_len.sum()))
     piece_end = np.concatenate([[0], np.cumsum(piece_len)])
     doc_end = np.concatenate([[0], np.cumsum(per_doc)])
-    if kind != "bert_pairs":
+    if not sentence_wise:
         return flat, piece_end[doc_end], np.zeros(0, dtype="<i4"), np.zeros(len(texts) + 1, dtype=np.int64)
     return flat, piece_end[doc_end], piece_len.astype("<i4"), doc_end
 
@@ -117,7 +119,7 @@ def tokenize_docs(texts: list[str], tok, dtype: np.dtype, kind: str) -> tuple[li
     """Token bytes per document, and (BERT) the int32 token count of each of its sentences."""
     flat, bounds, lens, sent_bounds = tokenize_flat(texts, tok, dtype, kind)
     tokens = [flat[a:b].tobytes() for a, b in pairwise(bounds.tolist())]
-    if kind != "bert_pairs":
+    if not corpus_kind(kind).sentences:
         return tokens, [b""] * len(tokens)
     return tokens, [lens[a:b].tobytes() for a, b in pairwise(sent_bounds.tolist())]
 
@@ -129,8 +131,8 @@ def estimate_shard_bytes(docs: dict[str, str], ctx: JobContext, tok) -> float:
     tokens, sents = tokenize_docs([docs[h] for h in hashes], tok, dtype, ctx.kind)
     rows = [{"hash": h, "tokens": t, "sents": s} for h, t, s in zip(hashes, tokens, sents, strict=True)]
     counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
-    samples = _bert_samples(rows, ctx, "estimate", counts) if ctx.kind == "bert_pairs" else _packed_samples(rows, ctx, counts)
-    return float(sum(512 + -(-len(v) // 512) * 512 for _, members, _ in _records(samples, ctx, "estimate") for v in members.values()))
+    samples = _shard_samples(rows, ctx, "estimate", counts)
+    return float(sum(512 + -(-len(v) // 512) * 512 for _, members, _ in samples for v in members.values()))
 
 
 _HEX_VALUE = np.zeros(256, dtype=np.uint64)
@@ -317,7 +319,7 @@ def _bert_samples(rows: list[dict[str, Any]], ctx: JobContext, name: str, counts
                 yield pair
 
 
-def _packed_samples(rows: list[dict[str, Any]], ctx: JobContext, counts: dict[str, int]):
+def _packed_samples(rows: list[dict[str, Any]], ctx: JobContext, name: str, counts: dict[str, int]):
     """The shard's packed windows (arrays of seq_len + 1 tokens)."""
     dtype = np.dtype(ctx.token_dtype).newbyteorder("<")
     docs = [np.frombuffer(r["tokens"], dtype=dtype) for r in rows]
@@ -335,9 +337,23 @@ def _records(samples, ctx: JobContext, name: str):
     return token_records(ctx.kind, samples, name, seq_len=ctx.seq_len, token_dtype=dtype)
 
 
-def _image_samples(rows: list[dict[str, Any]], counts: dict[str, int]):
+def _image_samples(rows: list[dict[str, Any]], ctx: JobContext, name: str, counts: dict[str, int]):
+    """One record per image: its encoded bytes and its class (``core.corpus_kinds.Images``)."""
     for r in rows:
         yield f"{r['hash'][:16]}-000000", {r["ext"]: r["data"], "cls": str(r["label"]).encode()}
+
+
+#: corpus kind -> the builder of a shard's samples from its rows (the kind's class in ``core.corpus_kinds``
+#: says how they are stored: token kinds in format-2 records, images one record each).
+SAMPLE_BUILDERS = {"bert_pairs": _bert_samples, "packed_lm": _packed_samples, "images": _image_samples}
+
+
+def _shard_samples(rows: list[dict[str, Any]], ctx: JobContext, name: str, counts: dict[str, int]):
+    """The ``(key, members, samples)`` records of one shard, built and grouped as ``ctx.kind`` says."""
+    if ctx.kind not in SAMPLE_BUILDERS:
+        raise ValueError(f"data_prep has no sample builder for corpus kind {ctx.kind!r} (known: {', '.join(SAMPLE_BUILDERS)}).")
+    samples = SAMPLE_BUILDERS[ctx.kind](rows, ctx, name, counts)
+    return _records(samples, ctx, name) if corpus_kind(ctx.kind).tokenized else samples
 
 
 def reduce_group(ctx: JobContext, names: list[str], *parts: pa.Table) -> list[dict[str, Any]]:
@@ -387,12 +403,7 @@ def build_shard(name: str, group: pa.Table, ctx: JobContext, committer: Executor
     if record is not None:
         return committer.submit(lambda: record)
     counts: dict[str, int] = {"tokens": 0, "nsp_random": 0}
-    if ctx.kind == "bert_pairs":
-        samples = _records(_bert_samples(rows, ctx, name, counts), ctx, name)
-    elif ctx.kind == "packed_lm":
-        samples = _records(_packed_samples(rows, ctx, counts), ctx, name)
-    else:
-        samples = _image_samples(rows, counts)
+    samples = _shard_samples(rows, ctx, name, counts)
     path = Path(out_dir) / f"{name}.tar"
     tmp, info = write_shard_tmp(path, samples)
     for key in ("nsp_random", "stream_tokens", "stream_tokens_kept"):

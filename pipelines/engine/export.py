@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from core.families import family_of_model
 from core.files import MARKER, atomic_write_text, check_output_dir, copy_file, replace_dir
 from pipelines.engine.release_card import model_card
 
@@ -99,6 +100,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     build = state.get("model_build") or {}
     if not build.get("name"):
         raise ConfigError(f"{ckpt}/trainer_state.json has no model_build entry; it was not written by pipelines.engine.trainer.")
+    family = family_of_model(build["name"])
+    if not family.exports:
+        raise ConfigError(f"{ckpt}: model {build['name']} is of family `{family.name}`, whose spec declares no Hugging Face "
+                          f"mapping (FamilySpec.hf_model_type is None), so it has no transformers release to export. "
+                          f"Its checkpoint stays usable: resume from it or start a run from it with model.init_from. "
+                          f"Nothing was written.")
     model = models.create(build["name"], **build.get("overrides", {}))
     sd = consolidated_state_dict(ckpt)
     missing, unexpected = model.load_state_dict(sd, strict=False)

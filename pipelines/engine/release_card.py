@@ -1,19 +1,21 @@
-"""The model card (``README.md``) of a pretraining release, per model family.
+"""The model card (``README.md``) of a pretraining release.
 
-Each family says what its data was (text: sequence length, tokens and tokenizer; images: image size
-and classes), what "seen" counts (tokens or images) and how to load the release in ``transformers``
-with the class and preprocessing that fit it: a snippet that runs as written from where
-``pretrain export`` was run.
+The corpus kind says what the data was (text: sequence length, tokens and tokenizer; images: image
+size and classes) and what "seen" counts (tokens or images); the family's spec
+(``FamilySpec.card_usage``) says how to load the release in ``transformers`` with the class and
+preprocessing that fit it: a snippet that runs as written from where ``pretrain export`` was run.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["model_card", "CARD_USES"]
+from core.corpus_kinds import corpus_kind
+from core.families import get_family
+
+__all__ = ["model_card"]
 
 _TOKENIZER_FIELDS = ("type", "vocab_size", "sha256")
 
@@ -39,64 +41,12 @@ def _image_data(info: dict[str, Any], model_config: Any) -> list[str]:
     ]
 
 
-def _bert_use(path: str) -> str:
-    return f"""```python
-from transformers import pipeline
-
-fill = pipeline("fill-mask", model="{path}")
-print(fill("the [MASK] statement"))
-```
-
-This is a `BertForPreTraining` checkpoint: the encoder, the MLM head, and the pooler + next-sentence
-head that `AutoModelForSequenceClassification` starts its classifier from (as Google's BERT
-checkpoints are). `AutoModelForMaskedLM` and `pipeline("fill-mask")` load it as `BertForMaskedLM`,
-which has no pooler or NSP head, so transformers lists those 4 tensors (`bert.pooler.dense.*`,
-`cls.seq_relationship.*`) as UNEXPECTED: expected, nothing the MLM needs is missing. Load it as
-`BertForPreTraining` for both heads, or fine-tune it with `pretrain finetune` or
-`AutoModelForSequenceClassification` / `AutoModelForQuestionAnswering`.
-"""
-
-
-def _gpt_use(path: str) -> str:
-    return f"""```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-tokenizer = AutoTokenizer.from_pretrained("{path}")
-model = AutoModelForCausalLM.from_pretrained("{path}")
-inputs = tokenizer("the", return_tensors="pt")
-print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
-```
-"""
-
-
-def _vit_use(path: str) -> str:
-    return f"""```python
-from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageClassification
-
-processor = AutoImageProcessor.from_pretrained("{path}")
-model = AutoModelForImageClassification.from_pretrained("{path}")
-inputs = processor(Image.open("image.png"), return_tensors="pt")
-print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])
-```
-
-`pipeline("image-classification", model="{path}")` does the same; the processor resizes and crops
-exactly as the run's evaluation did, so it scores what the run reported.
-"""
-
-
-#: family -> (data lines, what "seen" counts, usage section)
-CARD_USES: dict[str, tuple[Callable[[dict[str, Any], Any], list[str]], str, Callable[[str], str]]] = {
-    "bert": (_text_data, "tokens", _bert_use),
-    "gpt": (_text_data, "tokens", _gpt_use),
-    "vit": (_image_data, "images", _vit_use),
-}
-
-
 def model_card(state: dict[str, Any], ckpt: Path, hf: Any, family: str, release_path: str) -> str:
     """The release's ``README.md``: data, training, final evaluation and how to load it (``release_path``)."""
-    data_lines, seen, use = CARD_USES[family]
+    spec = get_family(family)
     info = state.get("data_info", {})
+    kind = corpus_kind(info.get("kind") or spec.corpus_kind)
+    data_lines, seen = (_text_data if kind.tokenized else _image_data), kind.seen
     ev = state.get("eval") or {}
     metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(ev.items()) if isinstance(v, (int, float))) or "| (none) | |"
     build = state.get("model_build", {})
@@ -126,4 +76,4 @@ Pretrained with the `pretrain` pipeline (objective `{state.get("task")}`), expor
 {metrics}
 
 ## Use
-{use(release_path)}"""
+{spec.card_usage(release_path) if spec.card_usage else ""}"""
