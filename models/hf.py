@@ -14,7 +14,9 @@ ours                            transformers
 ``ViT``                         ``ViTForImageClassification`` (also reads ``ViTModel``)
 ==============================  =============================================================
 
-Each pair is a key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
+Each family's mapping is one ``HFFamily`` registered with ``register_hf`` (its spec's
+``hf_model_type`` names the transformers side; a family without one does not export). Each pair is a
+key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
 transformers 4.x and 5.x ViT names both understood). Checkpoints are read with ``safetensors`` or
 ``models.safe_load`` (``weights_only=True``, errors naming the file), never run remote code, and
 every file read must lie inside the checkpoint directory (no symlink out, no ``..`` shard name).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,16 +36,17 @@ import torch
 import transformers
 from torch import nn
 
+from core.families import get_family
 from core.files import inside, tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
-from .hf_keys import Spec, spec_for, vit_rename
+from .hf_keys import Spec, bert_keys, gpt_keys, vit_keys, vit_rename
 from .safe_load import safe_torch_load
 from .vit import ViT, ViTConfig
 
-__all__ = ["to_hf", "from_hf", "LoadReport", "load_hf_state_dict", "set_special_ids", "SPECIAL_ID_NAMES"]
+__all__ = ["to_hf", "from_hf", "LoadReport", "HFFamily", "register_hf", "hf_config", "spec_for", "load_hf_state_dict", "set_special_ids", "SPECIAL_ID_NAMES"]
 
 #: The special-token ids a release's config (and generation config) carries, as the tokenizer defines them.
 SPECIAL_ID_NAMES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "mask_token_id",
@@ -78,9 +82,60 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HFFamily:
+    """How one model family maps onto ``transformers`` (the torch half behind its spec's ``hf_model_type``).
+
+    ``norm_placement``: the LayerNorm placement of the transformers classes (only that variant converts);
+    ``config``/``hf_class``/``keys``: our module -> its transformers config, class and key table;
+    ``our_config``: a transformers config (+ the shared activation/init fields) -> our config dataclass;
+    ``normalize_key``: a checkpoint key in any of the family's styles -> our tables' style;
+    ``build``: ``(cfg, hf_cfg, arch, sd, head, num_labels, id2label) -> (module, sd)``, the module to load into.
+    """
+
+    norm_placement: str
+    config: Callable[[nn.Module], transformers.PretrainedConfig]
+    hf_class: Callable[[nn.Module], type]
+    keys: Callable[[nn.Module], Spec]
+    our_config: Callable[[transformers.PretrainedConfig, dict[str, Any]], Any]
+    normalize_key: Callable[[str], str]
+    build: Callable[..., tuple[nn.Module, dict[str, torch.Tensor]]]
+    new_hf: Callable[[nn.Module], transformers.PreTrainedModel] | None = None  # default: hf_class(model)(config(model))
+
+
+_HF_FAMILIES: dict[str, HFFamily] = {}  # family name -> adapter
+
+
+def register_hf(family: str, adapter: HFFamily) -> None:
+    """Give family ``family`` (whose spec names its ``hf_model_type``) its transformers mapping."""
+    if not get_family(family).exports:
+        raise ValueError(f"Model family {family!r} declares no hf_model_type in its FamilySpec; it does not export.")
+    _HF_FAMILIES[family] = adapter
+
+
+def _adapter(model: nn.Module) -> HFFamily:
+    family = getattr(model, "family", None)
+    if family not in _HF_FAMILIES:
+        raise TypeError(f"No Hugging Face equivalent known for {type(model).__name__} (family {family!r} has no "
+                        f"transformers mapping: its FamilySpec.hf_model_type is None or models.hf.register_hf was not called).")
+    return _HF_FAMILIES[family]
+
+
+def _adapter_of_type(model_type: str) -> HFFamily:
+    by_type = {get_family(f).hf_model_type: a for f, a in sorted(_HF_FAMILIES.items())}
+    if model_type not in by_type:
+        raise ValueError(f"Unsupported model_type {model_type!r}; supported: {', '.join(by_type)}.")
+    return by_type[model_type]
+
+
+def spec_for(model: nn.Module) -> Spec:
+    """The key table between ``model`` and its transformers class (its family's adapter builds it)."""
+    return _adapter(model).keys(model)
+
+
 def _check_convertible(model: nn.Module) -> None:
     cfg = model.config
-    expected = "pre" if isinstance(model, (GPT, ViT)) else "post"
+    expected = _adapter(model).norm_placement
     if cfg.init == "t-fixup" or cfg.norm_placement != expected:
         raise ValueError(
             f"{type(model).__name__} with init={cfg.init!r}, norm_placement={cfg.norm_placement!r} has no transformers "
@@ -90,58 +145,11 @@ def _check_convertible(model: nn.Module) -> None:
 
 def hf_config(model: nn.Module) -> transformers.PretrainedConfig:
     """The ``transformers`` config describing ``model``'s architecture."""
-    cfg = model.config
-    if isinstance(cfg, BertConfig):
-        kwargs: dict[str, Any] = {}
-        if isinstance(model, SequenceClassifier):
-            labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-            kwargs = dict(
-                id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p
-            )
-            if model.problem_type:
-                kwargs["problem_type"] = model.problem_type
-        return transformers.BertConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-            hidden_act=_HF_ACT[cfg.activation], hidden_dropout_prob=cfg.hidden_dropout,
-            attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_position_embeddings,
-            type_vocab_size=cfg.type_vocab_size, initializer_range=cfg.initializer_range,
-            layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id, **kwargs,
-        )  # fmt: skip
-    if isinstance(cfg, GPTConfig):
-        return transformers.GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
-            activation_function=_HF_ACT[cfg.activation], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
-            attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
-            initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
-            bos_token_id=None, eos_token_id=None,  # the tokenizer's ids: set_special_ids
-        )  # fmt: skip
-    if isinstance(cfg, ViTConfig):
-        labels = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
-        return transformers.ViTConfig(
-            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-            intermediate_size=cfg.intermediate_size, hidden_act=_HF_ACT[cfg.activation],
-            hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
-            initializer_range=cfg.initializer_range, layer_norm_eps=cfg.layer_norm_eps, image_size=cfg.image_size,
-            patch_size=cfg.patch_size, num_channels=cfg.num_channels, qkv_bias=cfg.qkv_bias,
-            id2label=labels, label2id={v: k for k, v in labels.items()},
-        )  # fmt: skip
-    raise TypeError(f"No Hugging Face config known for {type(cfg).__name__}.")
+    return _adapter(model).config(model)
 
 
 def _hf_class(model: nn.Module) -> type:
-    if isinstance(model, BertForPreTraining):
-        return transformers.BertForPreTraining
-    if isinstance(model, BertEncoder):
-        return transformers.BertModel
-    if isinstance(model, SequenceClassifier):
-        return transformers.BertForSequenceClassification
-    if isinstance(model, QuestionAnswering):
-        return transformers.BertForQuestionAnswering
-    if isinstance(model, GPT):
-        return transformers.GPT2LMHeadModel
-    return transformers.ViTForImageClassification
+    return _adapter(model).hf_class(model)
 
 
 @torch.no_grad()
@@ -153,10 +161,8 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     """
     spec = spec_for(model)
     _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, QuestionAnswering)) else model)
-    if isinstance(model, BertEncoder) and model.pooler is None:
-        hf = transformers.BertModel(hf_config(model), add_pooling_layer=False)
-    else:
-        hf = _hf_class(model)(hf_config(model))
+    adapter = _adapter(model)
+    hf = adapter.new_hf(model) if adapter.new_hf else adapter.hf_class(model)(adapter.config(model))
     ours = {**dict(model.named_buffers()), **model.state_dict()}
     sd: dict[str, torch.Tensor] = {}
     for our_key, hf_keys, kind in spec:
@@ -224,57 +230,23 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin.")
 
 
+def _our_config(hf_cfg: transformers.PretrainedConfig) -> Any:
+    adapter = _adapter_of_type(hf_cfg.model_type)
+    act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "activation_function", None)
+    if act not in _FROM_HF_ACT:
+        raise ValueError(f"Activation {act!r} is not supported (need one of {sorted(_FROM_HF_ACT)}).")
+    return adapter.our_config(hf_cfg, dict(activation=_FROM_HF_ACT[act], initializer_range=hf_cfg.initializer_range))
+
+
 def _normalize_keys(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """Map any checkpoint's key style onto our tables' (prefixed, 4.x names, LayerNorm weight/bias)."""
+    normalize = _adapter_of_type(model_type).normalize_key
     out = {}
     for k, v in sd.items():
         k = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", k)  # TF-converted BERT releases
         k = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)
-        if model_type == "bert" and not k.startswith(("bert.", "cls.", "classifier.", "qa_outputs.")):
-            k = f"bert.{k}"  # BertModel checkpoints have no prefix
-        elif model_type == "gpt2" and not k.startswith(("transformer.", "lm_head.", "score.")):
-            k = f"transformer.{k}"
-        elif model_type == "vit":
-            k = vit_rename(k, to_new=False)
-            if not k.startswith(("vit.", "classifier.")):
-                k = f"vit.{k}"
-        out[k] = v
+        out[normalize(k)] = v
     return out
-
-
-def _our_config(hf_cfg: transformers.PretrainedConfig) -> BertConfig | GPTConfig | ViTConfig:
-    act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "activation_function", None)
-    if act not in _FROM_HF_ACT:
-        raise ValueError(f"Activation {act!r} is not supported (need one of {sorted(_FROM_HF_ACT)}).")
-    common = dict(activation=_FROM_HF_ACT[act], initializer_range=hf_cfg.initializer_range)
-    if hf_cfg.model_type == "bert":
-        if getattr(hf_cfg, "position_embedding_type", "absolute") != "absolute" or getattr(hf_cfg, "is_decoder", False):
-            raise ValueError("Only absolute-position, encoder (is_decoder=False) BERT checkpoints are supported.")
-        return BertConfig(
-            vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers,
-            num_heads=hf_cfg.num_attention_heads, intermediate_size=hf_cfg.intermediate_size,
-            hidden_dropout=hf_cfg.hidden_dropout_prob, attention_dropout=hf_cfg.attention_probs_dropout_prob,
-            max_position_embeddings=hf_cfg.max_position_embeddings, type_vocab_size=hf_cfg.type_vocab_size,
-            layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id or 0, **common,
-        )  # fmt: skip
-    if hf_cfg.model_type == "gpt2":
-        if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_cfg, "scale_attn_weights", True):
-            raise ValueError("GPT-2 checkpoints with non-standard attention scaling are not supported.")
-        return GPTConfig(
-            vocab_size=hf_cfg.vocab_size, max_position_embeddings=hf_cfg.n_positions, hidden_size=hf_cfg.n_embd,
-            num_layers=hf_cfg.n_layer, num_heads=hf_cfg.n_head, intermediate_size=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
-            hidden_dropout=hf_cfg.resid_pdrop, attention_dropout=hf_cfg.attn_pdrop, layer_norm_eps=hf_cfg.layer_norm_epsilon,
-            tie_word_embeddings=getattr(hf_cfg, "tie_word_embeddings", True), **common,
-        )  # fmt: skip
-    if hf_cfg.model_type == "vit":
-        return ViTConfig(
-            hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers, num_heads=hf_cfg.num_attention_heads,
-            intermediate_size=hf_cfg.intermediate_size, hidden_dropout=hf_cfg.hidden_dropout_prob,
-            attention_dropout=hf_cfg.attention_probs_dropout_prob, layer_norm_eps=hf_cfg.layer_norm_eps,
-            image_size=hf_cfg.image_size, patch_size=hf_cfg.patch_size, num_channels=hf_cfg.num_channels,
-            qkv_bias=hf_cfg.qkv_bias, num_labels=hf_cfg.num_labels, id2label=_id2label(hf_cfg), **common,
-        )  # fmt: skip
-    raise ValueError(f"Unsupported model_type {hf_cfg.model_type!r}; supported: bert, gpt2, vit.")
 
 
 def _id2label(hf_cfg) -> dict[int, str] | None:
@@ -317,33 +289,10 @@ def from_hf(
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
         sd, source = load_hf_state_dict(path), str(path)
         arch = (hf_cfg.architectures or [""])[0]
-    cfg = _our_config(hf_cfg)
+    cfg = _our_config(hf_cfg)  # an unsupported model_type is refused here, naming the supported ones
     sd = _normalize_keys(sd, hf_cfg.model_type)
 
-    if isinstance(cfg, BertConfig):
-        head = head or _HEADS.get(arch, "pretraining")
-        if head == "pretraining":
-            model = BertForPreTraining(cfg)
-        elif head == "encoder":
-            model = BertEncoder(cfg, add_pooling_layer="bert.pooler.dense.weight" in sd)
-        elif head == "classification":
-            labels = id2label or (_id2label(hf_cfg) if arch == "BertForSequenceClassification" else None)
-            n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
-            dropout = getattr(hf_cfg, "classifier_dropout", None)
-            model = SequenceClassifier(BertEncoder(cfg), n, dropout=dropout, id2label=labels,
-                                       problem_type=getattr(hf_cfg, "problem_type", None))  # fmt: skip
-        elif head == "qa":
-            model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
-        else:
-            raise ValueError(f"head must be pretraining, encoder, classification or qa, got {head!r}.")
-        if head == "encoder":
-            sd = {k.removeprefix("bert."): v for k, v in sd.items()}
-    elif isinstance(cfg, GPTConfig):
-        model = GPT(cfg)
-    else:
-        if num_labels is not None and num_labels != cfg.num_labels:
-            cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels, "id2label": id2label})
-        model = ViT(cfg)
+    model, sd = _adapter_of_type(hf_cfg.model_type).build(cfg, hf_cfg, arch, sd, head, num_labels, id2label)
 
     loaded, consumed = _load(model, spec_for(model), sd)
     report = LoadReport(source=source, architecture=arch or hf_cfg.model_type)
@@ -390,3 +339,146 @@ def _load(model: nn.Module, spec: Spec, sd: dict[str, torch.Tensor]) -> tuple[se
     if "cls.predictions.decoder.weight" in sd:
         consumed.add("cls.predictions.decoder.weight")
     return loaded, consumed
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in families' mappings (a new family registers its own with ``register_hf``)
+# --------------------------------------------------------------------------------------------
+
+
+def _bert_config(model: nn.Module) -> transformers.PretrainedConfig:
+    cfg = model.config
+    kwargs: dict[str, Any] = {}
+    if isinstance(model, SequenceClassifier):
+        labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+        kwargs = dict(id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p)
+        if model.problem_type:
+            kwargs["problem_type"] = model.problem_type
+    return transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+        hidden_act=_HF_ACT[cfg.activation], hidden_dropout_prob=cfg.hidden_dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_position_embeddings,
+        type_vocab_size=cfg.type_vocab_size, initializer_range=cfg.initializer_range,
+        layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id, **kwargs,
+    )  # fmt: skip
+
+
+_BERT_CLASSES = ((BertForPreTraining, "BertForPreTraining"), (BertEncoder, "BertModel"),
+                 (SequenceClassifier, "BertForSequenceClassification"), (QuestionAnswering, "BertForQuestionAnswering"))
+
+
+def _bert_class(model: nn.Module) -> type:
+    return getattr(transformers, next(name for cls, name in _BERT_CLASSES if isinstance(model, cls)))
+
+
+def _bert_new(model: nn.Module) -> transformers.PreTrainedModel:
+    if isinstance(model, BertEncoder) and model.pooler is None:
+        return transformers.BertModel(_bert_config(model), add_pooling_layer=False)
+    return _bert_class(model)(_bert_config(model))
+
+
+def _bert_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, Any]) -> BertConfig:
+    if getattr(hf_cfg, "position_embedding_type", "absolute") != "absolute" or getattr(hf_cfg, "is_decoder", False):
+        raise ValueError("Only absolute-position, encoder (is_decoder=False) BERT checkpoints are supported.")
+    return BertConfig(
+        vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers,
+        num_heads=hf_cfg.num_attention_heads, intermediate_size=hf_cfg.intermediate_size,
+        hidden_dropout=hf_cfg.hidden_dropout_prob, attention_dropout=hf_cfg.attention_probs_dropout_prob,
+        max_position_embeddings=hf_cfg.max_position_embeddings, type_vocab_size=hf_cfg.type_vocab_size,
+        layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id or 0, **common,
+    )  # fmt: skip
+
+
+def _bert_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
+    head = head or _HEADS.get(arch, "pretraining")
+    if head == "pretraining":
+        model = BertForPreTraining(cfg)
+    elif head == "encoder":
+        model = BertEncoder(cfg, add_pooling_layer="bert.pooler.dense.weight" in sd)
+        sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+    elif head == "classification":
+        labels = id2label or (_id2label(hf_cfg) if arch == "BertForSequenceClassification" else None)
+        n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
+        dropout = getattr(hf_cfg, "classifier_dropout", None)
+        model = SequenceClassifier(BertEncoder(cfg), n, dropout=dropout, id2label=labels,
+                                   problem_type=getattr(hf_cfg, "problem_type", None))  # fmt: skip
+    elif head == "qa":
+        model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
+    else:
+        raise ValueError(f"head must be pretraining, encoder, classification or qa, got {head!r}.")
+    return model, sd
+
+
+def _prefixed(prefix: str, keep: tuple[str, ...]) -> Callable[[str], str]:
+    """Bare-model checkpoints (``BertModel``, ``GPT2Model``) have no prefix; our tables use the head model's."""
+    return lambda k: k if k.startswith(keep) else f"{prefix}{k}"
+
+
+def _gpt_config(model: nn.Module) -> transformers.PretrainedConfig:
+    cfg = model.config
+    return transformers.GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
+        activation_function=_HF_ACT[cfg.activation], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
+        initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=None, eos_token_id=None,  # the tokenizer's ids: set_special_ids
+    )  # fmt: skip
+
+
+def _gpt_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, Any]) -> GPTConfig:
+    if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_cfg, "scale_attn_weights", True):
+        raise ValueError("GPT-2 checkpoints with non-standard attention scaling are not supported.")
+    return GPTConfig(
+        vocab_size=hf_cfg.vocab_size, max_position_embeddings=hf_cfg.n_positions, hidden_size=hf_cfg.n_embd,
+        num_layers=hf_cfg.n_layer, num_heads=hf_cfg.n_head, intermediate_size=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
+        hidden_dropout=hf_cfg.resid_pdrop, attention_dropout=hf_cfg.attn_pdrop, layer_norm_eps=hf_cfg.layer_norm_epsilon,
+        tie_word_embeddings=getattr(hf_cfg, "tie_word_embeddings", True), **common,
+    )  # fmt: skip
+
+
+def _vit_config(model: nn.Module) -> transformers.PretrainedConfig:
+    cfg = model.config
+    labels = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
+    return transformers.ViTConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size, hidden_act=_HF_ACT[cfg.activation],
+        hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
+        initializer_range=cfg.initializer_range, layer_norm_eps=cfg.layer_norm_eps, image_size=cfg.image_size,
+        patch_size=cfg.patch_size, num_channels=cfg.num_channels, qkv_bias=cfg.qkv_bias,
+        id2label=labels, label2id={v: k for k, v in labels.items()},
+    )  # fmt: skip
+
+
+def _vit_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, Any]) -> ViTConfig:
+    return ViTConfig(
+        hidden_size=hf_cfg.hidden_size, num_layers=hf_cfg.num_hidden_layers, num_heads=hf_cfg.num_attention_heads,
+        intermediate_size=hf_cfg.intermediate_size, hidden_dropout=hf_cfg.hidden_dropout_prob,
+        attention_dropout=hf_cfg.attention_probs_dropout_prob, layer_norm_eps=hf_cfg.layer_norm_eps,
+        image_size=hf_cfg.image_size, patch_size=hf_cfg.patch_size, num_channels=hf_cfg.num_channels,
+        qkv_bias=hf_cfg.qkv_bias, num_labels=hf_cfg.num_labels, id2label=_id2label(hf_cfg), **common,
+    )  # fmt: skip
+
+
+def _vit_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
+    if num_labels is not None and num_labels != cfg.num_labels:
+        cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels, "id2label": id2label})
+    return ViT(cfg), sd
+
+
+def _vit_key(k: str) -> str:
+    return _prefixed("vit.", ("vit.", "classifier."))(vit_rename(k, to_new=False))
+
+
+register_hf("bert", HFFamily(
+    norm_placement="post", config=_bert_config, hf_class=_bert_class, keys=bert_keys, our_config=_bert_our_config,
+    normalize_key=_prefixed("bert.", ("bert.", "cls.", "classifier.", "qa_outputs.")), build=_bert_build,
+    new_hf=_bert_new))
+register_hf("gpt", HFFamily(
+    norm_placement="pre", config=_gpt_config, hf_class=lambda model: transformers.GPT2LMHeadModel, keys=gpt_keys,
+    our_config=_gpt_our_config, normalize_key=_prefixed("transformer.", ("transformer.", "lm_head.", "score.")),
+    build=lambda cfg, hf_cfg, arch, sd, *_: (GPT(cfg), sd)))
+register_hf("vit", HFFamily(
+    norm_placement="pre", config=_vit_config, hf_class=lambda model: transformers.ViTForImageClassification,
+    keys=vit_keys, our_config=_vit_our_config, normalize_key=_vit_key, build=_vit_build))

@@ -1,6 +1,7 @@
 """Key tables between our state dicts and transformers' (used by ``models.hf``).
 
-Each entry is (our key, HF keys, kind): ``copy``; ``qkv`` (our fused ``[3d, d]`` = the
+One table builder per family (``bert_keys``, ``gpt_keys``, ``vit_keys``: what ``models.hf``'s
+family adapters use). Each entry is (our key, HF keys, kind): ``copy``; ``qkv`` (our fused ``[3d, d]`` = the
 row-concatenation of HF's query/key/value); ``t`` (GPT-2's ``Conv1D`` stores ``W^T``). Tables use
 the on-disk (transformers 4.x) names; transformers >= 5 renames ViT modules in memory, which
 ``vit_rename`` maps both ways.
@@ -13,11 +14,11 @@ import re
 from torch import nn
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
-from .gpt import GPT, GPTConfig
+from .gpt import GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
-from .vit import ViT, ViTConfig
+from .vit import ViTConfig
 
-__all__ = ["Spec", "spec_for", "vit_rename"]
+__all__ = ["Spec", "bert_keys", "gpt_keys", "vit_keys", "vit_rename"]
 
 Spec = list[tuple[str, tuple[str, ...], str]]
 
@@ -119,7 +120,8 @@ def _vit_spec(cfg: ViTConfig) -> Spec:
     return [*spec, *_linear("norm", "vit.layernorm"), *_linear("head", "classifier")]
 
 
-def spec_for(model: nn.Module) -> Spec:
+def bert_keys(model: nn.Module) -> Spec:
+    """The table of a BERT-family module: pretraining model, bare encoder, or a task head on the encoder."""
     if isinstance(model, BertForPreTraining):
         return _bert_pretraining_spec(model.config)
     if isinstance(model, BertEncoder):
@@ -130,11 +132,15 @@ def spec_for(model: nn.Module) -> Spec:
             *_bert_encoder_spec(model.config, "backbone.", "bert.", pooler=model.backbone.pooler is not None),
             *_linear(head, head),
         ]
-    if isinstance(model, GPT):
-        return _gpt_spec(model.config)
-    if isinstance(model, ViT):
-        return _vit_spec(model.config)
     raise TypeError(f"No Hugging Face equivalent known for {type(model).__name__}.")
+
+
+def gpt_keys(model: nn.Module) -> Spec:
+    return _gpt_spec(model.config)
+
+
+def vit_keys(model: nn.Module) -> Spec:
+    return _vit_spec(model.config)
 
 
 # ViT module names in transformers >= 5 (in memory) vs the 4.x / on-disk names our table uses.
