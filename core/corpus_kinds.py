@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "corpus_kind", "corpus_kind_names",
-           "kind_of_record"]
+__all__ = ["CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
+           "registered_corpus_kind", "corpus_kind", "corpus_kind_names", "kind_of_record"]
 
 
 def _len_dtype(seq_len: int) -> str:
@@ -174,6 +176,20 @@ def register_corpus_kind(kind: CorpusKind) -> CorpusKind:
         raise ValueError(f"Corpus kind {kind.name!r} is empty or already registered.")
     _KINDS[kind.name] = kind
     return kind
+
+
+def unregister_corpus_kind(name: str) -> None:
+    _KINDS.pop(name)
+
+
+@contextmanager
+def registered_corpus_kind(kind: CorpusKind) -> Iterator[CorpusKind]:
+    """``kind`` registered for the ``with`` block only (a test's toy kind)."""
+    register_corpus_kind(kind)
+    try:
+        yield kind
+    finally:
+        unregister_corpus_kind(kind.name)
 
 
 def corpus_kind(name: str) -> CorpusKind:

@@ -6,7 +6,7 @@ with a family: the torch-free pre-launch ``check``, a real 2-step training (``tr
 engine, one in-process CPU rank, on the tiny GPT corpus of ``tests/pipelines/corpus_fixtures.py``)
 and ``pretrain export``, which its spec declares it does not support (no ``hf_model_type``): the
 export refuses with one clear error and writes nothing. After the fixture nothing of it is left in
-either registry.
+either registry. A toy corpus kind does the same for ``core.records`` and the loader's decoding.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import models
 from core.config import ConfigError
+from core.corpus_kinds import CorpusKind, registered_corpus_kind
 from core.families import FamilySpec, families_for_task, family_of_model, list_families
+from core.records import npy_bytes
 from pipelines.engine.check import check
 from pipelines.engine.config import load_run_config
 
@@ -139,3 +142,45 @@ def test_nothing_of_a_family_outlives_its_registration(tmp_path):
     with pytest.raises(TypeError, match="must set config_class"):  # a half-made registration leaves nothing behind
         models.register_family(dataclasses.replace(SPEC, name="other"), MLPLM)
     assert "other" not in list_families()
+
+
+# ---- a corpus kind: one class, one registration; records and the loader's decoding need no edit -------------------
+
+
+class RaggedLM(CorpusKind):
+    """Documents of any length, one after the other, with a ``lengths`` array (no packing, no pairs)."""
+
+    name = "ragged_lm"
+    record_arrays = frozenset({"input_ids", "lengths"})
+
+    def sample_tokens(self, sample):
+        return len(sample)
+
+    def encode(self, batch, *, seq_len, token_dtype):
+        return {"input_ids": np.concatenate(batch).astype(token_dtype), "lengths": np.array([len(b) for b in batch], "<u4")}
+
+    def bounds(self, arrays):
+        lengths = arrays["lengths"].astype(np.int64)
+        if int(lengths.sum()) != len(arrays["input_ids"]):
+            raise ValueError(f"lengths sum to {int(lengths.sum())}, the record holds {len(arrays['input_ids'])} tokens")
+        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+
+
+def test_a_registered_corpus_kind_round_trips_through_records_and_the_loader_decoder():
+    from core.records import decode_record, expand_record, token_records
+    from pipelines.loading.shard_io import Decoded, decode_sample
+
+    docs = [np.arange(n, dtype=np.int64) + 5 for n in (3, 7, 1, 4)]
+    with registered_corpus_kind(RaggedLM()):
+        (key, members, n), *rest = list(token_records("ragged_lm", docs, "train-000000", seq_len=8, token_dtype="<u2"))
+        assert not rest and n == 4 and set(members) == {"input_ids.npy", "lengths.npy"}
+        samples = decode_record("ragged_lm", key, members, max_tokens=5)
+        assert [s["input_ids"].tolist() for s in samples] == [d.tolist() for d in docs]
+        assert "error" in samples[1] and "7 tokens" in samples[1]["error"]  # over max_tokens: a bad sample, named
+        assert decode_sample("ragged_lm", samples[0]["key"], Decoded(samples[0]))["input_ids"].tolist() == [5, 6, 7]
+        assert [k for k, _ in expand_record(key, members)] == [f"{key}-{i:05d}" for i in range(4)]
+        bad = {**members, "lengths.npy": npy_bytes(np.array([3, 7, 1, 5], "<u4"))}
+        with pytest.raises(ValueError, match="lengths sum to 16"):
+            decode_record("ragged_lm", key, bad)
+    with pytest.raises(ValueError, match="Unknown corpus kind 'ragged_lm'"):
+        decode_record("ragged_lm", key, members)
