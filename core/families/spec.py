@@ -43,6 +43,7 @@ class FamilySpec:
     flops_unit: str = "token"  # "token": per token, times seq_len per sample; "sample": per sample (an image)
     hf_model_type: str | None = None  # the ``transformers`` model_type it exports as; None: no export
     card_usage: Callable[[str], str] | None = None  # the release card's "Use" section for a release path
+    release_files: Callable[[Any], dict[str, str]] | None = None  # extra release files from the config (a processor)
 
     def config(self, size: str, **overrides: Any) -> Any:
         """The config dataclass of ``size`` with ``overrides`` (the same ``models.get_config`` builds)."""

@@ -5,13 +5,14 @@ The module is ``models.vit.ViT``; the FLOPs conventions are in ``models.flops``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .spec import FamilySpec, register_family
 from .transformer import TransformerConfig, attention_flops, block_matmul_params
 
-__all__ = ["ViTConfig", "SPEC", "vit_training_flops"]
+__all__ = ["ViTConfig", "SPEC", "vit_training_flops", "eval_resize", "eval_processor_config", "PIXEL_MEAN", "PIXEL_STD"]
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,35 @@ def vit_training_flops(config: ViTConfig, seq_len: int = 0, include_head: bool =
     return 6 * n + T * attention_flops(config, T)
 
 
+#: Pixel normalization of the image_cls task and of a release's processor (transformers' ViTImageProcessor defaults).
+PIXEL_MEAN = PIXEL_STD = 0.5
+
+
+def eval_resize(image_size: int) -> int:
+    """Shorter side before the eval centre crop: 256 for 224 (the ratio of ViT's and ResNet's evaluations)."""
+    return image_size * 256 // 224
+
+
+def eval_processor_config(image_size: int) -> dict[str, Any]:
+    """``preprocessor_config.json`` that makes ``transformers`` see the pixels the image_cls evaluation sees.
+
+    ``CLIPImageProcessor`` is the standard processor that resizes the shorter side and centre-crops
+    in every supported ``transformers`` version (``ViTImageProcessor`` squashes to a square);
+    with its PIL backend it gives the same tensor as ``ImageClsTask.transform(img, None)`` (tested).
+    """
+    return {
+        "image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
+        "do_resize": True, "size": {"shortest_edge": eval_resize(image_size)}, "resample": 2,  # PIL bilinear
+        "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,
+    }  # fmt: skip
+
+
+def _release_files(config: ViTConfig) -> dict[str, str]:
+    return {"preprocessor_config.json": json.dumps(eval_processor_config(config.image_size), indent=2)}
+
+
 def _usage(path: str) -> str:
     return f"""```python
 from PIL import Image
@@ -83,5 +113,5 @@ SPEC = register_family(FamilySpec(
                                patch_size=16)
            for name, (layers, width, heads) in _SIZES.items()},
     tasks=("image_cls",), corpus_kind="images", flops=vit_training_flops, flops_unit="sample",
-    hf_model_type="vit", card_usage=_usage,
+    hf_model_type="vit", card_usage=_usage, release_files=_release_files,
 ))

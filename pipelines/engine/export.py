@@ -120,11 +120,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if class_map and hasattr(hf.config, "id2label"):
         hf.config.id2label = {int(v): k for k, v in class_map.items()}
         hf.config.label2id = {k: int(v) for k, v in class_map.items()}
-    extra = {}
-    if getattr(model, "family", "") == "vit":
-        from pipelines.engine.objectives import ImageClsTask
-
-        extra["preprocessor_config.json"] = json.dumps(ImageClsTask.eval_processor_config(model.config.image_size), indent=2)
+    extra = family.release_files(model.config) if family.release_files else {}  # e.g. ViT's image processor
     card = model_card(state, ckpt, hf, model.family, str(out_dir))
     return write_release(hf, out_dir, tokenizer_dir=ckpt / "tokenizer", card=card, extra_files=extra, overwrite=overwrite)
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from core.config import ConfigError
+from core.families import vit as vit_family
 
 __all__ = ["Task", "TASKS", "register_task", "build_task", "list_tasks", "key_seed", "MLMNSPTask", "CausalLMTask", "ImageClsTask"]
 
@@ -261,7 +262,7 @@ class ImageClsTask(Task):
     name = "image_cls"
     unit = "img"
     input_names = ("pixel_values", "labels")
-    mean = std = 0.5  # transformers' ViTImageProcessor defaults
+    mean = std = vit_family.PIXEL_MEAN  # transformers' ViTImageProcessor defaults
 
     def __init__(self, manifest: Any, *, seed: int, image_size: int, mixup_alpha: float = 0.0):
         if not manifest.class_map:
@@ -285,24 +286,14 @@ class ImageClsTask(Task):
 
     @staticmethod
     def eval_resize(image_size: int) -> int:
-        """Shorter side before the eval centre crop: 256 for 224 (the ratio of ViT's and ResNet's evaluations)."""
-        return image_size * 256 // 224
+        """Shorter side before the eval centre crop (``core.families.vit.eval_resize``)."""
+        return vit_family.eval_resize(image_size)
 
     @classmethod
     def eval_processor_config(cls, image_size: int) -> dict[str, Any]:
-        """``preprocessor_config.json`` that makes ``transformers`` see the pixels our eval sees.
-
-        ``CLIPImageProcessor`` is the standard processor that resizes the shorter side and centre-crops
-        in every supported ``transformers`` version (``ViTImageProcessor`` squashes to a square);
-        with its PIL backend it gives the same tensor as ``transform(img, None)`` (tested).
-        """
-        return {
-            "image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
-            "do_resize": True, "size": {"shortest_edge": cls.eval_resize(image_size)}, "resample": 2,  # PIL bilinear
-            "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [cls.mean] * 3, "image_std": [cls.std] * 3,
-        }  # fmt: skip
+        """``preprocessor_config.json`` that makes ``transformers`` see the pixels our eval sees: the ViT
+        family's release file (``core.families.vit.eval_processor_config``; same tensor as ``transform(img, None)``, tested)."""
+        return vit_family.eval_processor_config(image_size)
 
     def transform(self, img, rng: np.random.Generator | None) -> torch.Tensor:
         from PIL import Image
