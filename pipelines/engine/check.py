@@ -2,8 +2,9 @@
 
 The CLI calls it before spawning ranks (``pretrain train --nproc N``), a sweep calls it for every
 grid point before the first run, and every rank calls it again (``distributed.validate``) before
-the process group starts. It covers what a typed load cannot: registry names (model sizes from
-the torch-free family specs of ``core.families``, schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
+the process group starts. It covers what a typed load cannot: registry names (model sizes and
+the tasks their families pretrain under, from the torch-free family specs of ``core.families``;
+schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
 arithmetic and the distributed options that exclude each other. Device-specific checks (fp16 on a
 CPU, nccl without GPUs) stay in ``distributed.validate``, which knows the device.
 
