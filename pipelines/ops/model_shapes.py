@@ -1,8 +1,8 @@
 """Torch-free shapes of the registered models: parameter counts, FLOPs and activation bytes for ``plan``.
 
 ``pretrain plan`` must answer in milliseconds without importing torch, so the architecture of each
-registered size is written out here (``MODEL_SHAPES``, the registry's defaults) and the counts are
-closed forms over it. ``tests/pipelines/test_plan.py`` keeps every entry equal to
+registered size is read from its torch-free family spec (``MODEL_SHAPES``, ``core.families``) and
+the counts are closed forms over it, per family. ``tests/pipelines/test_plan.py`` keeps every entry equal to
 ``models.get_config(name)``, every parameter count equal to the built model's, the FLOPs equal to
 ``models.flops`` and the activation bytes within a stated tolerance of what autograd really saves.
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from core.families import family_of_model, model_names
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "model_shape", "param_count", "largest_layer_params", "flops_per_sample",
            "tokens_per_sample", "activation_bytes"]
@@ -53,32 +55,16 @@ class ModelShape:
     init: str = "standard"
 
 
-def _gpt(layers: int, width: int, *, context: int = 1024, heads: int = 0) -> ModelShape:
-    return ModelShape(family="gpt", num_layers=layers, hidden_size=width, num_heads=heads or width // 64,
-                      intermediate_size=4 * width, vocab_size=50257, max_position_embeddings=context)
+def _shape(name: str) -> ModelShape:
+    """The shape of registered size ``name``, read from its family spec's config (``core.families``, torch-free)."""
+    spec = family_of_model(name)
+    cfg = spec.config(name)
+    own = {f.name for f in fields(cfg)}
+    return ModelShape(family=spec.name, **{f.name: getattr(cfg, f.name) for f in fields(ModelShape) if f.name in own})
 
 
-def _bert(layers: int, width: int, heads: int) -> ModelShape:
-    return ModelShape(family="bert", num_layers=layers, hidden_size=width, num_heads=heads, intermediate_size=4 * width,
-                      vocab_size=30522, max_position_embeddings=512)
-
-
-def _vit(layers: int, width: int, heads: int) -> ModelShape:
-    return ModelShape(family="vit", num_layers=layers, hidden_size=width, num_heads=heads, intermediate_size=4 * width,
-                      image_size=224, patch_size=16, num_labels=1000, hidden_dropout=0.0, attention_dropout=0.0)
-
-
-#: Registered model sizes (``models.list_models()``) -> their default shape; a test keeps them equal.
-MODEL_SHAPES: dict[str, ModelShape] = {
-    "gpt-tiny": ModelShape(family="gpt", num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512,
-                           vocab_size=50257, max_position_embeddings=1024),
-    "gpt2-small": _gpt(12, 768), "gpt2-medium": _gpt(24, 1024), "gpt2-large": _gpt(36, 1280),
-    "gpt3-xl": _gpt(24, 2048, context=2048, heads=16),
-    "bert-tiny": _bert(2, 128, 2), "bert-mini": _bert(4, 256, 4), "bert-small": _bert(4, 512, 8),
-    "bert-base": _bert(12, 768, 12), "bert-large": _bert(24, 1024, 16),
-    "vit-tiny": _vit(12, 192, 3), "vit-small": _vit(12, 384, 6), "vit-base": _vit(12, 768, 12),
-    "vit-large": _vit(24, 1024, 16),
-}
+#: Registered model sizes (``models.list_models()``) -> their default shape, from the family specs.
+MODEL_SHAPES: dict[str, ModelShape] = {name: _shape(name) for name in model_names()}
 
 
 def model_shape(name: str, overrides: dict[str, Any] | None = None) -> ModelShape:
