@@ -25,6 +25,7 @@ from typing import Any
 
 from core.config import to_dict
 from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
+from core.corpus_kinds import corpus_kind
 from core.files import claim_output_dir
 from data_prep.allocator import find_worker_malloc, worker_runtime_env
 from data_prep.clean import Stats, lsh_params
@@ -235,7 +236,7 @@ def _out_bytes_per_input_byte(docs: dict[str, str], sample_file_bytes: int, ctx:
 def _plan_buckets(cfg: PrepConfig, entries, out_per_in: float) -> dict[str, int]:
     """Shards per split so that each is about `shard_target_mb` (estimated from input size)."""
     total = sum(e["size"] for e in entries)
-    est = total + 1536 * len(entries) if cfg.kind == "images" else total * out_per_in
+    est = total * out_per_in if corpus_kind(cfg.kind).tokenized else total + 1536 * len(entries)
     target = cfg.shard_target_mb * 1e6
     val = cfg.validation_fraction
     return {"train": max(1, round(est * (1 - val) / target)), "validation": max(1, round(est * val / target))}
@@ -271,7 +272,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     ctx = ctx.with_(groups=groups, group_of={name: i % groups for i, name in enumerate(names)})
     ctx_ref = ray.put(ctx)
     chunks = chunk_entries(_ranges(cfg, entries, workers), max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
-    mapper = _task(stages.map_images if cfg.kind == "images" else stages.map_text, cfg)
+    mapper = _task(stages.map_text if corpus_kind(cfg.kind).tokenized else stages.map_images, cfg)
     show = "read + tokenize" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
     for refs in mapped:
@@ -303,7 +304,7 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
 
 def _ranges(cfg: PrepConfig, entries, workers: int) -> list[dict[str, Any]]:
     """`entries` with big files split into ranges (`data_prep.ranges`): the documents, hence the bytes, stay the same."""
-    if cfg.kind == "images":
+    if not corpus_kind(cfg.kind).tokenized:
         return list(entries)
     return split_entries(entries, cfg.sources, range_bytes_for(cfg.input_range_mb, sum(e["size"] for e in entries), workers))
 
@@ -366,7 +367,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     tok_info: dict[str, Any] | None = None
     out_per_in = 1.0
     t1 = time.perf_counter()
-    if cfg.kind != "images":
+    if corpus_kind(cfg.kind).tokenized:
         prepare = _reuse_tokenizer if cfg.tokenizer.path else _train_tokenizer
         tok_info, out_per_in, ctx = prepare(cfg, out, entries, ctx, workers)
         stage_s["tokenizer: sample, " + ("size shards" if cfg.tokenizer.path else "train")] = time.perf_counter() - t1
@@ -374,7 +375,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     ctx = ctx.with_(buckets=buckets, fingerprint=hashlib.sha256(
         json.dumps([FORMAT_VERSION, manifest_config(cfg), tok_info and tok_info["sha256"], buckets, class_map], sort_keys=True).encode()
     ).hexdigest())
-    if cfg.clean.near_dedup and cfg.kind != "images":
+    if cfg.clean.near_dedup and corpus_kind(cfg.kind).tokenized:
         t1 = time.perf_counter()
         ctx = ctx.with_(near_dups=_near_dups(cfg, entries, ctx, workers))
         stage_s["near-dedup (MinHash)"] = time.perf_counter() - t1
@@ -397,7 +398,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "kind": cfg.kind,
-        "seq_len": cfg.seq_len if cfg.kind != "images" else None,
+        "seq_len": cfg.seq_len if corpus_kind(cfg.kind).tokenized else None,
         "tokenizer": tok_info,
         "token_dtype": ctx.token_dtype,
         "class_map": class_map,
