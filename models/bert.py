@@ -21,6 +21,7 @@ from .heads import MLMHead
 from .layers import Block, SinusoidalPositionEmbedding, TransformerConfig, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_model
+from .vocab import check_pad_multiple, pad_vocab_rows_, padded_vocab_size
 
 __all__ = ["BertConfig", "BertEncoder", "BertForPreTraining", "masked_mean_cross_entropy"]
 
@@ -34,11 +35,17 @@ class BertConfig(TransformerConfig):
     type_vocab_size: int = 2  # segments A/B
     pad_token_id: int = 0
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
+    pad_vocab_multiple: int = 1  # embedding/MLM-decoder rows rounded up to this (models.vocab); 64 on GPUs
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_pad_multiple(self.pad_vocab_multiple)
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.pad_vocab_multiple)
 
 
 class BertEmbeddings(nn.Module):
@@ -99,6 +106,7 @@ class BertEncoder(nn.Module):
 
     def init_weights(self) -> None:
         init_bert_(self, self.config)
+        pad_vocab_rows_(self.embeddings.word_embeddings, self.config.vocab_size, self.config.padded_vocab_size)
 
 
 def init_bert_(module: nn.Module, cfg: BertConfig) -> None:
@@ -129,14 +137,17 @@ class BertForPreTraining(nn.Module):
         super().__init__()
         self.config = config
         self.bert = BertEncoder(config, init=False)  # initialized with the heads below
-        self.mlm = MLMHead(config, config.vocab_size)
+        self.mlm = MLMHead(config, config.vocab_size)  # the vocabulary is padded after init (models.vocab)
         self.nsp = nn.Linear(config.hidden_size, 2)
         self.init_weights()
 
     def init_weights(self) -> None:
         init_bert_(self, self.config)
         nn.init.zeros_(self.mlm.decoder.bias)
+        cfg = self.config
+        pad_vocab_rows_(self.bert.embeddings.word_embeddings, cfg.vocab_size, cfg.padded_vocab_size)
         self.tie_weights()
+        pad_vocab_rows_(self.mlm.decoder, cfg.vocab_size, cfg.padded_vocab_size)
 
     def tie_weights(self) -> None:
         self.mlm.decoder.weight = self.bert.embeddings.word_embeddings.weight
@@ -154,14 +165,15 @@ class BertForPreTraining(nn.Module):
         hidden = out["last_hidden_state"]
         result = {"seq_relationship_logits": self.nsp(out["pooler_output"])}
         losses = []
+        V = self.config.vocab_size  # padded vocabulary rows (models.vocab) are sliced off before any use
         if labels is None:
-            result["prediction_logits"] = self.mlm(hidden)
+            result["prediction_logits"] = self.mlm(hidden)[..., :V]
         else:
             # Sparse MLM head (as in NVIDIA's BERT recipe): the vocabulary projection, the largest
             # matmul of small BERTs, runs only at the ~15 % masked positions. The loss equals the
             # dense head's; `masked_prediction_logits` rows follow `labels != -100` in row-major order.
             selected = labels != -100
-            masked_logits = self.mlm(hidden[selected])
+            masked_logits = self.mlm(hidden[selected])[:, :V]
             result["masked_prediction_logits"] = masked_logits
             result["mlm_loss"] = masked_mean_cross_entropy(masked_logits, labels[selected])
             losses.append(result["mlm_loss"])

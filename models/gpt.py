@@ -19,6 +19,7 @@ from .bert import masked_mean_cross_entropy
 from .layers import Block, SinusoidalPositionEmbedding, TransformerConfig, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_model
+from .vocab import check_pad_multiple, pad_vocab_rows_, padded_vocab_size
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -34,11 +35,17 @@ class GPTConfig(TransformerConfig):
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
     layer_norm_eps: float = 1e-5
     norm_placement: Literal["post", "pre"] = "pre"
+    pad_vocab_multiple: int = 1  # embedding/LM-head rows rounded up to this (models.vocab); 64 on GPUs
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_pad_multiple(self.pad_vocab_multiple)
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.pad_vocab_multiple)
 
 
 class GPT(nn.Module):
@@ -50,7 +57,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)  # padded after init (models.vocab)
         if config.position_embedding == "learned":
             self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         else:
@@ -69,7 +76,9 @@ class GPT(nn.Module):
         else:
             inits.init_normal_(self, cfg.initializer_range)
             inits.scale_residual_projections_(self, cfg.num_layers, cfg.initializer_range)
+        pad_vocab_rows_(self.wte, cfg.vocab_size, cfg.padded_vocab_size)
         self.tie_weights()
+        pad_vocab_rows_(self.lm_head, cfg.vocab_size, cfg.padded_vocab_size)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -89,7 +98,8 @@ class GPT(nn.Module):
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
         for block in self.blocks:
             h = block(h, mask, is_causal)
-        logits = self.lm_head(self.ln_f(h))
+        # The padded rows' logits are dropped here (a view): they never reach the loss or sampling.
+        logits = self.lm_head(self.ln_f(h))[..., : self.config.vocab_size]
         result = {"logits": logits}
         if labels is not None:
             result["loss"] = masked_mean_cross_entropy(logits, labels)
