@@ -183,14 +183,35 @@ def test_gpt_generate_greedy_is_deterministic_and_respects_top_k():
     assert gpt.training  # generate restores the mode
 
 
-@pytest.mark.slow
-def test_torch_compile_matches_eager():
-    model = models.create("bert-tiny", **TINY_TEXT).eval()
+def _training_inputs(name: str) -> dict:
+    """What the recipe's task feeds the model: BERT MLM+NSP labels (the sparse MLM head), images + labels for ViT."""
+    torch.manual_seed(1)
+    if name.startswith("vit"):
+        return {"pixel_values": torch.randn(4, 3, 8, 8), "labels": torch.tensor([0, 2, 1, 2])}
     ids, mask, types = text_batch()
-    compiled = torch.compile(model)
-    assert torch.allclose(
-        compiled(ids, mask, types)["prediction_logits"], model(ids, mask, types)["prediction_logits"], atol=1e-5
-    )
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:4] = ids[:, 1:4]
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
+            "next_sentence_label": torch.tensor([0, 1])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny"])
+def test_torch_compile_trains_like_eager(name):
+    """The BERT and ViT GPU recipes compile (model.compile): loss and every gradient match eager."""
+    overrides = TINY_VIT if name.startswith("vit") else {**TINY_TEXT, "pad_vocab_multiple": 48}
+    model = models.create(name, **overrides, hidden_dropout=0.0, attention_dropout=0.0)
+    twin = models.create(name, **overrides, hidden_dropout=0.0, attention_dropout=0.0)
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(twin)
+    inputs = _training_inputs(name)
+    eager_loss, compiled_loss = model(**inputs)["loss"], compiled(**inputs)["loss"]
+    eager_loss.backward()
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    grads = dict(twin.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n].grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_t_fixup_deep_bert_scales_with_depth_and_stays_finite():
