@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import init as inits
 from .bert import masked_mean_cross_entropy
@@ -21,7 +22,7 @@ from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_model
 from .vocab import check_pad_multiple, pad_vocab_rows_, padded_vocab_size
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "chunked_lm_loss"]
 
 
 @dataclass(kw_only=True)
@@ -36,10 +37,15 @@ class GPTConfig(TransformerConfig):
     layer_norm_eps: float = 1e-5
     norm_placement: Literal["post", "pre"] = "pre"
     pad_vocab_multiple: int = 1  # embedding/LM-head rows rounded up to this (models.vocab); 64 on GPUs
+    # Training loss over chunks of this many positions, each chunk's logits recomputed in backward
+    # (``chunked_lm_loss``): no [B*T, V] logits held; 0 = one cross-entropy over the batch.
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_pad_multiple(self.pad_vocab_multiple)
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0 (0 = off), got {self.loss_chunk_tokens}.")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
 
@@ -98,8 +104,13 @@ class GPT(nn.Module):
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
         for block in self.blocks:
             h = block(h, mask, is_causal)
+        h = self.ln_f(h)
+        if labels is not None and self.config.loss_chunk_tokens and self.training and torch.is_grad_enabled():
+            # Memory-lean training step: the loss without the full logits (not returned: none exist).
+            return {"loss": chunked_lm_loss(h, self.lm_head.weight, labels, self.config.vocab_size,
+                                            self.config.loss_chunk_tokens)}
         # The padded rows' logits are dropped here (a view): they never reach the loss or sampling.
-        logits = self.lm_head(self.ln_f(h))[..., : self.config.vocab_size]
+        logits = self.lm_head(h)[..., : self.config.vocab_size]
         result = {"logits": logits}
         if labels is not None:
             result["loss"] = masked_mean_cross_entropy(logits, labels)
@@ -126,6 +137,27 @@ class GPT(nn.Module):
             ids = torch.cat([ids, nxt], dim=1)
         self.train(was_training)
         return ids
+
+
+def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    logits = nn.functional.linear(h, weight)[:, :vocab_size]
+    return nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, chunk: int) -> torch.Tensor:
+    """``masked_mean_cross_entropy(h @ weight[:vocab_size].T, labels)`` computed ``chunk`` positions at a time.
+
+    Each chunk's logits (bf16 and their fp32 copy: ~6 B x chunk x V) live only inside the chunk; backward
+    recomputes them (activation checkpointing), so the step holds no [B*T, V] tensor at the price of one
+    more LM-head matmul. Sums per chunk, then one division: equal to the one-shot loss up to fp32
+    summation order (not bitwise), which is why it is an option (``GPTConfig.loss_chunk_tokens``).
+    """
+    flat_h, flat_y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, flat_y.numel(), chunk):
+        part = slice(start, start + chunk)
+        total = total + checkpoint(_chunk_loss_sum, flat_h[part], weight, flat_y[part], vocab_size, use_reentrant=False)
+    return total / (flat_y != -100).sum().clamp(min=1)
 
 
 register_model("gpt-tiny", GPT, num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512)
