@@ -193,8 +193,12 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
         cmd += ["--batch", "8"]
     else:
         cmd += ["--precision", "bf16", *BARE[name]] + (["--compile"] if cfg.model.compile else [])
-        if name == "vit":
-            cmd += ["--overrides", f"image_size={cfg.data.image_size}"]
+        # the recipe's model as its run builds it: image size, padded vocabulary (model.pad_vocab_multiple)
+        ov = {"image_size": cfg.data.image_size} if name == "vit" else {}
+        if name != "vit" and cfg.model.pad_vocab_multiple != 1:
+            ov["pad_vocab_multiple"] = cfg.model.pad_vocab_multiple
+        if ov:
+            cmd += ["--overrides", ",".join(f"{k}={v}" for k, v in ov.items())]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:

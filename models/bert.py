@@ -20,6 +20,7 @@ from .heads import MLMHead
 from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_module
+from .vocab import pad_vocab_rows_
 
 __all__ = ["BertConfig", "BertEncoder", "BertForPreTraining", "masked_mean_cross_entropy"]
 
@@ -82,6 +83,7 @@ class BertEncoder(nn.Module):
 
     def init_weights(self) -> None:
         init_bert_(self, self.config)
+        pad_vocab_rows_(self.embeddings.word_embeddings, self.config.vocab_size, self.config.padded_vocab_size)
 
 
 def init_bert_(module: nn.Module, cfg: BertConfig) -> None:
@@ -112,14 +114,17 @@ class BertForPreTraining(nn.Module):
         super().__init__()
         self.config = config
         self.bert = BertEncoder(config, init=False)  # initialized with the heads below
-        self.mlm = MLMHead(config, config.vocab_size)
+        self.mlm = MLMHead(config, config.vocab_size)  # the vocabulary is padded after init (models.vocab)
         self.nsp = nn.Linear(config.hidden_size, 2)
         self.init_weights()
 
     def init_weights(self) -> None:
         init_bert_(self, self.config)
         nn.init.zeros_(self.mlm.decoder.bias)
+        cfg = self.config
+        pad_vocab_rows_(self.bert.embeddings.word_embeddings, cfg.vocab_size, cfg.padded_vocab_size)
         self.tie_weights()
+        pad_vocab_rows_(self.mlm.decoder, cfg.vocab_size, cfg.padded_vocab_size)
 
     def tie_weights(self) -> None:
         self.mlm.decoder.weight = self.bert.embeddings.word_embeddings.weight
@@ -137,14 +142,15 @@ class BertForPreTraining(nn.Module):
         hidden = out["last_hidden_state"]
         result = {"seq_relationship_logits": self.nsp(out["pooler_output"])}
         losses = []
+        V = self.config.vocab_size  # padded vocabulary rows (models.vocab) are sliced off before any use
         if labels is None:
-            result["prediction_logits"] = self.mlm(hidden)
+            result["prediction_logits"] = self.mlm(hidden)[..., :V]
         else:
             # Sparse MLM head (as in NVIDIA's BERT recipe): the vocabulary projection, the largest
             # matmul of small BERTs, runs only at the ~15 % masked positions. The loss equals the
             # dense head's; `masked_prediction_logits` rows follow `labels != -100` in row-major order.
             selected = labels != -100
-            masked_logits = self.mlm(hidden[selected])
+            masked_logits = self.mlm(hidden[selected])[:, :V]
             result["masked_prediction_logits"] = masked_logits
             result["mlm_loss"] = masked_mean_cross_entropy(masked_logits, labels[selected])
             losses.append(result["mlm_loss"])

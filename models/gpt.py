@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.families.gpt import GPTConfig
 
@@ -18,8 +19,9 @@ from .bert import masked_mean_cross_entropy
 from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_module
+from .vocab import pad_vocab_rows_
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "chunked_lm_loss"]
 
 
 class GPT(nn.Module):
@@ -31,7 +33,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)  # padded after init (models.vocab)
         if config.position_embedding == "learned":
             self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         else:
@@ -50,7 +52,9 @@ class GPT(nn.Module):
         else:
             inits.init_normal_(self, cfg.initializer_range)
             inits.scale_residual_projections_(self, cfg.num_layers, cfg.initializer_range)
+        pad_vocab_rows_(self.wte, cfg.vocab_size, cfg.padded_vocab_size)
         self.tie_weights()
+        pad_vocab_rows_(self.lm_head, cfg.vocab_size, cfg.padded_vocab_size)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -70,7 +74,13 @@ class GPT(nn.Module):
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
         for block in self.blocks:
             h = block(h, mask, is_causal)
-        logits = self.lm_head(self.ln_f(h))
+        h = self.ln_f(h)
+        if labels is not None and self.config.loss_chunk_tokens and self.training and torch.is_grad_enabled():
+            # Memory-lean training step: the loss without the full logits (not returned: none exist).
+            return {"loss": chunked_lm_loss(h, self.lm_head.weight, labels, self.config.vocab_size,
+                                            self.config.loss_chunk_tokens)}
+        # The padded rows' logits are dropped here (a view): they never reach the loss or sampling.
+        logits = self.lm_head(h)[..., : self.config.vocab_size]
         result = {"logits": logits}
         if labels is not None:
             result["loss"] = masked_mean_cross_entropy(logits, labels)
@@ -97,6 +107,27 @@ class GPT(nn.Module):
             ids = torch.cat([ids, nxt], dim=1)
         self.train(was_training)
         return ids
+
+
+def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    logits = nn.functional.linear(h, weight)[:, :vocab_size]
+    return nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, chunk: int) -> torch.Tensor:
+    """``masked_mean_cross_entropy(h @ weight[:vocab_size].T, labels)`` computed ``chunk`` positions at a time.
+
+    Each chunk's logits (bf16 and their fp32 copy: ~6 B x chunk x V) live only inside the chunk; backward
+    recomputes them (activation checkpointing), so the step holds no [B*T, V] tensor at the price of one
+    more LM-head matmul. Sums per chunk, then one division: equal to the one-shot loss up to fp32
+    summation order (not bitwise), which is why it is an option (``GPTConfig.loss_chunk_tokens``).
+    """
+    flat_h, flat_y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, flat_y.numel(), chunk):
+        part = slice(start, start + chunk)
+        total = total + checkpoint(_chunk_loss_sum, flat_h[part], weight, flat_y[part], vocab_size, use_reentrant=False)
+    return total / (flat_y != -100).sum().clamp(min=1)
 
 
 register_module("gpt", GPT)

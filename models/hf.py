@@ -45,6 +45,7 @@ from .heads import QuestionAnswering, SequenceClassifier
 from .hf_keys import Spec, bert_keys, gpt_keys, vit_keys, vit_rename
 from .safe_load import safe_torch_load
 from .vit import ViT, ViTConfig
+from .vocab import pad_vocab, unpad_vocab
 
 __all__ = ["to_hf", "from_hf", "LoadReport", "HFFamily", "register_hf", "hf_config", "spec_for", "load_hf_state_dict", "set_special_ids", "SPECIAL_ID_NAMES"]
 
@@ -163,7 +164,8 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, QuestionAnswering)) else model)
     adapter = _adapter(model)
     hf = adapter.new_hf(model) if adapter.new_hf else adapter.hf_class(model)(adapter.config(model))
-    ours = {**dict(model.named_buffers()), **model.state_dict()}
+    vocab = getattr(model.config, "vocab_size", 0)  # a padded vocabulary (models.vocab) is exported unpadded
+    ours = {k: unpad_vocab(k, t, vocab) for k, t in {**dict(model.named_buffers()), **model.state_dict()}.items()}
     sd: dict[str, torch.Tensor] = {}
     for our_key, hf_keys, kind in spec:
         t = ours[our_key].detach().float().cpu()
@@ -268,6 +270,7 @@ def from_hf(
     head: str | None = None,
     num_labels: int | None = None,
     id2label: dict[int, str] | None = None,
+    pad_vocab_multiple: int = 1,
 ) -> tuple[nn.Module, LoadReport]:
     """Our model + ``LoadReport`` from a checkpoint dir (``config.json`` + weights) or a ``transformers`` model.
 
@@ -277,6 +280,8 @@ def from_hf(
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
     anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
     weights) keep their fresh init and are listed in ``report.missing`` (and warned about).
+    ``pad_vocab_multiple`` (BERT, GPT): build the model with its vocabulary rows padded for training
+    (``models.vocab``); the checkpoint's rows fill the first ``vocab_size``, the padding rows are zero.
     """
     if isinstance(src, transformers.PreTrainedModel):
         hf_cfg, sd, source = src.config, src.state_dict(), type(src).__name__ + " instance"
@@ -290,6 +295,9 @@ def from_hf(
         sd, source = load_hf_state_dict(path), str(path)
         arch = (hf_cfg.architectures or [""])[0]
     cfg = _our_config(hf_cfg)  # an unsupported model_type is refused here, naming the supported ones
+    if pad_vocab_multiple != 1 and hasattr(cfg, "pad_vocab_multiple"):
+        cfg.pad_vocab_multiple = pad_vocab_multiple
+        cfg.__post_init__()
     sd = _normalize_keys(sd, hf_cfg.model_type)
 
     model, sd = _adapter_of_type(hf_cfg.model_type).build(cfg, hf_cfg, arch, sd, head, num_labels, id2label)
@@ -324,6 +332,7 @@ def _load(model: nn.Module, spec: Spec, sd: dict[str, torch.Tensor]) -> tuple[se
             t = torch.cat([sd[k] for k in hf_keys], dim=0)
         else:
             t = sd[hf_keys[0]].t() if kind == "t" else sd[hf_keys[0]]
+        t = pad_vocab(our_key, t, getattr(model.config, "vocab_size", 0), ours[our_key].shape[0])  # models.vocab
         if t.shape != ours[our_key].shape:
             if our_key.split(".")[0] in ("head", "classifier", "qa_outputs"):
                 continue  # a new task head of another size: keep its init, report it missing

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .spec import FamilySpec, register_family
-from .transformer import TransformerConfig, attention_flops, block_matmul_params
+from .transformer import TransformerConfig, attention_flops, block_matmul_params, check_pad_multiple, padded_vocab_size
 
 __all__ = ["BertConfig", "SPEC", "bert_training_flops"]
 
@@ -23,11 +23,17 @@ class BertConfig(TransformerConfig):
     type_vocab_size: int = 2  # segments A/B
     pad_token_id: int = 0
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
+    pad_vocab_multiple: int = 1  # embedding/MLM-decoder rows rounded up to this (models.vocab); 64 on GPUs
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_pad_multiple(self.pad_vocab_multiple)
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.pad_vocab_multiple)
 
 
 def bert_training_flops(config: BertConfig, seq_len: int, include_head: bool = True, mlm_fraction: float = 1.0) -> float:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .spec import FamilySpec, register_family
-from .transformer import TransformerConfig, attention_flops, block_matmul_params
+from .transformer import TransformerConfig, attention_flops, block_matmul_params, check_pad_multiple, padded_vocab_size
 
 __all__ = ["GPTConfig", "SPEC", "gpt_training_flops"]
 
@@ -25,11 +25,22 @@ class GPTConfig(TransformerConfig):
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
     layer_norm_eps: float = 1e-5
     norm_placement: Literal["post", "pre"] = "pre"
+    pad_vocab_multiple: int = 1  # embedding/LM-head rows rounded up to this (models.vocab); 64 on GPUs
+    # Training loss over chunks of this many positions, each chunk's logits recomputed in backward
+    # (``models.gpt.chunked_lm_loss``): no [B*T, V] logits held; 0 = one cross-entropy over the batch.
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_pad_multiple(self.pad_vocab_multiple)
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0 (0 = off), got {self.loss_chunk_tokens}.")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}.")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.pad_vocab_multiple)
 
 
 def gpt_training_flops(config: GPTConfig, seq_len: int, include_head: bool = True, mlm_fraction: float = 1.0) -> float:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["TransformerConfig", "block_matmul_params", "attention_flops"]
+__all__ = ["TransformerConfig", "block_matmul_params", "attention_flops", "check_pad_multiple", "padded_vocab_size"]
 
 _CHOICES = {
     "activation": ("gelu", "gelu_tanh"),
@@ -63,3 +63,15 @@ def block_matmul_params(cfg: TransformerConfig) -> int:
 def attention_flops(cfg: TransformerConfig, seq_len: int) -> int:
     """12 L d T per token (training) for Q K^T and A V."""
     return 12 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def check_pad_multiple(multiple: int) -> None:
+    """``pad_vocab_multiple`` is a positive integer (1 = no padding; ``models.vocab`` explains the padding)."""
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"pad_vocab_multiple must be an integer >= 1 (1 = no padding, 64 = GPU default), got {multiple!r}.")
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (50257, 64 -> 50304)."""
+    check_pad_multiple(multiple)
+    return -(-vocab_size // multiple) * multiple

@@ -115,6 +115,13 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
             "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
             "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
         )
+    chunked = (getattr(getattr(cfg, "model", None), "overrides", None) or {}).get("loss_chunk_tokens", 0)
+    if d.engine == "deepspeed" and d.zero_stage == 3 and chunked:
+        raise ConfigError(
+            f"model.overrides.loss_chunk_tokens={chunked} is not supported with distributed.zero_stage=3 (the chunked loss "
+            f"reads the LM-head weight outside its module's forward, where ZeRO-3 has not gathered it). Use zero_stage<=2 "
+            f"or remove loss_chunk_tokens."
+        )
     if d.offload_optimizer and d.zero_stage == 0:
         raise ConfigError("distributed.offload_optimizer needs distributed.zero_stage >= 1 (ZeRO-Offload partitions the optimizer).")
     if d.deepspeed_config:

@@ -90,8 +90,15 @@ class ModelConfig:
     overrides: dict[str, Any] = option({}, help="Fields of the model's own config to change, e.g. {num_layers: 4}.")
     activation_checkpointing: bool = option(False, help="Recompute block activations in backward to save memory.")
     compile: bool = option(False, help="Wrap the model with torch.compile.")
+    pad_vocab_multiple: int = option(1, help="Text models: round the embedding / LM-head rows up to a multiple of this "
+                                             "(64: aligned GPU matmuls). The padded rows are zero, never scored and "
+                                             "never exported: a release's vocabulary is the tokenizer's.")
     init_from: str = option("", help="Checkpoint (or run dir) whose weights start this run; optimizer, schedule and data "
                                      "start fresh (e.g. BERT phase 2 at seq 512 from phase 1). Ignored when resuming.")
+
+    def __post_init__(self) -> None:
+        if self.pad_vocab_multiple < 1:
+            raise ConfigError(f"model.pad_vocab_multiple must be >= 1 (1 = no padding), got {self.pad_vocab_multiple}.")
 
 
 @dataclass(kw_only=True)

@@ -75,6 +75,8 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
                 f"data config). Remove the override or prepare matching data."
             )
         overrides[key] = value
+    if cfg.model.pad_vocab_multiple != 1 and "pad_vocab_multiple" in fields:  # models without a vocabulary: no-op
+        overrides.setdefault("pad_vocab_multiple", cfg.model.pad_vocab_multiple)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     try:
         model = models.create(cfg.model.name, **overrides)

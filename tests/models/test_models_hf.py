@@ -267,3 +267,74 @@ def test_vit_new_label_count_reinitializes_only_the_head(tmp_path):
     assert ours.config.num_labels == 5
     assert report.missing == ["head.bias", "head.weight"]
     assert report.unexpected == ["classifier.bias", "classifier.weight"]
+
+
+# ---------------------------------------------------------------- vocabulary padding (models.vocab)
+
+
+def _lm_outputs(model, ids):
+    """(scores over the vocabulary, loss) of a GPT or a BERT pretraining model on ``ids``."""
+    if isinstance(model, models.GPT):
+        out = model(ids, labels=ids)
+        return out["logits"], out["loss"]
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    nsp = torch.tensor([0, 1])
+    return model(ids)["prediction_logits"], model(ids, labels=labels, next_sentence_label=nsp)["loss"]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny"])
+def test_padded_vocabulary_trains_and_exports_as_the_tokenizers_vocabulary(name, tmp_path):
+    vocab = 60  # padded to 64 rows: the release must still have 60
+    plain = randomize_(models.create(name, **{**TINY_TEXT, "vocab_size": vocab})).eval()
+    H.to_hf(plain).save_pretrained(tmp_path / "plain")
+    padded, report = H.from_hf(tmp_path / "plain", pad_vocab_multiple=64)  # import pads again
+    emb = padded.wte if isinstance(padded, models.GPT) else padded.bert.embeddings.word_embeddings
+    assert report.missing == [] and padded.config.vocab_size == vocab and emb.weight.shape[0] == 64
+    assert torch.count_nonzero(emb.weight[vocab:]) == 0
+
+    ids, _, _ = text_batch(vocab=vocab, pad_from=None)
+    (a, loss_a), (b, loss_b) = _lm_outputs(plain, ids), _lm_outputs(padded.eval(), ids)
+    assert a.shape == b.shape and a.shape[-1] == vocab
+    assert maxdiff(a, b) < TOL and abs(loss_a.item() - loss_b.item()) < TOL
+
+    padded.train()
+    _lm_outputs(padded, ids)[1].backward()
+    assert torch.count_nonzero(emb.weight.grad[vocab:]) == 0  # the padding rows never learn: they stay 0
+
+    with torch.no_grad():  # padding rows that would outscore every token still never win
+        emb.weight[vocab:] = 100.0
+    padded.eval()
+    assert maxdiff(_lm_outputs(padded, ids)[0], a) < TOL
+    if isinstance(padded, models.GPT):
+        assert torch.equal(padded.generate(ids, 4, temperature=0), plain.generate(ids, 4, temperature=0))
+        assert int(padded.generate(ids, 4, temperature=1.0).max()) < vocab
+
+    with torch.no_grad():
+        emb.weight[vocab:] = 0.0
+    H.to_hf(padded).save_pretrained(tmp_path / "again")  # export slices: the release is the plain model's
+    cfg = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert cfg["vocab_size"] == vocab
+    a_sd, b_sd = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a_sd.keys() == b_sd.keys() and all(torch.equal(a_sd[k], b_sd[k]) for k in a_sd)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny"])
+def test_a_padded_model_starts_from_the_unpadded_ones_weights_and_random_stream(name):
+    from models.vocab import unpad_vocab
+
+    built = []
+    for pad in (1, 64):
+        torch.manual_seed(0)
+        model = models.create(name, **{**TINY_TEXT, "vocab_size": 60}, pad_vocab_multiple=pad)
+        built.append(({k: unpad_vocab(k, v, 60) for k, v in model.state_dict().items()}, torch.rand(3)))
+    (plain, after_plain), (padded, after_padded) = built
+    assert plain.keys() == padded.keys() and all(torch.equal(plain[k], padded[k]) for k in plain)
+    assert torch.equal(after_plain, after_padded)  # dropout / data draws that follow are the same too
+
+
+def test_pad_vocab_multiple_is_validated():
+    with pytest.raises(ValueError, match="pad_vocab_multiple"):
+        models.create("gpt-tiny", **TINY_TEXT, pad_vocab_multiple=0)
+    assert models.get_config("gpt2-small", pad_vocab_multiple=64).padded_vocab_size == 50304
+    assert models.get_config("bert-base", pad_vocab_multiple=64).padded_vocab_size == 30528

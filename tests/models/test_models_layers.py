@@ -183,14 +183,35 @@ def test_gpt_generate_greedy_is_deterministic_and_respects_top_k():
     assert gpt.training  # generate restores the mode
 
 
-@pytest.mark.slow
-def test_torch_compile_matches_eager():
-    model = models.create("bert-tiny", **TINY_TEXT).eval()
+def _training_inputs(name: str) -> dict:
+    """What the recipe's task feeds the model: BERT MLM+NSP labels (the sparse MLM head), images + labels for ViT."""
+    torch.manual_seed(1)
+    if name.startswith("vit"):
+        return {"pixel_values": torch.randn(4, 3, 8, 8), "labels": torch.tensor([0, 2, 1, 2])}
     ids, mask, types = text_batch()
-    compiled = torch.compile(model)
-    assert torch.allclose(
-        compiled(ids, mask, types)["prediction_logits"], model(ids, mask, types)["prediction_logits"], atol=1e-5
-    )
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:4] = ids[:, 1:4]
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
+            "next_sentence_label": torch.tensor([0, 1])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny"])
+def test_torch_compile_trains_like_eager(name):
+    """The BERT and ViT GPU recipes compile (model.compile): loss and every gradient match eager."""
+    overrides = TINY_VIT if name.startswith("vit") else {**TINY_TEXT, "pad_vocab_multiple": 48}
+    model = models.create(name, **overrides, hidden_dropout=0.0, attention_dropout=0.0)
+    twin = models.create(name, **overrides, hidden_dropout=0.0, attention_dropout=0.0)
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(twin)
+    inputs = _training_inputs(name)
+    eager_loss, compiled_loss = model(**inputs)["loss"], compiled(**inputs)["loss"]
+    eager_loss.backward()
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    grads = dict(twin.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n].grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_t_fixup_deep_bert_scales_with_depth_and_stays_finite():
@@ -208,3 +229,41 @@ def test_t_fixup_deep_bert_scales_with_depth_and_stays_finite():
         out["loss"].backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert stds[12] / stds[2] == pytest.approx(t_fixup_scale(12) / t_fixup_scale(2), rel=0.05)  # = (2/12)^(1/4)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs (activation memory)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_chunked_lm_loss_equals_the_one_shot_loss_and_holds_no_full_logits():
+    overrides = dict(TINY_TEXT, vocab_size=500, max_position_embeddings=32, pad_vocab_multiple=64,
+                     hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    plain = models.create("gpt-tiny", **overrides)
+    chunked = models.create("gpt-tiny", **overrides, loss_chunk_tokens=12)  # 64 positions: 5 chunks, the last partial
+    chunked.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 500, (4, 16))
+    labels = ids.clone()
+    labels[1, 10:] = -100
+    a, saved_plain = _saved_bytes(lambda: plain(ids, labels=labels))
+    b, saved_chunked = _saved_bytes(lambda: chunked(ids, labels=labels))
+    assert "logits" not in b  # none were made
+    torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-6, atol=1e-6)
+    a["loss"].backward()
+    b["loss"].backward()
+    got = dict(chunked.named_parameters())
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    full_logits = ids.numel() * 500 * 4
+    assert saved_plain - saved_chunked >= full_logits, (saved_plain, saved_chunked)
+    chunked.eval()  # evaluation still gets the logits (accuracy)
+    assert chunked(ids, labels=labels)["logits"].shape == (4, 16, 500)

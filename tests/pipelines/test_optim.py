@@ -352,3 +352,31 @@ def test_lamb_kernel_is_chosen_from_the_target_device_not_where_parameters_are_n
         with pytest.warns(UserWarning, match="FusedLamb unavailable"):
             opt = build_optimizer(model, OptimConfig(name="lamb"), device="cuda")
         assert type(opt) is Lamb
+
+
+def test_zero0_on_one_rank_skips_the_gradient_allreduce_and_computes_the_same(ds_world, monkeypatch):
+    """One rank: DeepSpeed's ZeRO-0 all-reduce (flatten, reduce, copy back) is an identity we skip
+    (``engines.skip_one_rank_allreduce_``); the weights after clipped steps are the same bitwise."""
+    from pipelines.engine.engines import skip_one_rank_allreduce_
+
+    deepspeed = ds_world
+    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 0}, **deepspeed_optimizer_fields(cfg)}
+    runs = []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        model = Tiny()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+        if skip:
+            skip_one_rank_allreduce_(engine)
+        reductions: list[int] = []
+        monkeypatch.setattr(engine, "buffered_allreduce_fallback", lambda *a, _f=engine.buffered_allreduce_fallback,
+                            _seen=reductions, **k: (_seen.append(1), _f(*a, **k))[1])
+        for ids in batches():
+            engine.backward(engine(ids))
+            engine.step()
+        runs.append(({n: p.detach().clone() for n, p in engine.module.named_parameters()}, len(reductions)))
+    (reduced, n_reduced), (skipped, n_skipped) = runs
+    assert n_reduced == 3 and n_skipped == 0
+    assert all(torch.equal(reduced[n], skipped[n]) for n in reduced)

@@ -38,6 +38,8 @@ def test_help_and_bad_key_exit_2_without_traceback():
 @pytest.mark.parametrize("overrides, message", [
     (["distributed.zero_stage=3", "model.compile=true"], "model.compile=true is not supported with distributed.zero_stage=3"),
     (["train.precision=fp16"], "fp16 needs a GPU"),
+    (["distributed.zero_stage=3", "model.overrides={loss_chunk_tokens: 64}"], "loss_chunk_tokens=64 is not supported"),
+    (["model.pad_vocab_multiple=0"], "model.pad_vocab_multiple must be >= 1"),
     (["distributed.engine=ddp", "distributed.offload_optimizer=true"], "need engine=deepspeed"),
     (["data.micro_batch_size=500"], "fewer than one global batch"),
     (["train.task=causal_lm", "model.name=gpt-tiny"], "holds a 'bert_pairs' corpus but the task needs 'packed_lm'"),

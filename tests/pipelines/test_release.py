@@ -12,8 +12,10 @@ import torch
 TEXT = "the cat sat on the mat."
 
 
-def _gpt_checkpoint(root: Path, steps: int = 15) -> Path:
-    """A DDP-engine checkpoint of a tiny GPT taught that TEXT is followed by end of text, with its BPE tokenizer."""
+def _gpt_checkpoint(root: Path, steps: int = 15, pad_vocab_multiple: int = 1) -> Path:
+    """A DDP-engine checkpoint of a tiny GPT taught that TEXT is followed by end of text, with its BPE tokenizer.
+
+    ``pad_vocab_multiple``: the model trains with its vocabulary rows padded, as the GPU recipes do."""
     import models
     from data_prep.config import TokenizerConfig
     from data_prep.tokenizer import GPT_EOS, save_tokenizer, train_tokenizer
@@ -28,6 +30,8 @@ def _gpt_checkpoint(root: Path, steps: int = 15) -> Path:
     torch.manual_seed(0)
     overrides = {"vocab_size": tok.get_vocab_size(), "max_position_embeddings": 64,
                  "num_layers": 1, "hidden_size": 64, "intermediate_size": 128}
+    if pad_vocab_multiple != 1:
+        overrides["pad_vocab_multiple"] = pad_vocab_multiple
     model = models.create("gpt-tiny", **overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
@@ -43,15 +47,18 @@ def _gpt_checkpoint(root: Path, steps: int = 15) -> Path:
     return ckpt
 
 
-def test_gpt_release_generate_stops_at_end_of_text_with_default_arguments(tmp_path):
+@pytest.mark.parametrize("pad", [1, 64], ids=["vocab-as-tokenizer", "vocab-padded-in-training"])
+def test_gpt_release_generate_stops_at_end_of_text_with_default_arguments(tmp_path, pad):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from pipelines.engine.export import export_checkpoint
 
-    out = export_checkpoint(_gpt_checkpoint(tmp_path), tmp_path / "release")
+    out = export_checkpoint(_gpt_checkpoint(tmp_path, pad_vocab_multiple=pad), tmp_path / "release")
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert tok.eos_token == "<|endoftext|>"
+    # a vocabulary padded for training is not the user's: config and embeddings match the tokenizer
+    assert model.config.vocab_size == len(tok) == model.get_input_embeddings().weight.shape[0]
 
     prompt = tok("the cat sat", return_tensors="pt")
     gen = model.generate(**prompt, max_new_tokens=20, do_sample=False)[0].tolist()

@@ -63,18 +63,22 @@ def _wait_for_step(trace: Path, rank: int, step: int, proc: subprocess.Popen, ti
 
 def test_exact_resume_after_kill_9_zero2(bert_corpus, tmp_path):
     steps = 14
-    ref = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "ref", 2, steps, 4), processes=2, trace_dir=tmp_path / "tref")
+    # the GPU recipes' padded vocabulary (model.pad_vocab_multiple) must resume as exactly as the plain one
+    padded = ["model.pad_vocab_multiple=64"]
+    ref = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "ref", 2, steps, 4) + padded, processes=2,
+                       trace_dir=tmp_path / "tref")
     summary_of(ref)
 
     trace = tmp_path / "tcut"
-    job = _launch_background(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4), trace)
+    job = _launch_background(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4) + padded, trace)
     pid = _wait_for_step(trace, 1, 5, job)
     os.kill(pid, signal.SIGKILL)  # one rank dies mid-run; the launcher tears the job down
     out, _ = job.communicate(timeout=120)
     assert job.returncode != 0, out[-3000:]
     assert (tmp_path / "cut/checkpoints/latest").read_text().strip() in ("step-00000004", "step-00000008")
 
-    resumed = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4), processes=2, trace_dir=trace)
+    resumed = run_pretrain(CONFIG, _overrides(bert_corpus, tmp_path / "cut", 2, steps, 4) + padded, processes=2,
+                           trace_dir=trace)
     s = summary_of(resumed)
     assert s["resumed_from"] and s["steps"] == steps
     assert "Resuming from" in resumed.stdout
