@@ -132,19 +132,22 @@ def _bounds(kind: str, a: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
 
 
 def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: int = 0,
-                  vocab_size: int = 0) -> list[dict[str, Any]]:
+                  vocab_size: int = 0, sample_type: type[dict] = dict) -> list[dict[str, Any]]:
     """The loader's samples of one token record: ``{key, input_ids (int64)[, len_a, len_b, next_sentence_label]}``.
 
     ``max_tokens`` / ``vocab_size`` (0: unchecked): a sample longer, or with an id outside ``[0, vocab_size)``,
     gets an ``error`` entry saying why. Checked once per record (a max of the lengths, a min/max of the raw
-    token array), sample by sample only when the record fails.
+    token array), sample by sample only when the record fails. ``sample_type``: the dict class of the samples
+    (a reader marks them as decoded without copying each); their ``input_ids`` are read-only views of one array.
     """
     if "input_ids.npy" not in members:
         raise ValueError(f"record {key} has no input_ids.npy (members: {', '.join(members)})")
     a = _arrays(members)
     starts, lengths = _bounds(kind, a)
     flat = a["input_ids"].reshape(-1).astype(np.int64)
-    out = [{"key": f"{key}-{i:05d}", "input_ids": flat[s: s + n]} for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))]
+    flat.flags.writeable = False  # samples are views: a reader may cache the record and hand them out again
+    out = [sample_type(key=f"{key}-{i:05d}", input_ids=flat[s: s + n])
+           for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))]
     if kind == "bert_pairs":
         for d, la, lb, y in zip(out, a["len_a"].tolist(), a["len_b"].tolist(), a["nsp"].tolist(), strict=True):
             d["len_a"], d["len_b"], d["next_sentence_label"] = la, lb, y

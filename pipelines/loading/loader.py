@@ -16,9 +16,11 @@ stores one integer per corpus.
 4. Ranks: optimizer step s consumes the global slots ``[s G, (s+1) G)`` (G = world x micro batch x
    accumulation steps); rank r takes the contiguous block ``[s G + r G/world, s G + (r+1) G/world)``
    cut into its micro-batches, so every rank has the same number of batches and none waits.
-5. Workers: a rank's micro-batches go to DataLoader workers in items of ``group`` consecutive
-   micro-batches (about one shuffle window), item i to worker ``i % W`` — the order in which the
-   DataLoader returns them — so each window is read by about one worker.
+5. Workers: a rank's micro-batches go to DataLoader workers in items of consecutive micro-batches,
+   item i to worker ``i % W`` — the order in which the DataLoader returns them. Items grow 1, 2, 4,
+   ... up to ``group`` micro-batches (about one shuffle window, so each window is read by about one
+   worker) in every worker's turn (``item_span``): the first batch after a start or a resume waits
+   for one micro-batch, not for ``group`` of them.
 
 Evaluation (``evaluation_batches``, ``evaluation_plan``) reads a split once in order, every sample
 on exactly one rank, the last partial batch included; every rank runs as many forwards.
@@ -54,6 +56,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
 from pipelines.loading.blend import SlotCursor
+from pipelines.loading.handover import Packed
 from pipelines.loading.map_style import MapStyleSource, evaluation_plan
 from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
@@ -78,6 +81,21 @@ log = logging.getLogger(__name__)
 
 _WINDOWS_KEPT = 2  # per corpus and worker: the window being read and the one before (a batch may straddle)
 _MAX_GROUP = 16  # micro-batches per worker item, at most
+
+
+def item_span(i: int, workers: int, group: int) -> tuple[int, int]:
+    """Micro-batches ``[lo, hi)`` (from the stream's first) of worker item ``i``: round ``r = i // workers``
+    holds ``workers`` items of ``min(group, 2**r)`` each."""
+    r, q = divmod(i, workers)
+    ramp = max(0, (group - 1).bit_length())  # rounds before items reach `group`
+    size = min(group, 1 << min(r, ramp))
+    lo = workers * ((1 << min(r, ramp)) - 1 + max(0, r - ramp) * group) + q * size
+    return lo, lo + size
+
+
+def _identity(item: Any) -> Any:
+    """The DataLoader's collate_fn: items are collated in ``_Stream`` already (the default walks every key string)."""
+    return item
 
 
 def shard_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -142,6 +160,19 @@ class _Window:
         self.perm = seq.permutation(epoch, start, length)
         self.decoded: dict[int, dict[str, Any] | None] = {}
 
+    def take(self, j0: int, j1: int, epoch: int, out: list[dict[str, Any]]) -> None:
+        """Append the samples in shuffled slots ``j0 .. j1-1``, marked with ``epoch``. A format-2 token
+        sample was decoded and checked with its record (read-only arrays: nothing to copy or check)."""
+        raw, fast = self.raw, 0
+        for j, i in enumerate(self.perm[j0:j1].tolist(), j0):
+            parts = raw[i][2]
+            if type(parts) is Decoded:
+                out.append({**parts, "epoch": epoch})
+                fast += 1
+            else:  # anything else (an error entry, format 1, an image) decodes and counts itself
+                out.append({**self.sample(j), "epoch": epoch})
+        self.reader.seen += fast
+
     def sample(self, j: int) -> dict[str, Any]:
         """The sample in shuffled slot ``j``."""
         i = int(self.perm[j])
@@ -198,16 +229,29 @@ class _Samples:
         """Sample ``k`` of corpus ``c``'s sequence, marked with its epoch (and its corpus, in a mixture)."""
         seq = self.src.sequences[c]
         epoch, start, length, j = seq.locate(k)
+        s = {**self._window(c, seq, epoch, start, length).sample(j), "epoch": epoch}
+        if len(self.src.sequences) > 1:
+            s["key"] = f"{self.src.names[c]}/{s['key']}"
+        return s
+
+    def run(self, c: int, k: int, n: int) -> list[dict[str, Any]]:
+        """Samples ``k .. k+n-1`` of corpus ``c``'s sequence (one corpus: ``get`` for each, a window at a time)."""
+        seq, out = self.src.sequences[c], []
+        while n > 0:
+            epoch, start, length, j = seq.locate(k)
+            step = min(n, length - j)
+            self._window(c, seq, epoch, start, length).take(j, j + step, epoch, out)
+            k, n = k + step, n - step
+        return out
+
+    def _window(self, c: int, seq: CorpusSequence, epoch: int, start: int, length: int) -> _Window:
         cache = self.windows[c]
         win = cache.get((epoch, start))
         if win is None:
             win = cache[(epoch, start)] = _Window(self.src, seq, epoch, start, length, self.readers[c])
             while len(cache) > _WINDOWS_KEPT:
                 cache.popitem(last=False)
-        s = {**win.sample(j), "epoch": epoch}
-        if len(self.src.sequences) > 1:
-            s["key"] = f"{self.src.names[c]}/{s['key']}"
-        return s
+        return win
 
     def close(self) -> None:
         for r in self.readers:
@@ -234,7 +278,8 @@ class _Stream(IterableDataset):
         cursor = SlotCursor.from_state(self.cursor)  # this worker's own copy, moved forward as it reads
         samples = _Samples(src)
         try:
-            yield from self._items(src, samples, cursor, p, W)
+            for item in self._items(src, samples, cursor, p, W):
+                yield Packed(item) if info else item
         except DataError as exc:
             if info is None:
                 raise
@@ -246,18 +291,19 @@ class _Stream(IterableDataset):
         """Worker ``p`` of ``W``'s items: ``group`` collated micro-batches each."""
         i = p
         while True:
-            lo = self.first + i * src.group
-            hi = lo + src.group if self.count is None else min(lo + src.group, self.first + self.count)
+            lo, hi = (self.first + x for x in item_span(i, W, src.group))
+            if self.count is not None:
+                hi = min(hi, self.first + self.count)
             if lo >= hi:
                 return
             item = []
             for j in range(lo, hi):
-                if self.plan is None:
-                    picks = cursor.take(src.slot(self.origin, j), src.mb)
+                if self.plan is not None:
+                    batch = samples.run(0, *self.plan[j])
+                elif len(src.sequences) == 1:  # one corpus: consecutive indices of its sequence
+                    batch = samples.run(0, cursor.take(src.slot(self.origin, j), src.mb)[0][1], src.mb)
                 else:
-                    start, size = self.plan[j]
-                    picks = [(0, k) for k in range(start, start + size)]
-                batch = [samples.get(c, k) for c, k in picks]
+                    batch = [samples.get(c, k) for c, k in cursor.take(src.slot(self.origin, j), src.mb)]
                 item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
             yield item
             i += W
@@ -350,9 +396,9 @@ class StreamingSource:
         # Own generator: creating loaders never consumes the global torch RNG (exact resume).
         gen = torch.Generator().manual_seed(self.seed * 1000003 + self.origin)
         loader = DataLoader(_Stream(self, self.cursor.state(), self.origin, self.done, limit), batch_size=None,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
+                            collate_fn=_identity, num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
         for item in loader:
-            for batch in item:
+            for batch in (item.batches() if isinstance(item, Packed) else item):
                 if isinstance(batch, _Failed):
                     raise DataError(batch.message)
                 self.done += 1
@@ -370,11 +416,11 @@ class StreamingSource:
             kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
         spans = [(start, size) for start, size, _ in plan]
         loader = DataLoader(_Stream(self, SlotCursor(self.weights).state(), 0, 0, len(plan), plan=spans), batch_size=None,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            collate_fn=_identity, num_workers=self.num_workers, pin_memory=self.pin_memory,
                             generator=torch.Generator().manual_seed(self.seed), **kwargs)
         counted = iter([c for _, _, c in plan])
         for item in loader:
-            for batch in item:
+            for batch in (item.batches() if isinstance(item, Packed) else item):
                 if isinstance(batch, _Failed):
                     raise DataError(batch.message)
                 yield batch, next(counted)
