@@ -110,12 +110,13 @@ def _arrays(members: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: int = 0,
-                  vocab_size: int = 0) -> list[dict[str, Any]]:
+                  vocab_size: int = 0, sample_type: type[dict] = dict) -> list[dict[str, Any]]:
     """The loader's samples of one token record: ``{key, input_ids (int64)[, len_a, len_b, next_sentence_label]}``.
 
     ``max_tokens`` / ``vocab_size`` (0: unchecked): a sample longer, or with an id outside ``[0, vocab_size)``,
     gets an ``error`` entry saying why. Checked once per record (a max of the lengths, a min/max of the raw
-    token array), sample by sample only when the record fails.
+    token array), sample by sample only when the record fails. ``sample_type``: the dict class of the samples
+    (a reader marks them as decoded without copying each); their ``input_ids`` are read-only views of one array.
     """
     if "input_ids.npy" not in members:
         raise ValueError(f"record {key} has no input_ids.npy (members: {', '.join(members)})")
@@ -123,7 +124,9 @@ def decode_record(kind: str, key: str, members: dict[str, Any], *, max_tokens: i
     spec = corpus_kind(kind)
     starts, lengths = spec.bounds(a)
     flat = a["input_ids"].reshape(-1).astype(np.int64)
-    out = [{"key": f"{key}-{i:05d}", "input_ids": flat[s: s + n]} for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))]
+    flat.flags.writeable = False  # samples are views: a reader may cache the record and hand them out again
+    out = [sample_type(key=f"{key}-{i:05d}", input_ids=flat[s: s + n])
+           for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True))]
     spec.decode(out, a)
     raw = a["input_ids"]
     too_long = bool(max_tokens) and len(lengths) > 0 and int(lengths.max()) > max_tokens

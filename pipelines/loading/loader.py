@@ -16,9 +16,11 @@ stores one integer per corpus.
 4. Ranks: optimizer step s consumes the global slots ``[s G, (s+1) G)`` (G = world x micro batch x
    accumulation steps); rank r takes the contiguous block ``[s G + r G/world, s G + (r+1) G/world)``
    cut into its micro-batches, so every rank has the same number of batches and none waits.
-5. Workers: a rank's micro-batches go to DataLoader workers in items of ``group`` consecutive
-   micro-batches (about one shuffle window), item i to worker ``i % W`` — the order in which the
-   DataLoader returns them — so each window is read by about one worker.
+5. Workers: a rank's micro-batches go to DataLoader workers in items of consecutive micro-batches,
+   item i to worker ``i % W`` — the order in which the DataLoader returns them. Items grow 1, 2, 4,
+   ... up to ``group`` micro-batches (about one shuffle window, so each window is read by about one
+   worker) in every worker's turn (``item_span``): the first batch after a start or a resume waits
+   for one micro-batch, not for ``group`` of them.
 
 Evaluation (``evaluation_batches``, ``evaluation_plan``) reads a split once in order, every sample
 on exactly one rank, the last partial batch included; every rank runs as many forwards.
@@ -42,7 +44,6 @@ not as torch's "Caught DataError in DataLoader worker process N" with the worker
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import OrderedDict
@@ -56,6 +57,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_shards
 from core.corpus_kinds import corpus_kind
 from pipelines.loading.blend import SlotCursor
+from pipelines.loading.handover import Packed
+from pipelines.loading.map_style import MapStyleSource, evaluation_plan
 from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
@@ -79,6 +82,21 @@ log = logging.getLogger(__name__)
 
 _WINDOWS_KEPT = 2  # per corpus and worker: the window being read and the one before (a batch may straddle)
 _MAX_GROUP = 16  # micro-batches per worker item, at most
+
+
+def item_span(i: int, workers: int, group: int) -> tuple[int, int]:
+    """Micro-batches ``[lo, hi)`` (from the stream's first) of worker item ``i``: round ``r = i // workers``
+    holds ``workers`` items of ``min(group, 2**r)`` each."""
+    r, q = divmod(i, workers)
+    ramp = max(0, (group - 1).bit_length())  # rounds before items reach `group`
+    size = min(group, 1 << min(r, ramp))
+    lo = workers * ((1 << min(r, ramp)) - 1 + max(0, r - ramp) * group) + q * size
+    return lo, lo + size
+
+
+def _identity(item: Any) -> Any:
+    """The DataLoader's collate_fn: items are collated in ``_Stream`` already (the default walks every key string)."""
+    return item
 
 
 def shard_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -143,6 +161,19 @@ class _Window:
         self.perm = seq.permutation(epoch, start, length)
         self.decoded: dict[int, dict[str, Any] | None] = {}
 
+    def take(self, j0: int, j1: int, epoch: int, out: list[dict[str, Any]]) -> None:
+        """Append the samples in shuffled slots ``j0 .. j1-1``, marked with ``epoch``. A format-2 token
+        sample was decoded and checked with its record (read-only arrays: nothing to copy or check)."""
+        raw, fast = self.raw, 0
+        for j, i in enumerate(self.perm[j0:j1].tolist(), j0):
+            parts = raw[i][2]
+            if type(parts) is Decoded:
+                out.append({**parts, "epoch": epoch})
+                fast += 1
+            else:  # anything else (an error entry, format 1, an image) decodes and counts itself
+                out.append({**self.sample(j), "epoch": epoch})
+        self.reader.seen += fast
+
     def sample(self, j: int) -> dict[str, Any]:
         """The sample in shuffled slot ``j``."""
         i = int(self.perm[j])
@@ -199,16 +230,29 @@ class _Samples:
         """Sample ``k`` of corpus ``c``'s sequence, marked with its epoch (and its corpus, in a mixture)."""
         seq = self.src.sequences[c]
         epoch, start, length, j = seq.locate(k)
+        s = {**self._window(c, seq, epoch, start, length).sample(j), "epoch": epoch}
+        if len(self.src.sequences) > 1:
+            s["key"] = f"{self.src.names[c]}/{s['key']}"
+        return s
+
+    def run(self, c: int, k: int, n: int) -> list[dict[str, Any]]:
+        """Samples ``k .. k+n-1`` of corpus ``c``'s sequence (one corpus: ``get`` for each, a window at a time)."""
+        seq, out = self.src.sequences[c], []
+        while n > 0:
+            epoch, start, length, j = seq.locate(k)
+            step = min(n, length - j)
+            self._window(c, seq, epoch, start, length).take(j, j + step, epoch, out)
+            k, n = k + step, n - step
+        return out
+
+    def _window(self, c: int, seq: CorpusSequence, epoch: int, start: int, length: int) -> _Window:
         cache = self.windows[c]
         win = cache.get((epoch, start))
         if win is None:
             win = cache[(epoch, start)] = _Window(self.src, seq, epoch, start, length, self.readers[c])
             while len(cache) > _WINDOWS_KEPT:
                 cache.popitem(last=False)
-        s = {**win.sample(j), "epoch": epoch}
-        if len(self.src.sequences) > 1:
-            s["key"] = f"{self.src.names[c]}/{s['key']}"
-        return s
+        return win
 
     def close(self) -> None:
         for r in self.readers:
@@ -235,7 +279,8 @@ class _Stream(IterableDataset):
         cursor = SlotCursor.from_state(self.cursor)  # this worker's own copy, moved forward as it reads
         samples = _Samples(src)
         try:
-            yield from self._items(src, samples, cursor, p, W)
+            for item in self._items(src, samples, cursor, p, W):
+                yield Packed(item) if info else item
         except DataError as exc:
             if info is None:
                 raise
@@ -247,45 +292,22 @@ class _Stream(IterableDataset):
         """Worker ``p`` of ``W``'s items: ``group`` collated micro-batches each."""
         i = p
         while True:
-            lo = self.first + i * src.group
-            hi = lo + src.group if self.count is None else min(lo + src.group, self.first + self.count)
+            lo, hi = (self.first + x for x in item_span(i, W, src.group))
+            if self.count is not None:
+                hi = min(hi, self.first + self.count)
             if lo >= hi:
                 return
             item = []
             for j in range(lo, hi):
-                if self.plan is None:
-                    picks = cursor.take(src.slot(self.origin, j), src.mb)
+                if self.plan is not None:
+                    batch = samples.run(0, *self.plan[j])
+                elif len(src.sequences) == 1:  # one corpus: consecutive indices of its sequence
+                    batch = samples.run(0, cursor.take(src.slot(self.origin, j), src.mb)[0][1], src.mb)
                 else:
-                    start, size = self.plan[j]
-                    picks = [(0, k) for k in range(start, start + size)]
-                batch = [samples.get(c, k) for c, k in picks]
+                    batch = [samples.get(c, k) for c, k in cursor.take(src.slot(self.origin, j), src.mb)]
                 item.append(src.collate(batch, epoch=batch[0]["epoch"], train=src.train))
             yield item
             i += W
-
-
-class _PositionedSource:
-    """Position bookkeeping shared by the map-style source: (epoch, batches consumed in it, samples seen)."""
-
-    epoch = batch_in_epoch = samples_seen = mb = batches_per_epoch = 0
-
-    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
-        """``count`` batches (None: without end) from batch ``start`` of ``epoch`` on, across epochs."""
-        raise NotImplementedError
-
-    def batches(self, limit: int | None = None) -> Iterator[dict[str, Any]]:
-        """Batches from the current position; advances the position as they are consumed."""
-        produced, stream = 0, None
-        while limit is None or produced < limit:
-            if self.batch_in_epoch >= self.batches_per_epoch:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-            if stream is None:
-                stream = self._stream(self.epoch, self.batch_in_epoch, None if limit is None else limit - produced)
-            batch = next(stream)
-            self.batch_in_epoch += 1
-            self.samples_seen += self.mb
-            produced += 1
-            yield batch
 
 
 class StreamingSource:
@@ -375,9 +397,9 @@ class StreamingSource:
         # Own generator: creating loaders never consumes the global torch RNG (exact resume).
         gen = torch.Generator().manual_seed(self.seed * 1000003 + self.origin)
         loader = DataLoader(_Stream(self, self.cursor.state(), self.origin, self.done, limit), batch_size=None,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
+                            collate_fn=_identity, num_workers=self.num_workers, pin_memory=self.pin_memory, generator=gen, **kwargs)
         for item in loader:
-            for batch in item:
+            for batch in (item.batches() if isinstance(item, Packed) else item):
                 if isinstance(batch, _Failed):
                     raise DataError(batch.message)
                 self.done += 1
@@ -395,11 +417,11 @@ class StreamingSource:
             kwargs.update(prefetch_factor=self.prefetch_factor, persistent_workers=False)
         spans = [(start, size) for start, size, _ in plan]
         loader = DataLoader(_Stream(self, SlotCursor(self.weights).state(), 0, 0, len(plan), plan=spans), batch_size=None,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory,
+                            collate_fn=_identity, num_workers=self.num_workers, pin_memory=self.pin_memory,
                             generator=torch.Generator().manual_seed(self.seed), **kwargs)
         counted = iter([c for _, _, c in plan])
         for item in loader:
-            for batch in item:
+            for batch in (item.batches() if isinstance(item, Packed) else item):
                 if isinstance(batch, _Failed):
                     raise DataError(batch.message)
                 yield batch, next(counted)
@@ -442,99 +464,3 @@ class StreamingSource:
         self.origin, self.done = position, micro
         self.cursor = SlotCursor.resumed(state["cursor"], self.names, self.weights, position)
         self.cursor.take(position, 0)
-
-
-class MapStyleSource(_PositionedSource):
-    """Seekable, rank-balanced batches from any map-style dataset (e.g. a labelled TSV for fine-tuning).
-
-    Epoch order is ``rng(seed, epoch)`` over indices (or identity without shuffle); each rank takes
-    every ``world``-th index of the first ``nb*world*mb``; resume skips indices, never data.
-    ``collate(list_of_items) -> dict`` builds the batch. ``filler``: keep the last partial batch (an
-    epoch then sees every item, as a ``DataLoader`` with ``drop_last=False``); ``filler`` is an item
-    its collate and task mark invalid (e.g. ``valid: False``), given to a rank whose share of the last
-    batch is empty. Without it the last ``len % (world*mb)`` items of each epoch's order are left out.
-    """
-
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, micro_batch_size: int,
-                 rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
-                 start_method: str = "forkserver", filler: Any = None):
-        self.dataset, self.collate, self.mb = dataset, collate, micro_batch_size
-        self.rank, self.world, self.seed, self.shuffle, self.num_workers = rank, world, seed, shuffle, num_workers
-        self.start_method, self.filler = start_method, filler
-        per_batch = world * micro_batch_size
-        self.batches_per_epoch = -(-len(dataset) // per_batch) if filler is not None else len(dataset) // per_batch
-        if self.batches_per_epoch == 0:
-            raise DataError(f"The dataset has {len(dataset)} items, fewer than one batch per rank ({world} x {micro_batch_size}).")
-        self.epoch, self.batch_in_epoch, self.samples_seen = 0, 0, 0
-
-    def _indices(self, epoch: int) -> list[int]:
-        """This rank's item indices for ``epoch`` in order; -1 stands for the filler."""
-        n = len(self.dataset)
-        order = np.random.default_rng([self.seed, epoch, 13]).permutation(n) if self.shuffle else np.arange(n)
-        slots = self.batches_per_epoch * self.world * self.mb
-        used = np.concatenate([order, np.full(max(0, slots - n), -1)])[:slots]
-        return [int(i) for i in used[self.rank:: self.world]]
-
-    def _stream(self, epoch: int, start: int, count: int | None) -> Iterator[dict[str, Any]]:
-        while True:  # one loader per epoch
-            yield from self._epoch_loader(epoch, start)
-            epoch, start = epoch + 1, 0
-
-    def _epoch_loader(self, epoch: int, start: int) -> DataLoader:
-        idx = self._indices(epoch)[start * self.mb:]
-        batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
-        gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-        return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
-                          collate_fn=functools.partial(_collate_items, self.dataset, self.collate, self.filler),
-                          **loader_kwargs(self.num_workers, self.start_method))
-
-    def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:
-        """One pass over the dataset in its order, every item exactly once across ranks: ``(batch, counted)``
-        (see ``evaluation_plan``); the training position is neither used nor moved."""
-        plan = evaluation_plan(len(self.dataset), self.mb, self.rank, self.world, limit)
-        batched = [list(range(start, start + size)) for start, size, _ in plan]
-        loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers,
-                            generator=torch.Generator().manual_seed(self.seed),
-                            collate_fn=functools.partial(_collate_items, self.dataset, self.collate, None),
-                            **loader_kwargs(self.num_workers, self.start_method))
-        for batch, (_, _, counted) in zip(loader, plan, strict=True):
-            yield batch, counted
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples_seen": self.samples_seen,
-                "world_size": self.world, "micro_batch_size": self.mb, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self.samples_seen = int(state.get("samples_seen", 0))
-
-
-def evaluation_plan(total: int, mb: int, rank: int, world: int, limit: int | None = None) -> list[tuple[int, int, bool]]:
-    """This rank's micro-batches of one evaluation pass over ``total`` samples: ``(first sample, size, counted)``.
-
-    Global batch b is samples ``[b W mb, (b+1) W mb)`` and rank r takes its r-th block of ``mb``, so the
-    ranks together read every sample exactly once, the last partial batch included. Every rank runs
-    the same number of forward passes (``ceil(total / (W mb))``, or ``limit``), because ZeRO-3 and
-    sharded models gather parameters collectively in each forward: a rank whose block of the last
-    batch is empty runs one sample (the split's last) that is not counted, instead of leaving its
-    peers waiting.
-    """
-    per_global = world * mb
-    count = math.ceil(total / per_global)
-    if limit:
-        count = min(count, limit)
-    plan = []
-    for b in range(count):
-        start = b * per_global + rank * mb
-        size = max(0, min(mb, total - start))
-        plan.append((start, size, True) if size else (total - 1, 1, False))
-    return plan
-
-
-def _collate_items(dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], filler: Any,
-                   indices: list[int]) -> dict[str, Any]:
-    """One batch of a map-style dataset (a module-level function: workers may be started by pickling).
-
-    Filler slots (-1) are left out, so the last batch is simply smaller; only a rank whose last batch
-    would be empty gets one filler (every rank must take the step)."""
-    return collate([dataset[i] for i in indices if i >= 0] or [filler])

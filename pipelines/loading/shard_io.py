@@ -76,10 +76,10 @@ class SampleLimits:
         return SampleLimits(min((v for v in (self.max_tokens, seq) if v), default=0),
                             min((v for v in (self.vocab_size, m.vocab_size) if v), default=0))
 
-    def checked_record(self, samples: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-        """A decoded format-2 record as ``(key, Decoded)``; a sample ``decode_record`` found over a limit
+    def checked_record(self, samples: list[Decoded]) -> list[tuple[str, Any]]:
+        """A decoded format-2 record (``decode_record(..., sample_type=Decoded)``) as ``(key, Decoded)``; a sample ``decode_record`` found over a limit
         becomes an error entry (a bad sample, counted and named with its shard)."""
-        return [(d["key"], d["error"]) if "error" in d else (d["key"], Decoded(d)) for d in samples]
+        return [(d["key"], d["error"]) if "error" in d else (d["key"], d) for d in samples]
 
     def check(self, sample: dict[str, Any]) -> None:
         """Raise ValueError (a bad sample) if ``sample``'s ``input_ids`` break a limit: one min/max per sample."""
@@ -287,7 +287,8 @@ class ShardReader:
         return got
 
     def _decode_record(self, key: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
-        return decode_record(self.m.kind, key, parts, max_tokens=self.limits.max_tokens, vocab_size=self.limits.vocab_size)
+        return decode_record(self.m.kind, key, parts, max_tokens=self.limits.max_tokens, vocab_size=self.limits.vocab_size,
+                             sample_type=Decoded)
 
     def _keep(self, name: str, r: int, samples: list[tuple[str, Any]]) -> None:
         self.records[(name, r)] = samples
@@ -400,5 +401,5 @@ def decode_sample(kind: str, key: str, parts: Any, token_dtype: str = "uint16") 
     spec = corpus_kind(kind)
     if isinstance(parts, Decoded):
         spec.validate(parts)
-        return {**parts, "input_ids": parts["input_ids"].copy()}  # a view of a cached record: never mutate it
+        return dict(parts)  # its input_ids: a read-only view of a cached record (``decode_record``)
     return spec.decode_parts(key, parts, token_dtype)

@@ -97,6 +97,23 @@ def test_the_sequence_does_not_depend_on_world_workers_or_micro_batch(uneven):
     assert one == _global(m, t, world=4, mb=1, accum=2, steps=9)[0]
 
 
+def test_token_samples_are_read_only_views_of_their_cached_record(uneven):
+    # handed out without a copy, a sample written to by a collate would change what the next epoch reads
+    from pipelines.loading import shard_io
+
+    m = load_manifest(uneven)
+    got = shard_io.ShardReader(m).read(m.shards("train")[0], 0, 3)
+    assert len(got) == 3 and all(not parts["input_ids"].flags.writeable for _, parts in got)
+
+
+@pytest.mark.parametrize(("workers", "group"), [(1, 16), (2, 16), (3, 5), (2, 1)])
+def test_worker_items_start_with_one_micro_batch_and_tile_the_stream(workers, group):
+    spans = [data.item_span(i, workers, group) for i in range(60)]
+    assert all(hi - lo == 1 for lo, hi in spans[:workers])  # the first batch waits for one micro-batch, not `group`
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))  # no gap, no overlap
+    assert {hi - lo for lo, hi in spans[-workers:]} == {group}  # then about one shuffle window per item
+
+
 @pytest.mark.parametrize(("before", "after"), [((2, 4, 1), (1, 8, 1)), ((1, 4, 2), (2, 2, 2)), ((2, 2, 2), (1, 2, 4))])
 def test_resume_on_another_world_size_goes_on_with_the_next_global_sample(uneven, before, after):
     """(world, micro batch, accumulation) before and after the checkpoint; the global batch stays 8."""
