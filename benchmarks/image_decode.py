@@ -29,11 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_check import write_images  # noqa: E402
+
 from core.corpus_kinds import corpus_kind  # noqa: E402
 from core.families.vit import SPEC, vit_training_flops  # noqa: E402
 from data_prep.config import ImageConfig  # noqa: E402
 from data_prep.images import process_image  # noqa: E402
-from gpu_check import write_images  # noqa: E402
 from pipelines.engine.objectives import ImageClsTask  # noqa: E402
 
 H100_BF16 = 989.5e12
