@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RAW_PIXELS", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
+__all__ = ["RAW_PIXELS", "raw_pixels", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
            "registered_corpus_kind", "corpus_kind", "corpus_kind_names", "kind_of_record"]
 
 

@@ -14,6 +14,7 @@ import torch
 from core.config import ConfigError
 from core.corpus import DataError, load_manifest, verify_shards
 from data_prep.config import ImageConfig, PrepConfig, SourceConfig
+from data_prep.inspect_corpus import inspect_corpus
 from data_prep.job import run_prepare
 from pipelines.engine.objectives import ImageClsTask
 from pipelines.loading.loader import StreamingSource
@@ -51,6 +52,8 @@ def test_a_raw_corpus_gives_the_png_corpus_batches(digits, split, train, mixup):
     assert png.image_shape is None and raw.image_shape == (SIZE, SIZE, 3)
     assert json.loads((digits / "raw/manifest.json").read_text())["images"] == {
         "format": "raw", "shape": [SIZE, SIZE, 3], "dtype": "uint8", "layout": "HWC"}
+    if not mixup:
+        assert "image [8, 8] RGB raw  label" in inspect_corpus(str(digits / "raw"), n=1)
     task = ImageClsTask(png, seed=0, image_size=SIZE, mixup_alpha=mixup)
     a, b = _source(png, split, task, train), _source(raw, split, task, train)
     n = 3 if train else a.batches_per_epoch
