@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -277,6 +278,12 @@ class ImageClsTask(Task):
         self.seed, self.size, self.alpha = seed, image_size, mixup_alpha
         self.num_labels = max(manifest.class_map.values()) + 1
         self.class_map = manifest.class_map
+        stored = getattr(manifest, "image_shape", None)
+        if stored and stored[:2] != (image_size, image_size):
+            logging.getLogger(__name__).warning(
+                "%s stores raw images at %dx%d, the model reads %d px: crops are resized on the device without "
+                "antialiasing where they shrink. Prepare it with images.size=%d for the PIL-equivalent path.",
+                manifest.root, stored[0], stored[1], image_size, image_size)
 
     def _random_resized_crop(self, w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         area = w * h
@@ -374,9 +381,7 @@ class ImageClsTask(Task):
         grid = torch.stack([(2 * gx / W - 1)[:, None, :].expand(B, self.size, self.size),
                             (2 * gy / H - 1)[:, :, None].expand(B, self.size, self.size)], dim=-1)
         x = torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
-        mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1)
-        x = (x / 255.0 - mean) / std
+        x = (x / 255.0 - self.mean) / self.std  # python scalars: no host-to-device copy per step
         lam = batch.get("mixup_lambda")
         return x if lam is None else lam * x + (1 - lam) * x.roll(1, 0)
 
