@@ -11,8 +11,10 @@ GPU machines:
 WordPiece are fully trained: the recipes' vocabularies, hence their LM-head FLOPs) and synthetic photos-like
 images (smooth colour fields, shapes and noise, 256 px), and runs ``pretrain prepare`` on them with the
 shipped data configs: ``gpt_packed.yaml`` at seq_len 1024, ``demo_bert.yaml`` at 128, ``digits_images.yaml``
-with ``resize_shorter=256 format=jpeg`` (how an ImageNet-style corpus is stored). The corpora are small
-enough to travel with the device tool (~20 MB): the runs loop over them for as many epochs as they need.
+with ``format=raw size=224`` (how the ViT recipe recommends storing images: uint8 pixels at the model's size,
+cropped, flipped and normalised on the device; benchmarks/image_decode.py gives the CPU cost of each form).
+The corpora are small enough to travel with the device tool (~45 MB, 256 raw images of 150 kB): the runs
+loop over them for as many epochs as they need.
 
 ``run`` trains each recipe of ``configs/train/gpu/`` (GPT-2 small, BERT-base phase 1, ViT-B/16) with its
 own micro batch, precision and compile setting, once under DeepSpeed ZeRO-2 (the recipe as shipped) and
@@ -51,15 +53,15 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
 GPU = {
     "gpt": ("configs/train/gpu/gpt2_small.yaml", "configs/data/gpt_packed.yaml", ["seq_len=1024", "tokenizer.vocab_size=50257"]),
     "bert": ("configs/train/gpu/bert_base_phase1.yaml", "configs/data/demo_bert.yaml", ["seq_len=128", "tokenizer.vocab_size=30522"]),
-    "vit": ("configs/train/gpu/vit_b16.yaml", "configs/data/digits_images.yaml", ["images.resize_shorter=256", "images.format=jpeg"]),
+    "vit": ("configs/train/gpu/vit_b16.yaml", "configs/data/digits_images.yaml", ["images.format=raw", "images.size=224"]),
 }
 CPU = {
     "gpt": ("configs/train/gpt_tiny_cpu.yaml", "configs/data/gpt_packed.yaml", ["seq_len=64", "tokenizer.vocab_size=2000"]),
     "bert": ("configs/train/bert_tiny_cpu.yaml", "configs/data/demo_bert.yaml", ["seq_len=64", "tokenizer.vocab_size=2000"]),
-    "vit": ("configs/train/vit_tiny_cpu.yaml", "configs/data/digits_images.yaml", ["images.resize_shorter=40", "images.format=jpeg"]),
+    "vit": ("configs/train/vit_tiny_cpu.yaml", "configs/data/digits_images.yaml", ["images.format=raw", "images.size=32"]),
 }
 # (text MB, images, image px) per mode
-SIZES = {"gpu": (3.0, 640, 256), "cpu": (0.3, 96, 48)}
+SIZES = {"gpu": (3.0, 256, 256), "cpu": (0.3, 96, 48)}
 BARE = {  # recipe -> model_step.py arguments of the recipe's model and batch (filled from the run config)
     "gpt": ["--seq-len", "1024"], "bert": ["--seq-len", "128"], "vit": [],
 }

@@ -146,6 +146,7 @@ class Manifest:
     vocab_size: int
     special_tokens: dict[str, int]
     class_map: dict[str, int]
+    image_shape: tuple[int, int, int] | None = None  # images stored raw: (height, width, channels) uint8; None: encoded
     splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
     version: tuple[int, int] = (SCHEMA_MAJOR, 0)
     url_prefix: str = ""  # the user's own (config/CLI): `pipe:CMD ` or a directory; never from the manifest
@@ -249,6 +250,7 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
         version=version,
         url_prefix=url_prefix,
     )
+    m.image_shape = _image_shape(raw, path)
     for split, info in (raw.get("splits") or {}).items():
         m.splits[split] = [_shard_info(s, root, path, version[0]) for s in info.get("shards", [])]
     if corpus_kind(m.kind).tokenized and check_tokenizer:
@@ -262,6 +264,20 @@ def load_manifest(corpus: str | Path, *, kind: str | None = None, check_tokenize
                 f"were made with another tokenizer. Restore the original tokenizer or re-run `pretrain prepare`."
             )
     return m
+
+
+def _image_shape(raw: dict[str, Any], path: Path) -> tuple[int, int, int] | None:
+    """The (height, width, channels) of a raw-pixel images corpus; None for encoded images (and corpora
+    written before the ``images`` entry existed, all encoded)."""
+    images = raw.get("images") or {}
+    if images.get("format") != "raw":
+        return None
+    shape = images.get("shape")
+    if (not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(v, int) and v > 0 for v in shape)
+            or shape[2] not in (1, 3) or images.get("dtype") != "uint8" or images.get("layout") != "HWC"):
+        raise DataError(f"{path}: images.format is raw but its shape/dtype/layout ({shape}, {images.get('dtype')}, "
+                        f"{images.get('layout')}) is not [height, width, 1|3], uint8, HWC. Re-run `pretrain prepare`.")
+    return (shape[0], shape[1], shape[2])
 
 
 def _shard_info(s: dict[str, Any], root: Path, path: Path, major: int) -> ShardInfo:

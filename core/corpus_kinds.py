@@ -6,7 +6,9 @@ A corpus kind (the manifest's ``kind``) fixes what a sample holds and how it is 
   2-D ``input_ids`` array ``(n, seq_len + 1)``.
 - ``bert_pairs``: ``[CLS] A [SEP] B [SEP]`` with ``len_a``, ``len_b`` and the NSP label; a record is
   the samples' tokens one after the other plus ``len_a``, ``len_b`` and ``nsp`` arrays.
-- ``images``: an encoded image and its class; a record is one sample (``KEY.png|jpg`` + ``KEY.cls``).
+- ``images``: an image and its class; a record is one sample: ``KEY.png|jpg`` (encoded) or
+  ``KEY.pixels.npy`` (``images.format: raw``: uint8 height x width x channels at the model's size,
+  recorded in the manifest's ``images`` entry), + ``KEY.cls``.
 
 ``data_prep`` encodes with it, ``core.records`` and the loader decode and validate with it, and the
 release card reads what a run over it "saw" (tokens or images). A new kind is one subclass and one
@@ -23,8 +25,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
+__all__ = ["RAW_PIXELS", "raw_pixels", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
            "registered_corpus_kind", "corpus_kind", "corpus_kind_names", "kind_of_record"]
+
+
+RAW_PIXELS = "pixels.npy"  # member extension of a raw (pre-resized uint8) image
 
 
 def _len_dtype(seq_len: int) -> str:
@@ -81,6 +86,10 @@ class CorpusKind:
 
     def validate(self, sample: dict[str, Any]) -> None:
         """Raise ValueError if a decoded sample's fields disagree with each other."""
+
+    def manifest_fields(self, prep_config: dict[str, Any]) -> dict[str, Any]:
+        """Top-level manifest entries that say how this kind's samples are stored (from the prep config)."""
+        return {}
 
 
 class PackedLM(CorpusKind):
@@ -157,15 +166,40 @@ class Images(CorpusKind):
     tokenized = False
     seen = "images"
 
+    def manifest_fields(self, prep_config):
+        images = prep_config.get("images") or {}
+        fmt = str(images.get("format", "png"))
+        entry: dict[str, Any] = {"format": fmt}
+        if fmt == "raw":
+            side = int(images["size"])
+            entry.update(shape=[side, side, 1 if images.get("mode") == "L" else 3], dtype="uint8", layout="HWC")
+        return {"images": entry}
+
     def decode_parts(self, key, parts, token_dtype):
+        if "cls" not in parts:
+            raise ValueError("image sample needs an image (jpg/png/webp or pixels.npy) and a .cls label")
+        label = int(bytes(parts["cls"]).decode("ascii").strip())
+        if RAW_PIXELS in parts:  # stored as the model needs it: no decode; crop/flip/normalise run on the device
+            return {"key": key, "pixels": raw_pixels(parts[RAW_PIXELS]), "label": label}
         from PIL import Image
 
         ext = next((e for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
-        if ext is None or "cls" not in parts:
-            raise ValueError("image sample needs an image (jpg/png/webp) and a .cls label")
+        if ext is None:
+            raise ValueError("image sample needs an image (jpg/png/webp or pixels.npy) and a .cls label")
         img = Image.open(io.BytesIO(parts[ext]))
         img.load()
-        return {"key": key, "image": img.convert("RGB"), "label": int(bytes(parts["cls"]).decode("ascii").strip())}
+        return {"key": key, "image": img.convert("RGB"), "label": label}
+
+
+def raw_pixels(data: Any) -> np.ndarray:
+    """A raw image member -> uint8 (height, width, channels); ValueError if cut short or not such an array."""
+    buf = io.BytesIO(bytes(data))
+    arr = np.lib.format.read_array(buf, allow_pickle=False)
+    if buf.tell() != len(buf.getbuffer()):
+        raise ValueError(f"a raw image has {len(buf.getbuffer()) - buf.tell()} bytes past its {arr.shape} pixels")
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] not in (1, 3):
+        raise ValueError(f"a raw image holds uint8 (height, width, 1 or 3) pixels, got {arr.dtype} {arr.shape}")
+    return arr
 
 
 _KINDS: dict[str, CorpusKind] = {}

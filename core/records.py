@@ -11,7 +11,7 @@ class in ``core.corpus_kinds`` encodes and decodes its records:
 - ``bert_pairs``: ``KEY.input_ids.npy`` (1-D, the samples' ``[CLS] A [SEP] B [SEP]`` one after the
   other), ``KEY.len_a.npy``, ``KEY.len_b.npy`` (per sample) and ``KEY.nsp.npy`` (uint8 labels);
   sample ``i`` is ``len_a[i] + len_b[i] + 3`` tokens long.
-- ``images``: a record is one sample, ``KEY.png|jpg`` + ``KEY.cls`` (as in format 1).
+- ``images``: a record is one sample, ``KEY.png|jpg`` (or raw ``KEY.pixels.npy``) + ``KEY.cls`` (as in format 1).
 
 Sample ``i`` of record ``KEY`` has the key ``KEY-{i:05d}``. A record closes at ~1 MiB of tokens or
 4096 samples, so tar overhead is < 1 % and a record is the unit of random access. Each shard has an

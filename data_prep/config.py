@@ -84,10 +84,22 @@ class TokenizerConfig:
 class ImageConfig:
     """Image decoding and re-encoding."""
 
-    resize_shorter: int = option(0, help="Resize so the shorter side has this many pixels (0 = keep size).")
-    format: Literal["png", "jpeg"] = option("png", help="Re-encoding format.")
+    resize_shorter: int = option(0, help="png/jpeg: resize so the shorter side has this many pixels (0 = keep size).")
+    format: Literal["png", "jpeg", "raw"] = option(
+        "png", help="png | jpeg (encoded; decoded per sample by the loader's CPUs) | raw (uint8 HWC pixels at `size`: "
+                    "no decoding; crop, flip and normalisation run on the device; see docs/benchmarks.md).")
+    size: int = option(0, help="raw: the square side stored (shorter side resized to it, centre crop); set it to the "
+                               "recipe's data.image_size (e.g. 224).")
     jpeg_quality: int = option(90, help="JPEG quality (1-95).")
     mode: Literal["RGB", "L"] = option("RGB", help="Colour mode images are converted to.")
+
+    def __post_init__(self) -> None:
+        if self.format == "raw" and self.size <= 0:
+            raise ConfigError("images.format=raw stores pixels at one square size: set images.size to the recipe's "
+                              "data.image_size (e.g. images.size=224).")
+        if self.format != "raw" and self.size:
+            raise ConfigError(f"images.size={self.size} applies to images.format=raw only; for {self.format} use "
+                              f"images.resize_shorter.")
 
 
 @dataclass(kw_only=True)

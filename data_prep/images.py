@@ -1,14 +1,20 @@
 """Image decoding, optional resize of the shorter side, and deterministic re-encoding (PIL).
 
 Re-encoding gives every sample one format and colour mode so the training loader needs no
-special cases; PNG output is lossless and byte-reproducible, JPEG is smaller. A file PIL cannot
-decode raises `BadImage` and is counted and skipped by the job.
+special cases; PNG output is lossless and byte-reproducible, JPEG is smaller. ``raw`` stores what
+the accelerator needs instead: uint8 pixels (height, width, channels) at the model's square size
+as a ``.npy`` member, so the loader only reads bytes (no decode, no resize: docs/benchmarks.md).
+A file PIL cannot decode raises `BadImage` and is counted and skipped by the job.
 """
 
 from __future__ import annotations
 
 import io
 
+import numpy as np
+
+from core.corpus_kinds import RAW_PIXELS
+from core.records import npy_bytes
 from data_prep.config import ImageConfig
 
 __all__ = ["BadImage", "process_image"]
@@ -28,11 +34,18 @@ def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
             im = im.convert(cfg.mode)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise BadImage(str(exc)) from None
-    if cfg.resize_shorter > 0 and min(im.size) != cfg.resize_shorter:
+    shorter = cfg.size if cfg.format == "raw" else cfg.resize_shorter
+    if shorter > 0 and min(im.size) != shorter:
         w, h = im.size
-        scale = cfg.resize_shorter / min(w, h)
-        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        scale = shorter / min(w, h)
+        size = (max(shorter, round(w * scale)), max(shorter, round(h * scale)))
         im = im.resize(size, Image.Resampling.BICUBIC)
+    if cfg.format == "raw":
+        w, h = im.size
+        left, top = (w - cfg.size) // 2, (h - cfg.size) // 2
+        im = im.crop((left, top, left + cfg.size, top + cfg.size))
+        pixels = np.asarray(im, dtype=np.uint8).reshape(cfg.size, cfg.size, -1)  # mode L: one channel
+        return npy_bytes(pixels), RAW_PIXELS, cfg.size, cfg.size
     buf = io.BytesIO()
     if cfg.format == "png":
         im.save(buf, format="PNG", optimize=False, compress_level=6)

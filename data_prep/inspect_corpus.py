@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from core.corpus import DataError, read_manifest, read_shard, safe_path
+from core.corpus_kinds import RAW_PIXELS, raw_pixels
 from core.files import OutsideError, inside
 from data_prep.errors import PrepError
 
@@ -66,6 +67,9 @@ def decode_sample(members: dict[str, bytes], tokenizer=None) -> dict[str, Any]:
                 out["image_size"] = list(im.size)
                 out["image_mode"] = im.mode
             out["format"] = ext
+        elif ext == RAW_PIXELS:
+            h, w, c = raw_pixels(data).shape
+            out.update(image_size=[w, h], image_mode="RGB" if c == 3 else "L", format="raw")
         elif ext == "cls":
             out["label"] = int(data.decode("ascii"))
     return out

@@ -403,6 +403,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
         "token_dtype": ctx.token_dtype,
         "class_map": class_map,
         "prep_config": manifest_config(cfg),
+        **corpus_kind(cfg.kind).manifest_fields(manifest_config(cfg)),
         "splits": dict(sorted(splits.items())),
         "stats": stats.to_dict(),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -257,7 +258,14 @@ class CausalLMTask(Task):
 
 
 class ImageClsTask(Task):
-    """ViT: random-resized-crop + flip (train) / resize + center-crop (eval), optional mixup; top-1."""
+    """ViT: random-resized-crop + flip (train) / resize + center-crop (eval), optional mixup; top-1.
+
+    Encoded images (png/jpeg) are decoded, cropped, resized and normalised per sample in the loader's
+    workers (PIL). Raw-pixel corpora (``images.format: raw``) collate to one uint8 batch plus each
+    sample's crop box and flip, drawn from the same per-sample generator; ``forward`` does the resize
+    (bilinear ``grid_sample``, the PIL arithmetic), flip, cast, normalisation and mixup on the device,
+    so a loader worker only copies bytes (docs/benchmarks.md: ViT-B/16 input cost).
+    """
 
     name = "image_cls"
     unit = "img"
@@ -270,9 +278,14 @@ class ImageClsTask(Task):
         self.seed, self.size, self.alpha = seed, image_size, mixup_alpha
         self.num_labels = max(manifest.class_map.values()) + 1
         self.class_map = manifest.class_map
+        stored = getattr(manifest, "image_shape", None)
+        if stored and stored[:2] != (image_size, image_size):
+            logging.getLogger(__name__).warning(
+                "%s stores raw images at %dx%d, the model reads %d px: crops are resized on the device without "
+                "antialiasing where they shrink. Prepare it with images.size=%d for the PIL-equivalent path.",
+                manifest.root, stored[0], stored[1], image_size, image_size)
 
-    def _random_resized_crop(self, img, rng):
-        w, h = img.size
+    def _random_resized_crop(self, w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         area = w * h
         for _ in range(10):
             target = area * rng.uniform(0.08, 1.0)
@@ -283,6 +296,20 @@ class ImageClsTask(Task):
                 return (x, y, x + cw, y + ch)
         side = min(w, h)  # fallback: central square
         return ((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2)
+
+    def _eval_resized(self, w: int, h: int) -> tuple[int, int]:
+        """Size of the eval resize (shorter side ``eval_resize``) before the centre crop."""
+        short = self.eval_resize(self.size)
+        return (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+
+    def _view(self, w: int, h: int, rng: np.random.Generator | None) -> tuple[tuple[float, ...], bool]:
+        """(crop box in source pixels, flip) of one sample: the region ``transform`` resizes to ``size``."""
+        if rng is not None:
+            box = self._random_resized_crop(w, h, rng)
+            return tuple(float(v) for v in box), bool(rng.random() < 0.5)
+        rw, rh = self._eval_resized(w, h)
+        left, top, S = (rw - self.size) // 2, (rh - self.size) // 2, self.size
+        return (left * w / rw, top * h / rh, (left + S) * w / rw, (top + S) * h / rh), False
 
     @staticmethod
     def eval_resize(image_size: int) -> int:
@@ -300,14 +327,11 @@ class ImageClsTask(Task):
 
         S = self.size
         if rng is not None:
-            img = img.resize((S, S), Image.BILINEAR, box=self._random_resized_crop(img, rng))
+            img = img.resize((S, S), Image.BILINEAR, box=self._random_resized_crop(*img.size, rng))
             if rng.random() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
         else:  # the arithmetic of transformers' shortest_edge resize + center crop (see eval_processor_config)
-            w, h = img.size
-            short = self.eval_resize(S)
-            size = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-            img = img.resize(size, Image.BILINEAR)
+            img = img.resize(self._eval_resized(*img.size), Image.BILINEAR)
             w, h = img.size
             left, top = (w - S) // 2, (h - S) // 2
             img = img.crop((left, top, left + S, top + S))
@@ -315,20 +339,57 @@ class ImageClsTask(Task):
         return (x - self.mean) / self.std
 
     def collate(self, samples, *, epoch, train):
-        px = torch.stack([self.transform(s["image"], _rng(self.seed, s.get("epoch", epoch), s["key"]) if train else None)
-                          for s in samples])
+        raw = sum(1 for s in samples if "pixels" in s)
+        if raw not in (0, len(samples)):
+            raise ValueError("a batch mixes raw-pixel and encoded images; blend corpora stored the same way")
+        rngs = [_rng(self.seed, s.get("epoch", epoch), s["key"]) if train else None for s in samples]
         labels = torch.tensor([s["label"] for s in samples], dtype=torch.long)
-        batch = {"pixel_values": px, "labels": labels, "keys": [s["key"] for s in samples],
-                 "num_bad": sum(1 for s in samples if s.get("bad"))}
+        batch: dict[str, Any] = {"labels": labels, "keys": [s["key"] for s in samples],
+                                 "num_bad": sum(1 for s in samples if s.get("bad"))}
+        if raw:  # uint8 pixels + where to crop; forward finishes on the device
+            views = [self._view(s["pixels"].shape[1], s["pixels"].shape[0], r) for s, r in zip(samples, rngs, strict=True)]
+            batch["pixels"] = torch.from_numpy(np.stack([s["pixels"] for s in samples]))
+            batch["crop_boxes"] = torch.tensor([v[0] for v in views], dtype=torch.float32)
+            batch["flips"] = torch.tensor([v[1] for v in views], dtype=torch.bool)
+        else:
+            batch["pixel_values"] = torch.stack([self.transform(s["image"], r) for s, r in zip(samples, rngs, strict=True)])
         if train and self.alpha > 0:
             lam = float(_rng(self.seed, samples[0].get("epoch", epoch), samples[0]["key"], "mixup").beta(self.alpha, self.alpha))
             onehot = torch.nn.functional.one_hot(labels, self.num_labels).float()
-            batch["pixel_values"] = lam * px + (1 - lam) * px.roll(1, 0)
             batch["labels"] = lam * onehot + (1 - lam) * onehot.roll(1, 0)
+            if raw:
+                batch["mixup_lambda"] = lam
+            else:
+                px = batch["pixel_values"]
+                batch["pixel_values"] = lam * px + (1 - lam) * px.roll(1, 0)
         return batch
 
+    def pixel_values(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The model's input of a batch: collated already (encoded images), or made here on the batch's
+        device from raw uint8 pixels, crop boxes and flips (the arithmetic of ``transform``'s PIL bilinear resize)."""
+        if "pixel_values" in batch:
+            return batch["pixel_values"]
+        pixels, boxes = batch["pixels"], batch["crop_boxes"]
+        B, H, W, _ = pixels.shape
+        x = pixels.permute(0, 3, 1, 2).float()
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        steps = (torch.arange(self.size, device=x.device, dtype=torch.float32) + 0.5) / self.size
+        gx = boxes[:, :1] + steps * (boxes[:, 2:3] - boxes[:, :1])  # (B, S) source x of each output column
+        gy = boxes[:, 1:2] + steps * (boxes[:, 3:4] - boxes[:, 1:2])
+        gx = torch.where(batch["flips"][:, None], gx.flip(1), gx)
+        grid = torch.stack([(2 * gx / W - 1)[:, None, :].expand(B, self.size, self.size),
+                            (2 * gy / H - 1)[:, :, None].expand(B, self.size, self.size)], dim=-1)
+        x = torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        x = (x / 255.0 - self.mean) / self.std  # python scalars: no host-to-device copy per step
+        lam = batch.get("mixup_lambda")
+        return x if lam is None else lam * x + (1 - lam) * x.roll(1, 0)
+
+    def model_inputs(self, batch):
+        return {"pixel_values": self.pixel_values(batch), "labels": batch["labels"]}
+
     def tokens(self, batch):
-        return int(batch["pixel_values"].shape[0])  # images
+        return int(batch["labels"].shape[0])  # images
 
     def eval_sums(self, out, batch):
         n = float(batch["labels"].shape[0])

@@ -59,6 +59,7 @@ class SampleLimits:
 
     max_tokens: int = 0
     vocab_size: int = 0
+    image_shape: tuple[int, int, int] | None = None  # a raw-pixel images corpus: every sample's (h, w, c)
 
     @classmethod
     def of_model(cls, model: Any, kind: str) -> SampleLimits:
@@ -71,7 +72,7 @@ class SampleLimits:
         """These limits narrowed by corpus ``m``'s own (its ``seq_len``, its tokenizer's vocabulary)."""
         kind = corpus_kind(m.kind)
         if not kind.tokenized:
-            return SampleLimits()
+            return SampleLimits(image_shape=m.image_shape)
         seq = kind.max_tokens(m.seq_len)
         return SampleLimits(min((v for v in (self.max_tokens, seq) if v), default=0),
                             min((v for v in (self.vocab_size, m.vocab_size) if v), default=0))
@@ -83,6 +84,9 @@ class SampleLimits:
 
     def check(self, sample: dict[str, Any]) -> None:
         """Raise ValueError (a bad sample) if ``sample``'s ``input_ids`` break a limit: one min/max per sample."""
+        pixels = sample.get("pixels")
+        if pixels is not None and pixels.shape != self.image_shape:
+            raise ValueError(f"raw image of shape {pixels.shape}, the manifest records {self.image_shape}")
         ids = sample.get("input_ids")
         if ids is not None and (self.max_tokens or self.vocab_size):
             why = sample_problem(ids, self.max_tokens, self.vocab_size)
