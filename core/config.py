@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -27,6 +26,7 @@ import yaml
 
 from core.errors import ConfigError
 from core.files import atomic_write_text
+from core.registry import did_you_mean
 
 __all__ = [
     "ConfigError",
@@ -42,13 +42,20 @@ __all__ = [
 ]
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """A dataclass field whose ``help`` text is its documentation (shown by ``describe``)."""
+def option(default: Any = dataclasses.MISSING, help: str = "", *, registry: Any = None, **kwargs: Any) -> Any:
+    """A dataclass field whose ``help`` text is its documentation (shown by ``describe``).
+
+    ``registry``: a ``core.registry.Registry`` whose names the (``str``) value must be; loading
+    checks it with a did-you-mean, so registering a name is all a new entry needs.
+    """
     if isinstance(default, (list, dict)):
         value = default
         kwargs["default_factory"] = lambda: type(value)(value)
         default = dataclasses.MISSING
-    return field(default=default, metadata={"help": help}, **kwargs)
+    metadata = {"help": help}
+    if registry is not None:
+        metadata["registry"] = registry
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,13 +217,14 @@ def from_dict(cls: type, data: dict[str, Any], *, source: str = "config", prefix
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
             raise ConfigError(
-                f"{source}: unknown key `{prefix}{key}`.{hint} "
+                f"{source}: unknown key `{prefix}{key}`.{did_you_mean(str(key), list(fields), prefix=prefix)} "
                 f"Valid keys here: {', '.join(sorted(fields))}."
             )
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}", source)
+        registry = fields[key].metadata.get("registry")
+        if registry is not None and kwargs[key] is not None:
+            registry.check_name(kwargs[key], source=source)
     try:
         return cls(**kwargs)
     except ConfigError as exc:

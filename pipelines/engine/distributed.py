@@ -33,6 +33,7 @@ from core.config import ConfigError
 from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file
 from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
+from pipelines.engine.registries import OPTIMIZERS
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run",
            "quiet_libraries"]
@@ -203,10 +204,11 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
                           "Use bf16 or fp32 on CPU, or distributed.engine=ddp (torch autocast + GradScaler).")
     if d.backend == "nccl" and env.device == "cpu":
         raise ConfigError("distributed.backend=nccl needs GPUs; use auto or gloo on CPU.")
-    if cfg.optim.name == "lamb" and d.engine == "deepspeed" and d.zero_stage >= 1:
-        warnings.warn("optim.name=lamb with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat fp32 partitions, "
-                      "so LAMB's trust ratio is computed per (parameter group, rank partition), not per layer as in "
-                      "You et al. 2020. Use zero_stage=0 (or engine=ddp) for the per-layer ratio.", stacklevel=2)
+    if OPTIMIZERS.lookup(cfg.optim.name).layerwise and d.engine == "deepspeed" and d.zero_stage >= 1:
+        warnings.warn(f"optim.name={cfg.optim.name} with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat "
+                      "fp32 partitions, so its per-layer norms (LAMB's trust ratio, You et al. 2020) are computed per "
+                      "(parameter group, rank partition), not per layer. Use zero_stage=0 (or engine=ddp) for the "
+                      "per-layer ratio.", stacklevel=2)
     if d.deepspeed_config:
         deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
 
