@@ -224,7 +224,8 @@ def from_dict(cls: type, data: dict[str, Any], *, source: str = "config", prefix
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}", source)
         registry = fields[key].metadata.get("registry")
         if registry is not None and kwargs[key] is not None:
-            registry.check_name(kwargs[key], source=source)
+            for name in kwargs[key] if isinstance(kwargs[key], list) else [kwargs[key]]:
+                registry.check_name(name, source=source)
     try:
         return cls(**kwargs)
     except ConfigError as exc:

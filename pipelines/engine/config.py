@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config, option
+from monitoring.sink import SINKS
 from pipelines.engine.registries import DECAYS, OPTIMIZERS, TASKS, WARMUPS
 
 __all__ = [
@@ -195,6 +196,8 @@ class LoggingConfig:
     wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
     mlflow: bool = option(False, help="Log to MLflow through accelerate.")
     prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
+    sinks: list[str] = option([], registry=SINKS, help="Further registered metric sinks by name (monitoring.sink."
+                                                       "register_sink), besides console, metrics.jsonl and the switches above.")
     prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
                                                     "0.0.0.0 = every interface (anyone who can reach the node).")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
