@@ -32,7 +32,7 @@ from pipelines.engine import distributed as dist
 from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
 
-__all__ = ["Trainer", "train", "build_model"]
+__all__ = ["Trainer", "RunHooks", "train", "build_model"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,21 @@ class _StepResult:
     rates: dict[str, float]  # throughput / MFU / data wait of this step
 
 
+class RunHooks:
+    """What a caller with more than pretraining adds to a run (fine-tuning: ``finetune.runner.EpochSelection``).
+
+    ``config_to_save``: what ``run_dir/config.yaml`` holds when the caller's config is richer than
+    ``RunConfig`` (None: the run's own). ``on_evaluation`` sees every evaluation, on every rank (the
+    metrics are already reduced over ranks); returning True after a periodic one stops the run
+    (early stopping). The defaults do nothing.
+    """
+
+    config_to_save: Any = None
+
+    def on_evaluation(self, step: int, metrics: dict[str, float]) -> bool:
+        return False
+
+
 class Trainer:
     """Runs ``cfg.train`` over ``train_data`` with ``task`` on ``model`` (see module docstring).
 
@@ -127,14 +142,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, model: torch.nn.Module, task: Any, train_data: Any, eval_data: Any = None,
                  env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
                  model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                 should_stop: Any = None, config_to_save: Any = None):
+                 hooks: RunHooks | None = None):
         from pipelines.engine.check import run_schedule
         from pipelines.engine.optim import build_optimizer
 
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
-        # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
-        # config_to_save: what run_dir/config.yaml holds when the caller's config is richer than RunConfig.
-        self.should_stop, self.config_to_save = should_stop, config_to_save
+        self.hooks = hooks or RunHooks()
         self.env = env or dist.init_env()
         dist.validate(cfg, self.env)
         if cfg.train.deterministic:
@@ -174,6 +187,7 @@ class Trainer:
             if self.eval_data is not None:
                 self.last_eval = self.evaluate()
                 run.logger.log(self.step, self.last_eval, split="eval")
+                self.hooks.on_evaluation(self.step, self.last_eval)  # the run ends here whatever it answers
             if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
                 last_saved = self.save(run.health, run.meter)
         if run.trace is not None:
@@ -198,7 +212,7 @@ class Trainer:
             try:
                 ckpt.claim_run_dir(self.run_dir)
                 ckpt.refuse_fresh_start_over_checkpoints(self.run_dir, self.cfg.train)
-                save_config(self.config_to_save or cfg, self.run_dir / "config.yaml")
+                save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
         resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
@@ -325,7 +339,7 @@ class Trainer:
         if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and stop_reason is None:
             self.last_eval = self.evaluate()
             run.logger.log(self.step, self.last_eval, split="eval")
-            if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
+            if self.hooks.on_evaluation(self.step, self.last_eval):
                 return "early_stopping"
         return stop_reason
 
