@@ -200,6 +200,10 @@ class LoggingConfig:
                                                        "register_sink), besides console, metrics.jsonl and the switches above.")
     prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
                                                     "0.0.0.0 = every interface (anyone who can reach the node).")
+    sample_keys: str = option("", help="Per-step sample-key log: a directory (relative to train.run_dir, e.g. "
+                                       "sample_keys) where each rank appends {step, loss, keys, pid} to rank-N.jsonl: "
+                                       "which samples every optimizer step trained on, for data-order audits and "
+                                       "resume checks; costs one host read per step. Empty = off.")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")

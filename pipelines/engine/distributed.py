@@ -35,7 +35,7 @@ from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
 from pipelines.engine.registries import OPTIMIZERS
 
-__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run",
+__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
            "quiet_libraries"]
 
 log = logging.getLogger(__name__)
@@ -182,11 +182,6 @@ def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | 
                             "wins. Set %s in the run config (or as an override) to use the other value, or remove "
                             "%s from the accelerate file.", field, key, value, key, final, key, field)
     return cfg
-
-
-def trace_dir() -> str | None:
-    """``PRETRAIN_TRACE_DIR``: when set, each rank appends its per-step loss and sample keys there (tests)."""
-    return os.environ.get("PRETRAIN_TRACE_DIR") or None
 
 
 def validate(cfg: RunConfig, env: DistEnv) -> None:

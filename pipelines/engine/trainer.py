@@ -273,7 +273,7 @@ class Trainer:
         self.last_loss = loss
         rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait,
                                    flops=flops or None)
-        if run.trace is not None:  # PRETRAIN_TRACE_DIR (tests, debugging): this rank's own loss, one more read
+        if run.trace is not None:  # logging.sample_keys: this rank's samples and own loss, one more host read
             run.trace.write(json.dumps({"step": self.step, "loss": local_loss.item(), "keys": keys, "pid": os.getpid()}) + "\n")
             run.trace.flush()
         return _StepResult(loss=loss, agg=agg, result=result, rates=rates)
@@ -456,11 +456,13 @@ class Trainer:
                 pass
 
     def _open_trace(self):
-        where = dist.trace_dir()
+        """``logging.sample_keys``: this rank's append-only sample-key log (docs/monitoring.md), or None."""
+        where = self.cfg.logging.sample_keys
         if not where:
             return None
-        Path(where).mkdir(parents=True, exist_ok=True)
-        return open(Path(where) / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
+        where = self.run_dir / where  # an absolute path stays as it is
+        where.mkdir(parents=True, exist_ok=True)
+        return open(where / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
