@@ -39,6 +39,7 @@ __all__ = [
     "to_dict",
     "save_config",
     "describe",
+    "check_registry_names",
 ]
 
 
@@ -230,6 +231,18 @@ def from_dict(cls: type, data: dict[str, Any], *, source: str = "config", prefix
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def check_registry_names(cfg: Any, *, source: str = "config") -> None:
+    """Check every ``option(registry=...)`` field of ``cfg`` (nested dataclasses included) against its
+    registry: what ``from_dict`` does at load, for a config built or changed in code."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_registry_names(value, source=source)
+        elif (registry := f.metadata.get("registry")) is not None and value is not None:
+            for name in value if isinstance(value, list) else [value]:
+                registry.check_name(name, source=source)
 
 
 def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = (), *, cls: type) -> Any:

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
+from core.config import ConfigError, check_registry_names
 from pipelines.engine.schedules import build_schedule
 
 __all__ = ["ACCELERATE_PRECISION", "MODEL_CATALOG", "TASK_FAMILY", "check", "check_accelerate_file", "check_inputs",
@@ -156,6 +156,7 @@ def check(cfg: Any, *, world_size: int = 1) -> None:
     ``cfg`` is a ``RunConfig`` or a fine-tuning config (same sections, no ``model``); ``world_size``
     is the number of processes the job will have.
     """
+    check_registry_names(cfg)  # optim.name, train.task, ...: a config built in code skipped the load's check
     _check_model(cfg)
     _check_schedule(cfg)
     _check_distributed(cfg, world_size)
