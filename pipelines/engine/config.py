@@ -196,10 +196,10 @@ class LoggingConfig:
     wandb: bool = option(False, help="Log to Weights & Biases through accelerate (offline works).")
     mlflow: bool = option(False, help="Log to MLflow through accelerate.")
     prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
-    sinks: list[str] = option([], registry=SINKS, help="Further registered metric sinks by name (monitoring.sink."
-                                                       "register_sink), besides console, metrics.jsonl and the switches above.")
     prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
                                                     "0.0.0.0 = every interface (anyone who can reach the node).")
+    sinks: list[str] = option([], registry=SINKS, help="Further registered metric sinks by name (monitoring.sink."
+                                                       "register_sink), besides console, metrics.jsonl and the switches above.")
     sample_keys: str = option("", help="Per-step sample-key log: a directory (relative to train.run_dir, e.g. "
                                        "sample_keys) where each rank appends {step, loss, keys, pid} to rank-N.jsonl: "
                                        "which samples every optimizer step trained on, for data-order audits and "
