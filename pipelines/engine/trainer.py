@@ -2,7 +2,7 @@
 
 ``train(cfg)`` is what ``python -m pipelines.pretrain`` runs in every process: it checks the corpus
 and the config *before* any process group exists, builds task, model and data sources, and hands
-them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``Trainer`` as is:
+them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``Trainer`` with its ``RunHooks``:
 
     trainer = Trainer(cfg, model=model, task=task, train_data=MapStyleSource(...), eval_data=MapStyleSource(...))
     summary = trainer.fit()
@@ -31,8 +31,9 @@ from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
+from pipelines.engine.hooks import RunHooks
 
-__all__ = ["Trainer", "RunHooks", "train", "build_model"]
+__all__ = ["Trainer", "train", "build_model"]
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +114,6 @@ class _StepResult:
     agg: dict[str, Any]  # the all-reduced sums and stop flags (``_reduce_metrics``)
     result: dict[str, Any]  # ``Engine.step`` / ``skip_step``: grad_norm, lr, skipped (+ loss_scale)
     rates: dict[str, float]  # throughput / MFU / data wait of this step
-
-
-class RunHooks:
-    """What a caller with more than pretraining adds to a run (fine-tuning: ``finetune.runner.EpochSelection``).
-
-    ``config_to_save``: what ``run_dir/config.yaml`` holds when the caller's config is richer than
-    ``RunConfig`` (None: the run's own). ``on_evaluation`` sees every evaluation, on every rank (the
-    metrics are already reduced over ranks); returning True after a periodic one stops the run
-    (early stopping). The defaults do nothing.
-    """
-
-    config_to_save: Any = None
-
-    def on_evaluation(self, step: int, metrics: dict[str, float]) -> bool:
-        return False
 
 
 class Trainer:

@@ -20,7 +20,7 @@ from core.files import atomic_write_text, tree_inside
 from monitoring.sinks import plain
 from pipelines.engine import distributed as dist
 from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
-from pipelines.engine.trainer import RunHooks
+from pipelines.engine.hooks import RunHooks
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
