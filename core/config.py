@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -27,6 +26,7 @@ import yaml
 
 from core.errors import ConfigError
 from core.files import atomic_write_text
+from core.registry import did_you_mean
 
 __all__ = [
     "ConfigError",
@@ -39,16 +39,24 @@ __all__ = [
     "to_dict",
     "save_config",
     "describe",
+    "check_registry_names",
 ]
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """A dataclass field whose ``help`` text is its documentation (shown by ``describe``)."""
+def option(default: Any = dataclasses.MISSING, help: str = "", *, registry: Any = None, **kwargs: Any) -> Any:
+    """A dataclass field whose ``help`` text is its documentation (shown by ``describe``).
+
+    ``registry``: a ``core.registry.Registry`` whose names the (``str``) value must be; loading
+    checks it with a did-you-mean, so registering a name is all a new entry needs.
+    """
     if isinstance(default, (list, dict)):
         value = default
         kwargs["default_factory"] = lambda: type(value)(value)
         default = dataclasses.MISSING
-    return field(default=default, metadata={"help": help}, **kwargs)
+    metadata = {"help": help}
+    if registry is not None:
+        metadata["registry"] = registry
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,17 +218,31 @@ def from_dict(cls: type, data: dict[str, Any], *, source: str = "config", prefix
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
             raise ConfigError(
-                f"{source}: unknown key `{prefix}{key}`.{hint} "
+                f"{source}: unknown key `{prefix}{key}`.{did_you_mean(str(key), list(fields), prefix=prefix)} "
                 f"Valid keys here: {', '.join(sorted(fields))}."
             )
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}", source)
+        registry = fields[key].metadata.get("registry")
+        if registry is not None and kwargs[key] is not None:
+            for name in kwargs[key] if isinstance(kwargs[key], list) else [kwargs[key]]:
+                registry.check_name(name, source=source)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def check_registry_names(cfg: Any, *, source: str = "config") -> None:
+    """Check every ``option(registry=...)`` field of ``cfg`` (nested dataclasses included) against its
+    registry: what ``from_dict`` does at load, for a config built or changed in code."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_registry_names(value, source=source)
+        elif (registry := f.metadata.get("registry")) is not None and value is not None:
+            for name in value if isinstance(value, list) else [value]:
+                registry.check_name(name, source=source)
 
 
 def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = (), *, cls: type) -> Any:

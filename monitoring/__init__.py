@@ -1,4 +1,4 @@
-"""Rank-0 logging fan-out, throughput/MFU, training health and run reports.
+"""Rank-0 logging fan-out to registered sinks, throughput/MFU, training health and run reports.
 
 Names are imported lazily so that ``import monitoring`` (done by the CLI) pulls in neither torch
 nor matplotlib; each is loaded by the submodule that needs it, on first use.
@@ -12,6 +12,9 @@ from typing import Any
 _EXPORTS = {
     "RunLogger": "monitoring.logger",
     "read_metrics_lines": "monitoring.logger",
+    "Sink": "monitoring.sink",
+    "SinkContext": "monitoring.sink",
+    "register_sink": "monitoring.sink",
     "ThroughputMeter": "monitoring.throughput",
     "peak_flops_for": "monitoring.throughput",
     "resolve_peak_flops": "monitoring.throughput",

@@ -6,10 +6,12 @@ Both read gradients, weights and optimizer state only through injectable getters
 whatever it has:
 
 - plain PyTorch: the defaults, ``p.grad`` and ``optimizer.state[p]``;
-- DeepSpeed ZeRO (any stage): ``deepspeed_getters(engine.optimizer)``, built on ``deepspeed.utils.safe_get_full_grad``
-  and ``safe_get_full_optimizer_state``. These are collectives under ZeRO-3, so *every* rank must
-  call ``collect_diagnostics`` (only rank 0 logs); gradients exist only between ``backward`` and
-  ``step`` (call it there, e.g. from a ``before_step`` callback).
+- a training engine: ``engine.parameter_reads()`` (``DiagnosticsEngine``, the questions this module
+  asks the engine; ``pipelines.engine.engines`` answers them for DDP and DeepSpeed ZeRO). Under ZeRO
+  the reads are collectives, so *every* rank must call (only rank 0 logs); gradients exist only
+  between ``backward`` and ``step``.
+
+This module never imports or inspects DeepSpeed.
 
 Quantities (``t`` = Adam step count, from the state's ``step`` or else the ``step`` argument):
 
@@ -33,7 +35,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -44,7 +47,9 @@ __all__ = [
     "layer_group",
     "collect_diagnostics",
     "gradient_histogram",
-    "deepspeed_getters",
+    "DiagnosticsEngine",
+    "ParameterReads",
+    "TorchView",
     "diagnostics_due",
     "adam_update",
     "log_diagnostics",
@@ -52,6 +57,66 @@ __all__ = [
 
 GradGetter = Callable[[torch.Tensor], "torch.Tensor | None"]
 StateGetter = Callable[[torch.Tensor], "dict[str, Any] | None"]
+
+@dataclass(frozen=True)
+class ParameterReads:
+    """Full (unpartitioned) views of a parameter: its gradient, optimizer state and fp32 value."""
+
+    get_grad: GradGetter
+    get_state: StateGetter
+    get_param: Callable[[torch.Tensor], torch.Tensor]
+
+    def as_kwargs(self) -> dict[str, Callable]:
+        return {"get_grad": self.get_grad, "get_state": self.get_state, "get_param": self.get_param}
+
+
+class DiagnosticsEngine(Protocol):
+    """What ``log_diagnostics`` asks the training engine (``pipelines.engine.engines.Engine`` answers).
+
+    ``optimizer_facts``: the registered optimizer's entry (``adam_update``: its update is Adam's and can
+    be replayed; ``has_rectification``: RAdam's r_t scales it); ``reads_are_collective``: every rank
+    must call (ZeRO partitions); ``grads_before_step``: the gradients (and the update to come) still
+    exist between ``backward`` and ``step`` (False when the engine updates inside ``backward``).
+    """
+
+    rank: int
+    module: torch.nn.Module
+    optimizer_facts: Any
+    reads_are_collective: bool
+    grads_before_step: bool
+
+    def optimizer_param_groups(self) -> list[dict[str, Any]]: ...
+
+    def parameter_reads(self) -> ParameterReads: ...
+
+    def clip_coefficient(self, grad_norm: float) -> float: ...
+
+
+class TorchView:
+    """``DiagnosticsEngine`` for a plain PyTorch model and optimizer (one process, gradients on ``p.grad``);
+    clipping as ``torch.nn.utils.clip_grad_norm_(max_norm=grad_clip)``, 0 = off."""
+
+    reads_are_collective = False
+    grads_before_step = True
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any, *, grad_clip: float, optimizer_facts: Any,
+                 rank: int = 0) -> None:
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
+            optimizer = optimizer.optimizer
+        self.module, self.optimizer, self.grad_clip = module, optimizer, float(grad_clip)
+        self.optimizer_facts, self.rank = optimizer_facts, rank
+
+    def optimizer_param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def parameter_reads(self) -> ParameterReads:
+        return ParameterReads(lambda p: p.grad, lambda p: self.optimizer.state.get(p), lambda p: p)
+
+    def clip_coefficient(self, grad_norm: float) -> float:
+        if self.grad_clip > 0 and math.isfinite(grad_norm):
+            return min(1.0, self.grad_clip / (grad_norm + 1e-6))
+        return 1.0
+
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
 _INT = re.compile(r"^\d+$")
@@ -70,51 +135,6 @@ def layer_group(name: str) -> str:
         if _INT.match(part):
             return ".".join(parts[: i + 1])
     return parts[0] if len(parts) > 1 else "_root"
-
-
-def deepspeed_getters(
-    zero_optimizer: Any = None, state_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-) -> dict[str, Callable]:
-    """``{"get_grad", "get_state", "get_param"}`` for ZeRO-partitioned parameters (DeepSpeed's safe_get_full_* API).
-
-    Use as ``collect_diagnostics(engine.module.named_parameters(), engine.optimizer, step=..., lr=...,
-    **deepspeed_getters(engine.optimizer))``; ``get_grad`` also fits ``gradient_histogram``.
-
-    Pass the engine's ZeRO optimizer to work around a DeepSpeed 0.19 ZeRO-1/2 gap: it links each
-    parameter to its optimizer-state fragment once, right after the *first* param group's first
-    step, before later groups have state, so parameters of the no-decay group never get
-    ``exp_avg``/``exp_avg_sq`` through ``safe_get_full_optimizer_state``. We relink (cheap views)
-    when the optimizer exposes that hook. A key still missing is left out (the parameter is skipped).
-    Parameters DeepSpeed does not partition (ZeRO stage 0) are read from ``zero_optimizer.state``.
-    """
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
-
-    relink = getattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if relink is not None and hasattr(zero_optimizer, "_hp_optimizer_states_linked"):
-        inner = getattr(zero_optimizer, "optimizer", None)
-        if inner is not None and len(inner.state) >= len(inner.param_groups):  # every group has stepped
-            zero_optimizer._hp_optimizer_states_linked = False
-            relink()
-
-    def get_state(p: torch.Tensor) -> dict[str, Any] | None:
-        if getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id"):  # not partitioned (ZeRO-0)
-            inner_state = getattr(zero_optimizer, "state", None)
-            return inner_state.get(p) if inner_state is not None else None
-        state = {}
-        for key in state_keys:
-            try:
-                value = safe_get_full_optimizer_state(p, key)
-            except (ValueError, KeyError, TypeError):  # no state yet, or not linked
-                value = None
-            if value is not None:
-                state[key] = value
-        return state or None
-
-    def get_param(p: torch.Tensor) -> torch.Tensor:
-        full = safe_get_full_fp32_param(p)
-        return full if full is not None else p
-
-    return {"get_grad": safe_get_full_grad, "get_state": get_state, "get_param": get_param}
 
 
 def _as_int(value: Any) -> int:
@@ -308,19 +328,13 @@ def adam_update(
     return u
 
 
-def _torch_optimizer(optimizer: Any) -> Any:
-    """The innermost ``torch.optim.Optimizer`` (accelerate wraps it; its ``.optimizer`` is the real one)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int = 64) -> dict[str, float] | None:
+def log_diagnostics(logger: Any, engine: DiagnosticsEngine, *, step: int, cfg: Any,
+                    bins: int = 64) -> dict[str, float] | None:
     """Log gradient/optimizer diagnostics for update ``step`` when ``diagnostics_due`` says so.
 
     Call it on **every rank** between the last ``engine.backward`` and ``engine.step()`` (the
-    gradients still exist there); ``engine`` is ``pipelines.engine.distributed.Engine``, ``cfg`` the
-    ``RunConfig``. Writes, under ``step``:
+    gradients still exist there); ``engine`` answers ``DiagnosticsEngine`` (the trainer's ``Engine``,
+    or ``TorchView`` for a plain loop), ``cfg`` is the ``RunConfig``. Writes, under ``step``:
 
     - split ``diag`` (``RunLogger.log``): everything ``collect_diagnostics`` returns (Adam statistics
       of the state *before* this update, i.e. after ``step - 1`` updates), with ``radam/rho_t`` and
@@ -333,53 +347,47 @@ def log_diagnostics(logger: Any, engine: Any, *, step: int, cfg: Any, bins: int 
       ``grad_log10_counts`` / ``grad_log10_edges`` and ``update_log10_counts`` / ``update_log10_edges``
       (Liu et al. 2020, Fig. 2); also TensorBoard histograms ``diag/grad_log10_abs``, ``diag/update_log10_abs``.
 
-    Under DeepSpeed the engine steps inside ``backward``, so gradients are gone by then: only the
-    optimizer-state statistics (after this update) are logged. Returns the scalars (or None when not due).
+    When the engine steps inside ``backward`` (DeepSpeed: ``grads_before_step`` is False), gradients
+    are gone by then: only the optimizer-state statistics (after this update) are logged. Returns the scalars (or None when not due).
     """
     if not diagnostics_due(step, cfg.logging.diagnostics_every):
         return None
-    deepspeed = bool(getattr(engine, "deepspeed", False))
-    if not deepspeed and getattr(engine, "rank", 0) != 0:
+    if not engine.reads_are_collective and engine.rank != 0:
         return None  # DDP: gradients are identical on every rank after backward, no collective here
-    model = engine.module
-    radam = cfg.optim.name == "radam"
-    if deepspeed:
-        zero_opt = getattr(engine.model, "optimizer", None)
-        getters = deepspeed_getters(zero_opt)
-        optimizer = zero_opt
-    else:
-        getters, optimizer = {}, _torch_optimizer(engine.optimizer)
-    lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else float(cfg.optim.lr)
+    model, facts, before_step = engine.module, engine.optimizer_facts, engine.grads_before_step
+    groups = engine.optimizer_param_groups()
+    reads = engine.parameter_reads()
+    lr = float(groups[0]["lr"]) if groups else float(cfg.optim.lr)
+    betas = tuple(groups[0]["betas"]) if groups and "betas" in groups[0] else None
+    eps = float(groups[0]["eps"]) if groups and "eps" in groups[0] else None
     named = list(model.named_parameters())
-    scalars = collect_diagnostics(named, optimizer, step=step, lr=lr, **getters)
+    scalars = collect_diagnostics(named, None, step=step, lr=lr, betas=betas, eps=eps, **reads.as_kwargs())
     beta2 = float(cfg.optim.betas[1])
     rho_t, r_t = radam_rectification(step, beta2)
     scalars["radam/rho_t"], scalars["radam/rectified"] = rho_t, float(r_t is not None)
     scalars.pop("radam/r_t", None)
     if r_t is not None:
         scalars["radam/r_t"] = r_t
-    if radam:
+    if facts.has_rectification:
         scalars["radam/effective_lr"] = lr * (r_t or 0.0)
-    if not deepspeed and optimizer is not None:  # the same variance over the transformer blocks only (no
-        blocks = [(n, p) for n, p in named if re.search(r"\.\d+\.", n)]  # never-hit embedding rows: 1/eps)
-        sub = collect_diagnostics(blocks, optimizer, step=step, lr=lr) if blocks else {}
+    if before_step and groups:  # the same variance over the transformer blocks only (never-hit embedding rows: 1/eps)
+        blocks = [(n, p) for n, p in named if re.search(r"\.\d+\.", n)]
+        sub = collect_diagnostics(blocks, None, step=step, lr=lr, betas=betas, eps=eps, **reads.as_kwargs()) if blocks else {}
         if "adam/step_size_var" in sub:
             scalars["adam/step_size_var_blocks"] = sub["adam/step_size_var"]
             scalars["adam/step_size_mean_blocks"] = sub["adam/step_size_mean"]
     hist: dict[str, Any] = {}
-    counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=getters.get("get_grad"))
+    counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=reads.get_grad)
     if len(counts):
         hist["grad_log10_counts"], hist["grad_log10_edges"] = counts.tolist(), edges.tolist()
         logger.log_histogram(step, "diag/grad_log10_abs", counts=counts, edges=edges)
-    if not deepspeed and cfg.optim.name in ("adam", "adamw", "radam") and optimizer is not None:
-        clip = float(cfg.optim.grad_clip)
-        norm = scalars.get("grad_norm", 0.0)
-        coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 and math.isfinite(norm) else 1.0
-        groups = {id(q): grp for grp in optimizer.param_groups for q in grp["params"]}
+    if before_step and facts.adam_update and groups:
+        coef = engine.clip_coefficient(scalars.get("grad_norm", 0.0))
+        by_param = {id(q): grp for grp in groups for q in grp["params"]}
         updates = {
-            id(p): adam_update(p, p.grad * coef, optimizer.state.get(p), groups[id(p)], radam=radam)
+            id(p): adam_update(p, g * coef, reads.get_state(p), by_param[id(p)], radam=facts.has_rectification)
             for _, p in named
-            if p.grad is not None and id(p) in groups
+            if (g := reads.get_grad(p)) is not None and id(p) in by_param
         }
         counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=lambda q: updates.get(id(q)))
         if len(counts):

@@ -3,8 +3,8 @@
 It binds ``logging.prometheus_host`` (default 127.0.0.1, this host only); set 0.0.0.0 for a scraper
 on another machine — the metrics then show to anyone who can reach the node.
 
-``RunLogger`` feeds it from every ``log``/``event`` call, so it shows exactly what metrics.jsonl
-holds, as of the last logged step. Each exporter has its own registry: several runs in one process
+It is the ``prometheus`` sink: ``RunLogger`` feeds it from every ``log``/``event`` call, so it shows
+exactly what metrics.jsonl holds, as of the last logged step. Each exporter has its own registry: several runs in one process
 (sweeps, tests) never clash over metric names.
 
 Exposed (all gauges unless noted):
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.config import ConfigError
+from monitoring.sink import Sink, SinkContext, register_sink
 
 __all__ = ["PrometheusExporter"]
 
@@ -32,7 +33,7 @@ _TRAIN_GAUGES = {  # metrics.jsonl key -> (gauge name, help)
 _MEMORY = {"mem_allocated_mb": "allocated", "mem_reserved_mb": "reserved", "mem_peak_mb": "peak", "host_rss_mb": "host_rss"}
 
 
-class PrometheusExporter:
+class PrometheusExporter(Sink):
     """Serves ``/metrics`` on ``port`` from a background thread until ``close()``."""
 
     def __init__(self, port: int, addr: str = "127.0.0.1") -> None:
@@ -59,7 +60,7 @@ class PrometheusExporter:
             ) from None
         self.port = self._server.server_port
 
-    def update(self, step: int, split: str, values: dict[str, Any]) -> None:
+    def log(self, step: int, split: str, values: dict[str, Any], scalars: dict[str, float]) -> None:
         """Set the gauges from one ``RunLogger.log`` record (non-numeric values are skipped)."""
         numbers = {k: float(v) for k, v in values.items()  # "nan"/"inf" are how metrics.jsonl spells them
                    if (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in ("nan", "inf", "-inf")}
@@ -75,9 +76,15 @@ class PrometheusExporter:
             if key in numbers:
                 self.memory.labels(kind=kind).set(numbers[key])
 
-    def event(self, kind: str) -> None:
+    def event(self, step: int, kind: str, message: str, fields: dict[str, Any]) -> None:
         self.events.labels(event=kind).inc()
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@register_sink("prometheus", enabled=lambda cfg: bool(getattr(cfg, "prometheus_port", 0)), order=-1)
+def _open(ctx: SinkContext) -> PrometheusExporter:
+    """Opens first: a taken port fails the run before any file is written."""
+    return PrometheusExporter(int(ctx.cfg.prometheus_port), addr=getattr(ctx.cfg, "prometheus_host", "127.0.0.1"))

@@ -290,7 +290,7 @@ class ThroughputMeter:
         if self.peak_flops > 0 and n_flops > 0 and t > 0:
             per_device = n_flops / t  # model FLOP/s of one device
             out["tflops_per_device"] = per_device / 1e12
-            mfu = self._utilization(per_device)
+            mfu = self._utilization(per_device, n_flops, t)
             if mfu is not None:
                 out["mfu"] = mfu
         out.update(_device_memory_mb())
@@ -301,15 +301,15 @@ class ThroughputMeter:
             self._sums = [0.0] * 6
         return out
 
-    def _utilization(self, per_device: float) -> float | None:
-        """``per_device / peak``; a measured peak that a step beat is re-measured (kept if higher). MFU
+    def _utilization(self, per_device: float, flops: float, seconds: float) -> float | None:
+        """``model_flops_utilization`` of ``flops`` done in ``seconds``; a measured peak that a step beat is re-measured (kept if higher). MFU
         above 1 is impossible: if the peak still reads below the achieved rate (a CPU shared with other
         processes, a throttled clock) it is left out, with one warning, rather than logged wrong."""
         if per_device > self.peak_flops and self.remeasure_peak is not None:
             self.peak_flops = max(self.peak_flops, float(self.remeasure_peak()))
             self.remeasure_peak = None  # one re-probe per run: it costs half a second of the step
         if per_device <= self.peak_flops:
-            return per_device / self.peak_flops
+            return model_flops_utilization(flops, 1, seconds, self.peak_flops)  # the window's FLOPs as one batch
         if not self._peak_warned:
             self._peak_warned = True
             why = ("measured on this CPU, twice: other processes were using it or its clock varies" if self._measured_peak

@@ -132,6 +132,27 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+#: Third-party packages only some units may import (a lazy import counts): only the engine knows DeepSpeed.
+RESTRICTED = {"deepspeed": ("pipelines.engine",)}
+
+
+def _third_party(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.mark.parametrize("package", sorted(RESTRICTED))
+def test_restricted_packages_are_imported_only_where_allowed(package):
+    allowed = RESTRICTED[package]
+    offenders = sorted(
+        _module_name(p) for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")
+        if package in _third_party(p) and not any(_module_name(p).startswith(f"{unit}.") for unit in allowed)
+    )
+    assert not offenders, f"{offenders} import {package}; only {allowed} may (ask the Engine instead)"
+
+
 def test_checker_sees_a_planted_violation(tmp_path):
     """The walk reads lazy imports inside functions and relative imports (so the tests above can fail)."""
     pkg = tmp_path / "monitoring"
@@ -139,3 +160,5 @@ def test_checker_sees_a_planted_violation(tmp_path):
     (pkg / "x.py").write_text("def f():\n    from pipelines.engine import trainer\n    from . import y\n")
     deps = _imports(pkg / "x.py", "monitoring.x")
     assert "pipelines.engine.trainer" in deps and "monitoring.y" in deps
+    (pkg / "z.py").write_text("def f():\n    from deepspeed.utils import safe_get_full_grad\n")
+    assert "deepspeed" in _third_party(pkg / "z.py")

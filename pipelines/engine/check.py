@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
+from core.config import ConfigError, check_registry_names
 from core.families import UnknownModel, families_for_task, family_of_model, model_catalog, model_names
 from pipelines.engine.schedules import build_schedule
 
@@ -159,6 +159,7 @@ def check(cfg: Any, *, world_size: int = 1) -> None:
     ``cfg`` is a ``RunConfig`` or a fine-tuning config (same sections, no ``model``); ``world_size``
     is the number of processes the job will have.
     """
+    check_registry_names(cfg)  # optim.name, train.task, ...: a config built in code skipped the load's check
     _check_model(cfg)
     _check_schedule(cfg)
     _check_distributed(cfg, world_size)

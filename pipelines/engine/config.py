@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config, option
+from monitoring.sink import SINKS
+from pipelines.engine.registries import DECAYS, OPTIMIZERS, TASKS, WARMUPS
 
 __all__ = [
     "CorpusWeight",
@@ -105,7 +107,8 @@ class ModelConfig:
 class OptimConfig:
     """The optimizer (see `pipelines.engine.optim`)."""
 
-    name: Literal["adam", "adamw", "radam", "lamb"] = option("adamw", help="Optimizer registry name.")
+    name: str = option("adamw", registry=OPTIMIZERS,
+                       help="Optimizer registry name: adam | adamw | radam | lamb, or one you registered.")
     lr: float = option(1e-3, help="Base (peak) learning rate; ignored by schedule.warmup=noam (Vaswani et al. eq. 3 sets it).")
     betas: list[float] = option([0.9, 0.999], help="Adam-family (beta1, beta2).")
     eps: float = option(1e-8, help="Adam-family epsilon.")
@@ -125,12 +128,12 @@ class ScheduleConfig:
     """Learning-rate warmup factor and decay (see `pipelines.engine.schedules`)."""
 
     warmup: str = option(
-        "linear",
-        help="none | linear | exponential | untuned_linear | untuned_exponential | noam.",
+        "linear", registry=WARMUPS,
+        help="none | linear | exponential | untuned_linear | untuned_exponential | noam, or one you registered.",
     )
     warmup_steps: int = option(0, help="Warmup length tau (noam: w) in optimizer steps; ignored by untuned warmups.")
     decay: str = option(
-        "linear", help="After warmup: constant | linear | cosine | inverse_sqrt | polynomial (use constant with noam)."
+        "linear", registry=DECAYS, help="After warmup: constant | linear | cosine | inverse_sqrt | polynomial (use constant with noam)."
     )
     min_lr_ratio: float = option(0.0, help="Floor of the decay as a fraction of the base LR.")
     power: float = option(1.0, help="Exponent of the polynomial decay.")
@@ -141,8 +144,10 @@ class ScheduleConfig:
 class TrainConfig:
     """The training loop: objective, budget, precision, evaluation and checkpoint cadence."""
 
-    task: Literal["mlm_nsp", "causal_lm", "image_cls", "classification", "qa"] = option(
-        "mlm_nsp", help="Objective; must match the corpus kind."
+    task: str = option(
+        "mlm_nsp", registry=TASKS,
+        help="Objective: mlm_nsp | causal_lm | image_cls (fine-tuning: classification | qa), or one you registered; "
+             "must match the corpus kind.",
     )
     run_dir: str = option("runs/default", help="Directory for config.yaml, metrics.jsonl, tb/ and checkpoints/.")
     max_steps: int = option(1000, help="Optimizer steps to train; the run stops at the first budget reached.")
@@ -200,6 +205,12 @@ class LoggingConfig:
     prometheus_port: int = option(0, help="Serve Prometheus /metrics on this port on rank 0 (0 = off; needs prometheus-client).")
     prometheus_host: str = option("127.0.0.1", help="Address the Prometheus endpoint binds: 127.0.0.1 = this host only; "
                                                     "0.0.0.0 = every interface (anyone who can reach the node).")
+    sinks: list[str] = option([], registry=SINKS, help="Further registered metric sinks by name (monitoring.sink."
+                                                       "register_sink), besides console, metrics.jsonl and the switches above.")
+    sample_keys: str = option("", help="Per-step sample-key log: a directory (relative to train.run_dir, e.g. "
+                                       "sample_keys) where each rank appends {step, loss, keys, pid} to rank-N.jsonl: "
+                                       "which samples every optimizer step trained on, for data-order audits and "
+                                       "resume checks; costs one host read per step. Empty = off.")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")

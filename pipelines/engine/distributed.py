@@ -33,8 +33,9 @@ from core.config import ConfigError
 from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file
 from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
+from pipelines.engine.registries import OPTIMIZERS
 
-__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "trace_dir", "free_port", "in_process_run",
+__all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
            "quiet_libraries"]
 
 log = logging.getLogger(__name__)
@@ -183,11 +184,6 @@ def load_launched_config(path: str | os.PathLike | None, overrides: list[str] | 
     return cfg
 
 
-def trace_dir() -> str | None:
-    """``PRETRAIN_TRACE_DIR``: when set, each rank appends its per-step loss and sample keys there (tests)."""
-    return os.environ.get("PRETRAIN_TRACE_DIR") or None
-
-
 def validate(cfg: RunConfig, env: DistEnv) -> None:
     """Refuse impossible settings before any process group starts (ConfigError names the fix).
 
@@ -203,10 +199,11 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
                           "Use bf16 or fp32 on CPU, or distributed.engine=ddp (torch autocast + GradScaler).")
     if d.backend == "nccl" and env.device == "cpu":
         raise ConfigError("distributed.backend=nccl needs GPUs; use auto or gloo on CPU.")
-    if cfg.optim.name == "lamb" and d.engine == "deepspeed" and d.zero_stage >= 1:
-        warnings.warn("optim.name=lamb with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat fp32 partitions, "
-                      "so LAMB's trust ratio is computed per (parameter group, rank partition), not per layer as in "
-                      "You et al. 2020. Use zero_stage=0 (or engine=ddp) for the per-layer ratio.", stacklevel=2)
+    if OPTIMIZERS.lookup(cfg.optim.name).layerwise and d.engine == "deepspeed" and d.zero_stage >= 1:
+        warnings.warn(f"optim.name={cfg.optim.name} with distributed.zero_stage>=1: DeepSpeed hands the optimizer flat "
+                      "fp32 partitions, so its per-layer norms (LAMB's trust ratio, You et al. 2020) are computed per "
+                      "(parameter group, rank partition), not per layer. Use zero_stage=0 (or engine=ddp) for the "
+                      "per-layer ratio.", stacklevel=2)
     if d.deepspeed_config:
         deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
 

@@ -9,6 +9,10 @@ clipping, loss scaling and ZeRO partitioning to DeepSpeed. ``build_engine`` crea
 
 Every ``step()`` returns ``{"grad_norm", "lr", "skipped"}`` (+ ``loss_scale`` under fp16): a step
 whose gradients are non-finite is not applied.
+
+Both also answer what diagnostics ask (``monitoring.diagnostics.DiagnosticsEngine``): full per-parameter
+gradients, optimizer state and weights, the optimizer's groups and facts, and the clipping factor,
+so that only this package knows DeepSpeed's internals.
 """
 
 from __future__ import annotations
@@ -26,17 +30,21 @@ from typing import Any
 
 import torch
 
+from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
+from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
-__all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine", "skip_one_rank_allreduce_"]
+__all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine", "deepspeed_getters", "skip_one_rank_allreduce_"]
 
 class Engine:
     """The wrapped model as the loop sees it: ``engine(**inputs)``, ``backward``, ``step``, ``skip_step``,
     ``save``, ``load`` and the collectives. Subclasses implement the five engine-specific methods."""
 
-    deepspeed = False  # which engine (read by checkpoints and diagnostics, never branched on here)
+    deepspeed = False  # which engine (read by checkpoints, never branched on here)
+    reads_are_collective = False  # parameter_reads() are collectives: every rank must call (ZeRO)
+    grads_before_step = True  # gradients exist between backward() and step() (not when backward steps)
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
@@ -46,6 +54,7 @@ class Engine:
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.device = accelerator.device
         self.fp16 = cfg.train.precision == "fp16"
+        self.optimizer_facts = OPTIMIZERS.lookup(cfg.optim.name)  # the registered entry: adam_update, ...
         self._micro = 0
 
     # -- the same for both engines
@@ -83,6 +92,13 @@ class Engine:
         if torch.distributed.is_initialized() and self.world_size > 1:
             torch.distributed.barrier()
 
+    def clip_coefficient(self, grad_norm: float) -> float:
+        """The factor clipping applies to gradients of global norm ``grad_norm`` (``optim.grad_clip``, 0 = off;
+        torch's ``clip_grad_norm_`` and DeepSpeed's ``gradient_clipping`` share max_norm / (norm + 1e-6))."""
+        if self.grad_clip > 0 and math.isfinite(grad_norm):
+            return min(1.0, self.grad_clip / (grad_norm + 1e-6))
+        return 1.0
+
     def _save_scheduler(self, path: Path) -> None:
         if self.rank == 0:
             (path / "engine").mkdir(parents=True, exist_ok=True)
@@ -94,6 +110,14 @@ class Engine:
         self.scheduler.load_state_dict(safe_torch_load(path / "engine" / "lr_scheduler.pt"))
 
     # -- engine-specific
+    def optimizer_param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups (lr, betas, eps, weight decay; ``params``: the module's tensors)."""
+        raise NotImplementedError
+
+    def parameter_reads(self) -> ParameterReads:
+        """Full views of a parameter's gradient, optimizer state and fp32 value, whatever the partitioning."""
+        raise NotImplementedError
+
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward (the last one of an optimizer step reduces the gradients)."""
         raise NotImplementedError
@@ -132,6 +156,21 @@ class DDPEngine(Engine):
             with self.autocast:
                 return self.model(**inputs)
         return self.model(**inputs)
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The innermost ``torch.optim.Optimizer`` (accelerate wraps it; its ``.optimizer`` is the real one)."""
+        optimizer = self.optimizer
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        return optimizer
+
+    def optimizer_param_groups(self) -> list[dict[str, Any]]:
+        return self._torch_optimizer().param_groups
+
+    def parameter_reads(self) -> ParameterReads:
+        """Whole tensors on every rank: ``p.grad`` (all-reduced after the boundary backward), ``optimizer.state[p]``."""
+        state = self._torch_optimizer().state
+        return ParameterReads(lambda p: p.grad, lambda p: state.get(p), lambda p: p)
 
     def backward(self, loss: torch.Tensor) -> None:
         self._micro += 1
@@ -201,12 +240,21 @@ class DeepSpeedEngine(Engine):
     """A DeepSpeed engine (ZeRO 0-3, its own bf16/fp16 optimizers); our LambdaLR is stepped here."""
 
     deepspeed = True
+    reads_are_collective = True  # safe_get_full_* gather ZeRO partitions
+    grads_before_step = False  # backward() applies the update at the accumulation boundary
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
         super().__init__(accelerator, model, optimizer, scheduler, cfg)
         self.zero_stage = cfg.distributed.zero_stage
         self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
         skip_one_rank_allreduce_(model)
+
+    def optimizer_param_groups(self) -> list[dict[str, Any]]:
+        zero_opt = getattr(self.model, "optimizer", None)
+        return zero_opt.param_groups if zero_opt is not None else []
+
+    def parameter_reads(self) -> ParameterReads:
+        return ParameterReads(**deepspeed_getters(getattr(self.model, "optimizer", None)))
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed scales by 1/accum and applies the update at the accumulation boundary itself."""
@@ -292,6 +340,51 @@ def skip_one_rank_allreduce_(ds_engine: Any) -> None:
     """
     if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
         ds_engine.enable_backward_allreduce = False
+
+
+def deepspeed_getters(
+    zero_optimizer: Any = None, state_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+) -> dict[str, Any]:
+    """``{"get_grad", "get_state", "get_param"}`` for ZeRO-partitioned parameters (DeepSpeed's safe_get_full_* API).
+
+    Use as ``collect_diagnostics(engine.module.named_parameters(), engine.optimizer, step=..., lr=...,
+    **deepspeed_getters(engine.optimizer))``; ``get_grad`` also fits ``gradient_histogram``.
+
+    Pass the engine's ZeRO optimizer to work around a DeepSpeed 0.19 ZeRO-1/2 gap: it links each
+    parameter to its optimizer-state fragment once, right after the *first* param group's first
+    step, before later groups have state, so parameters of the no-decay group never get
+    ``exp_avg``/``exp_avg_sq`` through ``safe_get_full_optimizer_state``. We relink (cheap views)
+    when the optimizer exposes that hook. A key still missing is left out (the parameter is skipped).
+    Parameters DeepSpeed does not partition (ZeRO stage 0) are read from ``zero_optimizer.state``.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    relink = getattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if relink is not None and hasattr(zero_optimizer, "_hp_optimizer_states_linked"):
+        inner = getattr(zero_optimizer, "optimizer", None)
+        if inner is not None and len(inner.state) >= len(inner.param_groups):  # every group has stepped
+            zero_optimizer._hp_optimizer_states_linked = False
+            relink()
+
+    def get_state(p: torch.Tensor) -> dict[str, Any] | None:
+        if getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id"):  # not partitioned (ZeRO-0)
+            inner_state = getattr(zero_optimizer, "state", None)
+            return inner_state.get(p) if inner_state is not None else None
+        state = {}
+        for key in state_keys:
+            try:
+                value = safe_get_full_optimizer_state(p, key)
+            except (ValueError, KeyError, TypeError):  # no state yet, or not linked
+                value = None
+            if value is not None:
+                state[key] = value
+        return state or None
+
+    def get_param(p: torch.Tensor) -> torch.Tensor:
+        full = safe_get_full_fp32_param(p)
+        return full if full is not None else p
+
+    return {"get_grad": safe_get_full_grad, "get_state": get_state, "get_param": get_param}
 
 
 def _drop_accelerate_deepspeed_env() -> None:

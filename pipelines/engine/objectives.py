@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,36 +21,34 @@ import torch
 
 from core.config import ConfigError
 from core.families import vit as vit_family
+from pipelines.engine.registries import TASKS, TaskSpec
 
 __all__ = ["Task", "TASKS", "register_task", "build_task", "list_tasks", "key_seed", "MLMNSPTask", "CausalLMTask", "ImageClsTask"]
-
-TASKS: dict[str, Callable[..., Task]] = {}
-
 
 def register_task(name: str):
     """Register ``factory(cfg, manifest) -> Task`` under ``name`` (``train.task``)."""
 
     def deco(factory):
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = factory
+        TASKS.register(name, TaskSpec(factory=factory))
         return factory
 
     return deco
 
 
 def list_tasks() -> list[str]:
-    return sorted(TASKS)
+    return TASKS.names()
 
 
 def build_task(cfg: Any, manifest: Any = None) -> Task:
-    name = cfg.train.task
-    if name not in TASKS:
+    spec = TASKS.lookup(cfg.train.task)
+    factory = spec.resolve()
+    if factory is None:
+        runnable = ", ".join(n for n in TASKS.names() if TASKS[n].runner == "pretrain train")
         raise ConfigError(
-            f"train.task={name!r} has no registered objective here (registered: {', '.join(list_tasks())}). "
-            f"Pretraining supports mlm_nsp, causal_lm and image_cls; use `pretrain finetune` for the others."
+            f"train.task={cfg.train.task!r} has no registered objective here (registered: {runnable}). "
+            f"Pretraining supports {runnable}; use `{spec.runner}` for this task."
         )
-    return TASKS[name](cfg, manifest)
+    return factory(cfg, manifest)
 
 
 def key_seed(*parts: Any) -> int:
@@ -403,16 +400,13 @@ class ImageClsTask(Task):
         return {"num_labels": self.num_labels, "image_size": self.size}
 
 
-@register_task("mlm_nsp")
 def _mlm_nsp(cfg, manifest):
     return MLMNSPTask(manifest, seed=cfg.train.seed, probability=cfg.data.mlm_probability, whole_word=cfg.data.whole_word_masking)
 
 
-@register_task("causal_lm")
 def _causal_lm(cfg, manifest):
     return CausalLMTask(manifest)
 
 
-@register_task("image_cls")
 def _image_cls(cfg, manifest):
     return ImageClsTask(manifest, seed=cfg.train.seed, image_size=cfg.data.image_size, mixup_alpha=cfg.data.mixup_alpha)

@@ -2,7 +2,8 @@
 
 ``build_optimizer(model, cfg, offload=...)`` is the one entry point. It builds two parameter
 groups (decay / no decay, see ``no_weight_decay``) and calls the factory registered under
-``cfg.name``. The same object works as a DeepSpeed *client optimizer* under every ZeRO stage; the
+``cfg.name`` (``register_optimizer`` in ``pipelines.engine.registries``; the built-in factories
+are in ``pipelines.engine.optimizers``, torch-free so that ``check`` knows their names). The same object works as a DeepSpeed *client optimizer* under every ZeRO stage; the
 DeepSpeed config must then carry ``deepspeed_optimizer_fields(cfg, offload=...)`` and must not
 have an ``optimizer`` section.
 
@@ -25,15 +26,14 @@ per (group, rank partition). Adam/AdamW/RAdam are element-wise and unaffected.
 
 from __future__ import annotations
 
-import difflib
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from core.config import ConfigError
 from pipelines.engine.config import OptimConfig
+from pipelines.engine.registries import OPTIMIZERS, register_optimizer
 
 __all__ = [
     "OPTIMIZERS",
@@ -48,31 +48,14 @@ __all__ = [
     "Lamb",
 ]
 
-OptimizerFactory = Callable[[list[dict], OptimConfig, bool, str], torch.optim.Optimizer]
-OPTIMIZERS: dict[str, OptimizerFactory] = {}
 
 # Norm layers are recognised by these name fragments (lower-cased), e.g. BERT's ``LayerNorm``,
 # GPT-2's ``ln_1``/``ln_f``, ``norm1``, ``final_norm``.
 _NORM_FRAGMENTS = ("norm", "ln_", "ln.")
 
 
-def register_optimizer(name: str):
-    """Register ``factory(param_groups, cfg, offload, device) -> Optimizer`` under ``name``.
-
-    ``device`` is the type of the device the parameters will train on (``cuda``, ``cpu``).
-    """
-
-    def deco(fn: OptimizerFactory) -> OptimizerFactory:
-        if name in OPTIMIZERS:
-            raise ValueError(f"optimizer {name!r} is already registered")
-        OPTIMIZERS[name] = fn
-        return fn
-
-    return deco
-
-
 def list_optimizers() -> list[str]:
-    return sorted(OPTIMIZERS)
+    return OPTIMIZERS.names()
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,69 +193,14 @@ class Lamb(torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------------------------------
-# Registered factories
+# Kernel choice (the registered factories live in pipelines/engine/optimizers.py, torch-free)
 # --------------------------------------------------------------------------------------------
-
-
-def _cpu_adam(groups: list[dict], cfg: OptimConfig, *, adamw_mode: bool) -> torch.optim.Optimizer:
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=adamw_mode)
-
-
-def _fused_on(device: str) -> dict[str, bool]:
-    """torch's fused Adam(W) kernel on CUDA: one launch per parameter group and dtype instead of the
-    foreach path's several (its step counters stay on the device: no host read), the same update
-    rule; also as DeepSpeed's client optimizer, where it steps the fp32 master partitions. CPU runs
-    keep torch's default path (the CPU parity tests compare them bit for bit)."""
-    return {"fused": True} if str(device).startswith("cuda") else {}
-
-
-@register_optimizer("adam")
-def _adam(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
-    """Adam with L2 weight decay (Kingma & Ba 2015): g <- g + lambda w before the moments."""
-    if offload:
-        return _cpu_adam(groups, cfg, adamw_mode=False)
-    return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device))
-
-
-@register_optimizer("adamw")
-def _adamw(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019): w <- w - lr (m^/(sqrt(v^)+eps) + lambda w)."""
-    if offload:
-        return _cpu_adam(groups, cfg, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device))
-
-
-@register_optimizer("radam")
-def _radam(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
-    """RAdam (Liu et al. 2020, Alg. 2) via torch.optim.RAdam; ``decoupled_weight_decay`` selects AdamW-style decay."""
-    return torch.optim.RAdam(
-        groups,
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        decoupled_weight_decay=cfg.decoupled_weight_decay,
-    )
 
 
 def use_fused_lamb(device: str, offload: bool) -> bool:
     """FusedLamb (one CUDA kernel per step) when the parameters train on CUDA and are not offloaded;
     the per-tensor PyTorch ``Lamb`` syncs with the host twice per tensor there."""
     return device == "cuda" and not offload
-
-
-@register_optimizer("lamb")
-def _lamb(groups: list[dict], cfg: OptimConfig, offload: bool, device: str) -> torch.optim.Optimizer:
-    """LAMB (You et al. 2020, Alg. 2): DeepSpeed FusedLamb when training on CUDA, else ``Lamb``."""
-    if use_fused_lamb(device, offload):
-        try:
-            from deepspeed.ops.lamb import FusedLamb
-
-            return FusedLamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, max_coeff=10.0, min_coeff=0.01)
-        except Exception as exc:  # the CUDA op could not be built/loaded: the PyTorch path is exact, only slower
-            warnings.warn(f"FusedLamb unavailable ({exc}); using the PyTorch Lamb.", stacklevel=3)
-    return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,17 +218,13 @@ def build_optimizer(
     are now. It picks kernels (FusedLamb on CUDA). ``offload=True`` is DeepSpeed ZeRO-Offload of
     the optimizer (``distributed.offload_optimizer``).
     """
-    factory = OPTIMIZERS.get(cfg.name)
-    if factory is None:
-        close = difflib.get_close_matches(cfg.name, list(OPTIMIZERS), n=1, cutoff=0.5)
-        hint = f" Did you mean `{close[0]}`?" if close else ""
-        raise ConfigError(f"Unknown optim.name `{cfg.name}`.{hint} Choose one of: {', '.join(list_optimizers())}.")
+    spec = OPTIMIZERS.lookup(cfg.name)
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("The model has no trainable parameters to optimize.")
     if device is None:
         device = next(p.device for g in groups for p in g["params"])
-    return factory(groups, cfg, offload, torch.device(device).type)
+    return spec.factory(groups, cfg, offload, torch.device(device).type)
 
 
 def deepspeed_optimizer_fields(cfg: OptimConfig, *, offload: bool = False) -> dict:
@@ -314,6 +238,6 @@ def deepspeed_optimizer_fields(cfg: OptimConfig, *, offload: bool = False) -> di
     The config must not contain an ``optimizer`` section (DeepSpeed would build its own).
     """
     fields: dict = {"zero_allow_untested_optimizer": True, "gradient_clipping": float(cfg.grad_clip)}
-    if offload and cfg.name not in ("adam", "adamw"):
+    if offload and not OPTIMIZERS.lookup(cfg.name).deepspeed_cpu_kernel:
         fields["zero_force_ds_cpu_optimizer"] = False
     return fields

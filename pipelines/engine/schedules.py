@@ -48,13 +48,13 @@ nothing of it and a resumed run rebuilds it from the config.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.config import ConfigError
 from pipelines.engine.config import ScheduleConfig
+from pipelines.engine.registries import DECAYS, WARMUPS
 
 __all__ = [
     "ScheduleContext",
@@ -95,17 +95,13 @@ class WarmupSpec:
     end: Callable[[ScheduleContext], int]
 
 
-WARMUPS: dict[str, WarmupSpec] = {}
-DECAYS: dict[str, DecayFn] = {}
 
 
 def register_warmup(name: str, *, end: Callable[[ScheduleContext], int] = lambda ctx: 0):
     """Register ``fn(t, ctx) -> omega`` under ``name``; ``end(ctx)`` is where the decay starts."""
 
     def deco(fn: WarmupFn) -> WarmupFn:
-        if name in WARMUPS:
-            raise ValueError(f"warmup {name!r} is already registered")
-        WARMUPS[name] = WarmupSpec(fn, end)
+        WARMUPS.register(name, WarmupSpec(fn, end))
         return fn
 
     return deco
@@ -115,9 +111,7 @@ def register_decay(name: str):
     """Register ``fn(t, start, ctx) -> delta`` under ``name``."""
 
     def deco(fn: DecayFn) -> DecayFn:
-        if name in DECAYS:
-            raise ValueError(f"decay {name!r} is already registered")
-        DECAYS[name] = fn
+        DECAYS.register(name, fn)
         return fn
 
     return deco
@@ -129,14 +123,6 @@ def list_warmups() -> list[str]:
 
 def list_decays() -> list[str]:
     return sorted(DECAYS)
-
-
-def _lookup(registry: dict, name: str, what: str):
-    if name in registry:
-        return registry[name]
-    close = difflib.get_close_matches(name, list(registry), n=1, cutoff=0.5)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
-    raise ConfigError(f"Unknown schedule.{what} `{name}`.{hint} Choose one of: {', '.join(sorted(registry))}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,7 +237,7 @@ def decay_inverse_sqrt(t: int, start: int, ctx: ScheduleContext) -> float:
 
 def warmup_end(cfg: ScheduleConfig, *, beta2: float = 0.999) -> int:
     """The update number t at which the decay of ``cfg`` starts (see the table in the module doc)."""
-    spec = _lookup(WARMUPS, cfg.warmup, "warmup")
+    spec = WARMUPS.lookup(cfg.warmup)
     return int(spec.end(ScheduleContext(base_lr=1.0, total_steps=1, warmup_steps=cfg.warmup_steps, beta2=beta2)))
 
 
@@ -269,8 +255,8 @@ def build_schedule(
     ``noam`` when ``cfg.d_model`` is 0; ``beta2`` by the untuned warmups. Unknown names and
     impossible settings raise ``ConfigError``.
     """
-    spec = _lookup(WARMUPS, cfg.warmup, "warmup")
-    decay = _lookup(DECAYS, cfg.decay, "decay")
+    spec = WARMUPS.lookup(cfg.warmup)
+    decay = DECAYS.lookup(cfg.decay)
     if total_steps < 1:
         raise ConfigError(f"build_schedule needs total_steps >= 1, got {total_steps}.")
     if base_lr <= 0:

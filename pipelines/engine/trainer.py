@@ -2,7 +2,7 @@
 
 ``train(cfg)`` is what ``python -m pipelines.pretrain`` runs in every process: it checks the corpus
 and the config *before* any process group exists, builds task, model and data sources, and hands
-them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``Trainer`` as is:
+them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``Trainer`` with its ``RunHooks``:
 
     trainer = Trainer(cfg, model=model, task=task, train_data=MapStyleSource(...), eval_data=MapStyleSource(...))
     summary = trainer.fit()
@@ -33,6 +33,7 @@ from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
+from pipelines.engine.hooks import RunHooks
 
 __all__ = ["Trainer", "train", "build_model"]
 
@@ -133,14 +134,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, model: torch.nn.Module, task: Any, train_data: Any, eval_data: Any = None,
                  env: dist.DistEnv | None = None, tokenizer_dir: Path | None = None,
                  model_build: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                 should_stop: Any = None, config_to_save: Any = None):
+                 hooks: RunHooks | None = None):
         from pipelines.engine.check import run_schedule
         from pipelines.engine.optim import build_optimizer
 
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
-        # should_stop(step, eval_metrics) -> bool: early stopping after an evaluation (fine-tuning).
-        # config_to_save: what run_dir/config.yaml holds when the caller's config is richer than RunConfig.
-        self.should_stop, self.config_to_save = should_stop, config_to_save
+        self.hooks = hooks or RunHooks()
         self.env = env or dist.init_env()
         dist.validate(cfg, self.env)
         if cfg.train.deterministic:
@@ -180,6 +179,7 @@ class Trainer:
             if self.eval_data is not None:
                 self.last_eval = self.evaluate()
                 run.logger.log(self.step, self.last_eval, split="eval")
+                self.hooks.on_evaluation(self.step, self.last_eval)  # the run ends here whatever it answers
             if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
                 last_saved = self.save(run.health, run.meter)
         if run.trace is not None:
@@ -204,7 +204,7 @@ class Trainer:
             try:
                 ckpt.claim_run_dir(self.run_dir)
                 ckpt.refuse_fresh_start_over_checkpoints(self.run_dir, self.cfg.train)
-                save_config(self.config_to_save or cfg, self.run_dir / "config.yaml")
+                save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
         resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
@@ -265,7 +265,7 @@ class Trainer:
         self.last_loss = loss
         rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait,
                                    flops=flops or None)
-        if run.trace is not None:  # PRETRAIN_TRACE_DIR (tests, debugging): this rank's own loss, one more read
+        if run.trace is not None:  # logging.sample_keys: this rank's samples and own loss, one more host read
             run.trace.write(json.dumps({"step": self.step, "loss": local_loss.item(), "keys": keys, "pid": os.getpid()}) + "\n")
             run.trace.flush()
         return _StepResult(loss=loss, agg=agg, result=result, rates=rates)
@@ -331,7 +331,7 @@ class Trainer:
         if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps and stop_reason is None:
             self.last_eval = self.evaluate()
             run.logger.log(self.step, self.last_eval, split="eval")
-            if self.should_stop is not None and self.should_stop(self.step, self.last_eval):
+            if self.hooks.on_evaluation(self.step, self.last_eval):
                 return "early_stopping"
         return stop_reason
 
@@ -448,11 +448,13 @@ class Trainer:
                 pass
 
     def _open_trace(self):
-        where = dist.trace_dir()
+        """``logging.sample_keys``: this rank's append-only sample-key log (docs/monitoring.md), or None."""
+        where = self.cfg.logging.sample_keys
         if not where:
             return None
-        Path(where).mkdir(parents=True, exist_ok=True)
-        return open(Path(where) / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
+        where = self.run_dir / where  # an absolute path stays as it is
+        where.mkdir(parents=True, exist_ok=True)
+        return open(where / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What every fine-tuning flow shares (classification and QA run the same skeleton).
 
 resolve the checkpoint → tokenizer → `RunConfig` of `epochs` passes with one evaluation and one
-checkpoint per epoch (`epoch_run_config`) → `Trainer` (with `early_stopping`) → the best epoch by
-`selection_metric` from `metrics.jsonl` (`best_epoch`) → export it → score the export. The task
+checkpoint per epoch (`epoch_run_config`) → `Trainer` with an `EpochSelection` (it records each
+epoch's evaluation and stops early) → the best epoch by `selection_metric` (`epoch_rank`, the one
+definition of "best") → export it → score the export. The task
 modules (`classification`, `qa`) supply the data, the head, the task and the scorer.
 """
 
@@ -15,17 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from core.files import atomic_write_text, tree_inside
+from monitoring.sinks import plain
 from pipelines.engine import distributed as dist
 from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
+from pipelines.engine.hooks import RunHooks
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
 __all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
-           "resolve_release", "load_tokenizer", "early_stopping", "best_epoch"]
+           "resolve_release", "load_tokenizer", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
@@ -64,10 +65,13 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
         train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True,
                                   filler={**job.train_feats[0], "valid": False}, **common),
         eval_data=MapStyleSource(job.val_feats, job.collate, shuffle=False, **common),
-        model_build=job.model_build, data_info=job.data_info, should_stop=early_stopping(cfg), config_to_save=cfg,
+        model_build=job.model_build, data_info=job.data_info, hooks=(selection := EpochSelection(cfg, steps_per_epoch)),
     )
     summary = trainer.fit()
-    best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    if summary["resumed_from"]:  # epochs of earlier sessions are only in the run's record
+        best_step, history = best_epoch(run_dir, cfg.selection_metric, steps_per_epoch)
+    else:
+        best_step, history = selection.best(run_dir)
     result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
                               "history": history, "steps": summary["steps"], **job.result_extra}
     if env.rank == 0:
@@ -136,26 +140,55 @@ def load_tokenizer(release: Path):
         raise FinetuneError(f"{release}: no usable tokenizer files ({exc}). Copy the tokenizer the model was trained with into it.") from None
 
 
-def early_stopping(cfg: FinetuneConfig):
-    """A `should_stop(step, eval_metrics)` that stops after `patience` evaluations without improvement."""
-    if cfg.early_stopping_patience <= 0:
-        return None
-    sign = -1.0 if cfg.selection_metric in LOWER_IS_BETTER else 1.0
-    state = {"best": -np.inf, "bad": 0}
+def epoch_rank(row: dict[str, Any], metric: str) -> tuple[float, float, int]:
+    """How epochs compare, larger is better: ``metric`` (negated when lower is better), then the lower dev
+    loss, then the earlier step. Ties of a count-based metric (accuracy on a small dev set) are not equal
+    models (issue #31: a tie kept epoch 2 of 3 at 67.5 F1 where epoch 3, with the lower loss, had 71.1)."""
+    sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
+    return sign * float(row[metric]), -float(row.get("loss", 0.0)), -int(row["step"])
 
-    def should_stop(_step: int, metrics: dict[str, float]) -> bool:
-        score = sign * metrics.get(cfg.selection_metric, -np.inf * sign)
-        if score > state["best"]:
-            state["best"], state["bad"] = score, 0
+
+class EpochSelection(RunHooks):
+    """The fine-tuning run's hooks: its config saved with the run, each epoch-end evaluation recorded,
+    and early stopping after ``early_stopping_patience`` epochs that do not become the best (``epoch_rank``)."""
+
+    def __init__(self, cfg: FinetuneConfig, steps_per_epoch: int) -> None:
+        self.config_to_save, self.metric, self.steps_per_epoch = cfg, cfg.selection_metric, steps_per_epoch
+        self.patience = cfg.early_stopping_patience
+        self.rows: list[dict[str, Any]] = []
+        self._best: dict[str, Any] | None = None
+        self._bad = 0
+
+    def on_evaluation(self, step: int, metrics: dict[str, float]) -> bool:
+        if step % self.steps_per_epoch:
+            return False
+        row = {"step": step, **plain(metrics)}
+        self.rows.append(row)
+        if self.metric in row and (self._best is None or epoch_rank(row, self.metric) > epoch_rank(self._best, self.metric)):
+            self._best, self._bad = row, 0
         else:
-            state["bad"] += 1
-        return state["bad"] >= cfg.early_stopping_patience
+            self._bad += 1
+        return 0 < self.patience <= self._bad
 
-    return should_stop
+    def best(self, run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+        """The best epoch's step and every epoch's evaluation (``best_epoch``'s answer, from this session)."""
+        return _select(self.rows, self.metric, self.steps_per_epoch, run_dir)
+
+
+def _select(rows: list[dict[str, Any]], metric: str, steps_per_epoch: int, run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+    if not rows:
+        raise FinetuneError(f"{run_dir}/metrics.jsonl has no evaluation; the run did not finish an epoch.")
+    if metric not in rows[-1]:
+        raise FinetuneError(f"selection_metric={metric!r} is not among the dev metrics {sorted(k for k in rows[-1] if k not in ('step', 'split', 'time'))}.")
+    best = max(rows, key=lambda r: epoch_rank(r, metric))
+    history = [{"epoch": r["step"] // steps_per_epoch, **{k: v for k, v in r.items() if k not in ("split", "time")}}
+               for r in rows]
+    return int(best["step"]), history
 
 
 def best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, list[dict[str, Any]]]:
-    """The step of the best epoch-end evaluation by ``metric`` (ties: lower dev loss, then earlier) and the history."""
+    """The best epoch-end evaluation (``epoch_rank``) as recorded in ``run_dir/metrics.jsonl`` (a resumed run:
+    its earlier sessions' epochs), and the history."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
         try:
@@ -164,13 +197,4 @@ def best_epoch(run_dir: Path, metric: str, steps_per_epoch: int) -> tuple[int, l
             continue
         if row.get("split") == "eval" and row.get("step", 0) % steps_per_epoch == 0:
             rows.append(row)
-    if not rows:
-        raise FinetuneError(f"{run_dir}/metrics.jsonl has no evaluation; the run did not finish an epoch.")
-    if metric not in rows[-1]:
-        raise FinetuneError(f"selection_metric={metric!r} is not among the dev metrics {sorted(k for k in rows[-1] if k not in ('step', 'split', 'time'))}.")
-    sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
-    # Ties of a count-based metric (accuracy on a small dev set) go to the lower dev loss, then the earlier
-    # epoch: two epochs with equal window accuracy are not equal models (issue #31: a tie kept epoch 2 of 3
-    # at 67.5 F1 where epoch 3, with the lower loss, had 71.1).
-    best = max(rows, key=lambda r: (sign * r[metric], -r.get("loss", 0.0), -r["step"]))
-    return int(best["step"]), [{"epoch": r["step"] // steps_per_epoch, **{k: v for k, v in r.items() if k not in ("split", "time")}} for r in rows]
+    return _select(rows, metric, steps_per_epoch, run_dir)

@@ -24,6 +24,7 @@ from typing import Any
 
 from core.config import ConfigError
 from pipelines.engine.check import check, is_pretraining_task
+from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
     MODEL_SHAPES,
@@ -39,8 +40,6 @@ from pipelines.ops.model_shapes import (
 __all__ = ["PlanOptions", "MemoryRow", "Plan", "make_plan", "memory_rows", "checkpoint_bytes", "young_interval",
            "daly_interval", "daly_wall_time", "render_plan", "render_sources"]
 
-#: Adam-family optimizers keep two fp32 moments per parameter (pipelines/engine/optim.py builds them).
-MOMENTS = {"adam": 2, "adamw": 2, "radam": 2, "lamb": 2}
 
 
 @dataclass(kw_only=True)
@@ -261,7 +260,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     seq = opts.seq_len or int(facts.get("seq_len") or 0) or shape.max_position_embeddings
     seq_note = "--seq-len" if opts.seq_len else seq_note
     micro, accum, global_batch = _batch(cfg, opts)
-    P, moments = param_count(shape), MOMENTS[cfg.optim.name]
+    P, moments = param_count(shape), OPTIMIZERS.lookup(cfg.optim.name).state_tensors
     w, _ = _precision_bytes(cfg.train.precision)
     mlm = float(cfg.data.mlm_probability)  # BERT: our MLM head runs at the masked share of positions
     acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck,

@@ -242,6 +242,7 @@ def _schedule_curve(cfg: dict[str, Any]) -> tuple[list[int], list[float], list[f
     from core.optim_math import radam_rectification
     from pipelines.engine.check import run_schedule
     from pipelines.engine.config import RunConfig
+    from pipelines.engine.registries import OPTIMIZERS
 
     run = from_dict(RunConfig, cfg, source="run config.yaml")
     sched = run_schedule(run)
@@ -249,7 +250,7 @@ def _schedule_curve(cfg: dict[str, Any]) -> tuple[list[int], list[float], list[f
     ts = list(range(1, total + 1))
     lrs = [base * sched(t - 1) for t in ts]
     eff = None
-    if run.optim.name == "radam":
+    if OPTIMIZERS.lookup(run.optim.name).has_rectification:
         eff = [lr * (radam_rectification(t, beta2)[1] or 0.0) for t, lr in zip(ts, lrs, strict=True)]
     return ts, lrs, eff
 

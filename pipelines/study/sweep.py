@@ -156,9 +156,8 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
     from pipelines.engine.check import check
 
     for spec in expand(cfg):  # every grid point, before the first run starts (torch-free, milliseconds)
-        run = run_config(cfg, spec)
-        try:
-            check(run, world_size=cfg.num_processes)
+        try:  # loading checks registry names (optim.name, schedule.warmup), check the rest
+            check(run_config(cfg, spec), world_size=cfg.num_processes)
         except ConfigError as exc:
             raise ConfigError(f"{path}: grid point {spec.index} ({spec.name}): {exc}") from None
     return cfg

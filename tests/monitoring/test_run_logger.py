@@ -117,7 +117,7 @@ def test_events_and_nonfinite_values_are_strict_json(tmp_path: Path) -> None:
 def test_compact_console_lines_without_tty(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not sys.stdout.isatty()
     with RunLogger(tmp_path, LoggingConfig(tensorboard=False), is_main=True, total_steps=50) as lg:
-        assert lg._progress is None  # progress=True but stdout is not a terminal
+        assert lg.sinks["console"].progress is None  # progress=True but stdout is not a terminal
         lg.log(10, {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.25})
         lg.log(20, {"loss": 2.0, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.25})
         lg.event(20, "loss_spike", "loss jumped")
@@ -137,7 +137,7 @@ def test_progress_bar_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("NO_COLOR", raising=False)
     lg = RunLogger(tmp_path, LoggingConfig(tensorboard=False), is_main=True, total_steps=40)
     try:
-        assert lg._progress is not None
+        assert lg.sinks["console"].progress is not None
         lg.log(20, {"loss": 1.25, "lr": 1e-3})
         lg.event(20, "note", "an event above the bar")
     finally:
@@ -210,7 +210,7 @@ def test_resumed_run_logs_to_the_same_wandb_run(tmp_path: Path, monkeypatch) -> 
     ids = []
     for session, steps in enumerate(((1, 2), (3, 4))):
         logger = RunLogger(tmp_path, cfg, is_main=True, total_steps=4, config_dict={"session": session})
-        (tracker,) = logger._trackers
+        tracker = logger.sinks["wandb"].tracker
         ids.append(tracker.run.id)
         for step in steps:
             logger.log(step, {"loss": 1.0 / step})

@@ -6,7 +6,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ from torch import nn
 
 from core.config import save_config, to_dict
 from core.optim_math import radam_rectification
-from monitoring.diagnostics import adam_update, diagnostics_due, log_diagnostics
+from monitoring.diagnostics import TorchView, adam_update, diagnostics_due, log_diagnostics
 from monitoring.logger import RunLogger, read_metrics_lines
 from pipelines.engine.config import LoggingConfig, RunConfig
+from pipelines.engine.registries import OPTIMIZERS
 from pipelines.study.analysis import FIGURES, _arms, _hist_steps, load_study, render_study, summarize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,8 +75,8 @@ def test_adam_update_predicts_the_step_torch_takes(name):
             assert float(actual.abs().max()) > 1e-6  # a real step was compared
 
 
-def fake_engine(model: nn.Module, opt: torch.optim.Optimizer) -> SimpleNamespace:
-    return SimpleNamespace(module=model, optimizer=opt, model=model, deepspeed=False, rank=0)
+def fake_engine(model: nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig) -> TorchView:
+    return TorchView(model, opt, grad_clip=cfg.optim.grad_clip, optimizer_facts=OPTIMIZERS.lookup(cfg.optim.name))
 
 
 def run_cfg(optimizer: str = "radam", every: int = 2, warmup: str = "none", steps: int = 8) -> RunConfig:
@@ -103,7 +103,7 @@ def tiny_run(run_dir: Path, cfg: RunConfig, *, seed: int = 0, nan_at: int | None
     run_dir.mkdir(parents=True)
     save_config(cfg, run_dir / "config.yaml")
     logger = RunLogger(run_dir, cfg.logging, is_main=True, total_steps=cfg.train.max_steps, config_dict=to_dict(cfg))
-    engine = fake_engine(model, opt)
+    engine = fake_engine(model, opt, cfg)
     for step in range(1, cfg.train.max_steps + 1):
         ids, y = batch(step + 100 * seed)
         loss = nn.functional.cross_entropy(model(ids), y)
@@ -147,7 +147,7 @@ def test_log_diagnostics_records(tmp_path):
 def test_log_diagnostics_is_silent_when_off_or_not_due(tmp_path):
     logger = RunLogger(tmp_path, LoggingConfig(progress=False, tensorboard=False), is_main=True, total_steps=4)
     model = Tiny()
-    engine = fake_engine(model, torch.optim.Adam(model.parameters()))
+    engine = fake_engine(model, torch.optim.Adam(model.parameters()), run_cfg())
     assert log_diagnostics(logger, engine, step=1, cfg=run_cfg(every=0)) is None
     assert log_diagnostics(logger, engine, step=3, cfg=run_cfg(every=2)) is None
     logger.close()

@@ -15,13 +15,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def job_env(trace_dir: Path | None = None) -> dict[str, str]:
+def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if trace_dir is not None:
-        env["PRETRAIN_TRACE_DIR"] = str(trace_dir)
     return env
+
+
+def traced(overrides: list[str], trace_dir: Path | None) -> list[str]:
+    """``overrides`` plus the per-step sample-key log (``logging.sample_keys``) into ``trace_dir``."""
+    return [*overrides, f"logging.sample_keys={trace_dir}"] if trace_dir is not None else list(overrides)
 
 
 def run_pretrain(config: str, overrides: list[str], *, processes: int = 1, launcher: str = "accelerate",
@@ -29,9 +32,9 @@ def run_pretrain(config: str, overrides: list[str], *, processes: int = 1, launc
     """Run a real job (``distributed.launch`` in a child python, or one plain process); capture its output."""
     code = (
         "import sys; from pipelines.engine.distributed import launch; "
-        f"sys.exit(launch({config!r}, {overrides!r}, {processes}, launcher={launcher!r}))"
+        f"sys.exit(launch({config!r}, {traced(overrides, trace_dir)!r}, {processes}, launcher={launcher!r}))"
     )
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(trace_dir), capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -42,7 +45,7 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 
 def read_trace(trace_dir: Path, rank: int) -> dict[int, dict]:
-    """step -> {loss, keys} of one rank; a step redone after a crash keeps its last record."""
+    """step -> {loss, keys} of one rank (``logging.sample_keys``); a step redone after a crash keeps its last record."""
     out: dict[int, dict] = {}
     path = trace_dir / f"rank-{rank}.jsonl"
     for line in path.read_text().splitlines():

@@ -234,7 +234,8 @@ ZERO_CASES = [pytest.param(2, n, id=f"zero2-{n}") for n in ("adam", "adamw", "ra
 
 @pytest.mark.parametrize(("stage", "name"), ZERO_CASES)
 def test_zero_engine_three_steps(ds_world, stage, name):
-    from monitoring.diagnostics import collect_diagnostics, deepspeed_getters
+    from monitoring.diagnostics import collect_diagnostics
+    from pipelines.engine.engines import deepspeed_getters
 
     deepspeed = ds_world
     cfg = OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=0.0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from job_helpers import REPO, job_env, read_trace, run_pretrain, summary_of
+from job_helpers import REPO, job_env, read_trace, run_pretrain, summary_of, traced
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,8 @@ def _assert_same(ref_dir: Path, got_dir: Path, steps: int) -> None:
 
 
 def _launch_background(config: str, overrides: list[str], trace: Path) -> subprocess.Popen:
-    code = f"import sys; from pipelines.engine.distributed import launch; sys.exit(launch({config!r}, {overrides!r}, 2))"
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=job_env(trace), stdout=subprocess.PIPE,
+    code = f"import sys; from pipelines.engine.distributed import launch; sys.exit(launch({config!r}, {traced(overrides, trace)!r}, 2))"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

@@ -29,7 +29,7 @@ def test_prometheus_binds_localhost_unless_configured(tmp_path):
         cfg = LoggingConfig(progress=False, tensorboard=False, prometheus_port=_free_port(), **kw)
         logger = RunLogger(tmp_path / (host or "default"), cfg, is_main=True, total_steps=10)
         try:
-            assert logger._prometheus._server.server_address[0] == expected
+            assert logger.sinks["prometheus"]._server.server_address[0] == expected
         finally:
             logger.close()
 

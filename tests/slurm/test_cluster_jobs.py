@@ -30,9 +30,9 @@ def _trace_steps(trace: Path, rank: int) -> list[int]:
 
 def test_two_node_pretraining(slurm_cluster, bert_corpus, tmp_path):
     run_dir, trace = tmp_path / "run", tmp_path / "trace"
-    proc = pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 8), "--nodes", "2",
-                        "--gpus-per-node", "0", "--time", "10:00", "--signal-seconds", "60",
-                        env=job_env(PRETRAIN_TRACE_DIR=str(trace)), cwd=tmp_path)
+    proc = pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 8, f"logging.sample_keys={trace}"),
+                        "--nodes", "2", "--gpus-per-node", "0", "--time", "10:00", "--signal-seconds", "60",
+                        env=job_env(), cwd=tmp_path)
     job = submitted_id(proc)
     assert str(run_dir) in proc.stdout and f"slurm-{job}.out" in proc.stdout
     info = wait_job(job, 240, logs=run_dir / "logs")
@@ -59,8 +59,8 @@ def test_two_node_pretraining(slurm_cluster, bert_corpus, tmp_path):
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, bert_corpus, tmp_path):
     steps = 100
     run_dir, trace = tmp_path / "run", tmp_path / "trace"
-    proc = pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, steps), "--nodes", "2",
-                        env=job_env(PRETRAIN_TRACE_DIR=str(trace)), cwd=tmp_path)
+    proc = pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, steps, f"logging.sample_keys={trace}"),
+                        "--nodes", "2", env=job_env(), cwd=tmp_path)
     job = submitted_id(proc)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 180
@@ -96,11 +96,11 @@ def test_resume_on_fewer_nodes_continues_the_sample_sequence(slurm_cluster, bert
     run dir, the global batch kept at 8 by accumulation: no step twice, no sample twice, ZeRO state
     rebuilt from the checkpoint's world-size-free copy."""
     run_dir, trace = tmp_path / "run", tmp_path / "trace"
-    env = job_env(PRETRAIN_TRACE_DIR=str(trace))
-    first = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 4), "--nodes", "2",
+    env, keys_log = job_env(), f"logging.sample_keys={trace}"
+    first = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 4, keys_log), "--nodes", "2",
                                       "--gpus-per-node", "0", "--time", "10:00", env=env, cwd=tmp_path))
     assert wait_job(first, 240, logs=run_dir / "logs")["JobState"] == "COMPLETED", dump_logs(run_dir / "logs")
-    second = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 8, "train.grad_accum_steps=2"),
+    second = submitted_id(pretrain_cli("submit", CONFIG, *_train_overrides(bert_corpus, run_dir, 8, "train.grad_accum_steps=2", keys_log),
                                        "--nodes", "1", "--gpus-per-node", "0", "--time", "10:00", env=env, cwd=tmp_path))
     info = wait_job(second, 240, logs=run_dir / "logs")
     logs = dump_logs(run_dir / "logs")
