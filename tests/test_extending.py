@@ -144,6 +144,51 @@ def test_nothing_of_a_family_outlives_its_registration(tmp_path):
     assert "other" not in list_families()
 
 
+def test_a_family_an_optimizer_and_a_sink_from_outside_run_together(toy_family, tmp_path):
+    """The acceptance of #32 in one run: three registrations from this module, no product edit."""
+    from monitoring.sink import SINKS, register_sink
+    from pipelines.engine.distributed import in_process_run
+    from pipelines.engine.export import export_checkpoint
+    from pipelines.engine.registries import OPTIMIZERS, register_optimizer
+    from pipelines.engine.trainer import train
+
+    steps_taken, seen = [], []
+
+    class StepCountingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            steps_taken.append(1)
+            return super().step(closure)
+
+    class RecordingSink:
+        def __init__(self, ctx):
+            self.run_dir = ctx.run_dir
+
+        def log(self, step, split, values, scalars):
+            seen.append((step, split, values.get("loss")))
+
+        def event(self, step, kind, message, fields):
+            pass
+
+        def close(self):
+            seen.append(("closed", self.run_dir, None))
+
+    corpus = cf.make_gpt_corpus(tmp_path / "corpus", train_sizes=(16,), val_sizes=(8,), seq_len=16)
+    with OPTIMIZERS.restored(), SINKS.restored():
+        register_optimizer("counting_sgd", state_tensors=0)(lambda groups, cfg, offload, device:
+                                                            StepCountingSGD(groups, lr=cfg.lr))
+        register_sink("recording")(RecordingSink)
+        cfg = _config(tmp_path, corpus, "optim.name=counting_sgd", "optim.lr=0.1", "logging.sinks=[recording]")
+        check(cfg)
+        with in_process_run():
+            summary = train(cfg)
+    assert summary["steps"] == 2 and len(steps_taken) == 2
+    assert [step for step, split, _ in seen if split == "train"] == [1, 2]
+    assert all(isinstance(loss, float) for _, split, loss in seen if split == "train")
+    assert seen[-1] == ("closed", tmp_path / "run", None)
+    with pytest.raises(ConfigError, match=r"declares no Hugging Face mapping"):
+        export_checkpoint(summary["checkpoint"], tmp_path / "release")
+
+
 # ---- a corpus kind: one class, one registration; records and the loader's decoding need no edit -------------------
 
 
