@@ -37,7 +37,19 @@ from typing import Any
 
 from monitoring.report import save_figure
 
-__all__ = ["DEFAULT_K", "run_result", "classify", "cell_stats", "claims", "draw_map", "grad_spread", "focus_runs", "render_map"]
+__all__ = [
+    "DEFAULT_K",
+    "run_result",
+    "label_settings",
+    "classify",
+    "cell_stats",
+    "claims",
+    "draw_map",
+    "grad_spread",
+    "focus_cell",
+    "focus_runs",
+    "render_map",
+]
 
 DEFAULT_K = 2.0
 MIN_STD = 1e-3
@@ -84,10 +96,12 @@ def run_result(r: Any) -> dict[str, Any]:
     else:
         tail = train[-3:]
         final = statistics.fmean(tail) if tail and all(_finite(v) for v in tail) else float("nan")
+    betas = opt.get("betas") or [0.9, 0.999]
     return {
         "name": r.name,
         "arm": arm,
         "norm": _norm_of(cfg),
+        "beta2": float(betas[1]),
         "depth": _depth_of(cfg),
         "lr": float(opt.get("lr", float("nan"))),
         "seed": r.seed,
@@ -95,6 +109,16 @@ def run_result(r: Any) -> dict[str, Any]:
         "final": float("nan") if stopped else final,
         "wall_time_s": r.status.get("wall_time_s"),
     }
+
+
+def label_settings(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``results`` whose ``norm`` label also names beta2 (``post β2=0.999``) when the sweep mixes
+    several beta2 values: a cell (and a map panel) is one residual stack at one beta2, never a blend of two."""
+    out = [dict(r) for r in results]
+    if len({r.get("beta2") for r in out}) > 1:
+        for r in out:
+            r["norm"] = f"{r['norm']} β2={r['beta2']:g}"
+    return out
 
 
 def _cell(res: dict[str, Any]) -> tuple[str, int, float]:
@@ -152,7 +176,9 @@ def cell_stats(classified: list[dict[str, Any]]) -> dict[tuple[str, str, int, fl
 
 def _axes(classified: list[dict[str, Any]]) -> tuple[list[str], list[str], list[int], list[float]]:
     order = {"post": 0, "pre": 1, "tfixup": 2}
-    norms = sorted({r["norm"] for r in classified}, key=lambda n: (order.get(n, 9), n))
+    beta2 = {r["norm"]: r.get("beta2") or 0.0 for r in classified}
+    # post-LN first, then pre-LN, T-Fixup; within a stack the papers' larger beta2 first
+    norms = sorted(beta2, key=lambda n: (order.get(n.split()[0], 9), -beta2[n], n))
     arms = list(dict.fromkeys(r["arm"] for r in classified))
     return norms, arms, sorted({r["depth"] for r in classified}), sorted({r["lr"] for r in classified})
 
@@ -354,10 +380,11 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
     from core.files import atomic_write_text
 
     runs = [r for r in runs if r.status.get("status") in ("ok", "diverged")]  # finished runs only (a sweep may be running)
-    classified = classify([run_result(r) for r in runs], k)
+    classified = classify(label_settings(run_result(r) for r in runs), k)
     if not classified:
         return [], {}, ""
     found = claims(classified, k)
+    focus = focus_cell(classified)
     images = [
         (draw_map(classified, out, "rate")[0], "Failure rate of each arm per depth × lr (rows: norm placement)"),
         (draw_map(classified, out, "final")[0], "Mean final loss per depth × lr"),
@@ -365,17 +392,44 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
     ]
     spread = grad_spread(runs, classified)
     table = markdown(classified, found, spread)
-    summary = {"claims": found, "grad_spread": spread, "runs": classified}
+    table += (f"\nPer-arm figures (lr, loss, histograms, adam_variance): {focus['norm']}, {focus['depth']} layers, "
+              f"lr {_lr_text(focus['lr'])} ({focus['why']}), with Adam without warmup of the other stacks there.\n")
+    summary = {"claims": found, "grad_spread": spread, "focus": focus, "runs": classified}
     atomic_write_text(out / "map_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     atomic_write_text(out / "map_table.md", table)
     return images, summary, table
 
 
-def focus_runs(runs: list[Any]) -> list[Any]:
-    """The runs of the hardest cells (deepest stack, largest lr; every norm and arm): what the
-    LR, loss and histogram figures of ``analysis.render_study`` draw for a map sweep."""
-    res = {r.name: run_result(r) for r in runs}
-    if not res:
+def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cell the per-arm figures (lr, loss, histograms, Adam variance) of ``analysis.render_study`` show.
+
+    The first stack (post-LN, the papers' beta2) at the deepest depth, at the smallest lr where Adam
+    without warmup fails in most seeds there -- where the question is decided -- else at the largest lr.
+    """
+    if not classified:
+        return {}
+    stats = cell_stats(classified)
+    norms, _arms, depths, lrs = _axes(classified)
+    norm, depth = norms[0], depths[-1]
+    failing = [lr for lr in lrs if stats.get((norm, NO_WARMUP, depth, lr), {}).get("rate", 0) > 0.5]
+    lr = failing[0] if failing else lrs[-1]
+    beta2 = next(r.get("beta2") for r in classified if r["norm"] == norm)
+    why = "smallest lr where Adam without warmup fails" if failing else "no failure of Adam without warmup: largest lr"
+    return {"norm": norm, "beta2": beta2, "depth": depth, "lr": lr, "why": why}
+
+
+def focus_runs(runs: list[Any], focus: dict[str, Any] | None = None) -> list[Any]:
+    """The runs the per-arm figures draw: every arm of the ``focus`` cell (``focus_cell``; computed from
+    ``runs`` when not given) and, for contrast, Adam without warmup of the other stacks at the same
+    depth, lr and beta2."""
+    results = {r.name: r for r in classify(label_settings(run_result(r) for r in runs))}
+    if not results:
         return runs
-    deepest, largest = max(v["depth"] for v in res.values()), max(v["lr"] for v in res.values())
-    return [r for r in runs if res[r.name]["depth"] == deepest and res[r.name]["lr"] == largest]
+    focus = focus or focus_cell(list(results.values()))
+
+    def shown(c: dict[str, Any]) -> bool:
+        if c["depth"] != focus["depth"] or c["lr"] != focus["lr"] or c.get("beta2") != focus["beta2"]:
+            return False
+        return c["norm"] == focus["norm"] or c["arm"] == NO_WARMUP
+
+    return [r for r in runs if r.name in results and shown(results[r.name])]
