@@ -47,6 +47,7 @@ __all__ = [
     "draw_map",
     "grad_spread",
     "focus_cell",
+    "unigram_plateau",
     "focus_runs",
     "render_map",
 ]
@@ -212,6 +213,63 @@ def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, 
     return out
 
 
+def unigram_plateau(corpus: str | Path) -> float | None:
+    """The loss of a model that ignores context: cross-entropy (nats) of the validation split's targets
+    under the training split's token frequencies (add-1/2). Causal LM (``packed_lm``): every next token;
+    MLM + NSP (``bert_pairs``): the non-special tokens, plus ln 2 for NSP at chance. None when the corpus
+    is not there or of another kind. A run whose final loss is below it has left the plateau."""
+    import tarfile
+
+    import numpy as np
+
+    from core.corpus import iter_tar_samples, load_manifest
+    from core.records import npy_array
+
+    try:
+        m = load_manifest(corpus, check_tokenizer=False)
+    except Exception:  # noqa: BLE001 - a moved or foreign corpus only loses the reference line
+        return None
+    if m.kind not in ("packed_lm", "bert_pairs") or not m.vocab_size or "validation" not in m.splits:
+        return None
+    counts = {split: np.zeros(m.vocab_size, dtype=np.int64) for split in ("train", "validation")}
+    for split, cnt in counts.items():
+        for shard in m.shards(split):
+            with tarfile.open(m.url(shard), mode="r:") as tar:
+                for _key, parts in iter_tar_samples(tar):
+                    data = (parts or {}).get("input_ids.npy")
+                    if data is None:
+                        continue
+                    ids = npy_array(data)
+                    ids = ids[:, 1:] if m.kind == "packed_lm" and ids.ndim == 2 else ids
+                    cnt += np.bincount(ids.ravel().astype(np.int64), minlength=m.vocab_size)[: m.vocab_size]
+    if m.kind == "bert_pairs":
+        for split in counts.values():
+            split[[t for t in m.special_tokens.values() if 0 <= t < m.vocab_size]] = 0
+    train, val = counts["train"], counts["validation"]
+    if not val.sum():
+        return None
+    p = (train + 0.5) / (train.sum() + 0.5 * m.vocab_size)
+    loss = float(-(val * np.log(p)).sum() / val.sum())
+    return loss + (math.log(2) if m.kind == "bert_pairs" else 0.0)
+
+
+def plateau_claims(classified: list[dict[str, Any]], plateau: float | None) -> dict[str, Any]:
+    """Per norm and arm, the (depth, lr) cells whose mean final loss is below the unigram plateau."""
+    if plateau is None:
+        return {"unigram_loss": None}
+    stats = cell_stats(classified)
+    norms, arms, depths, lrs = _axes(classified)
+    below: dict[str, dict[str, Any]] = {}
+    for norm in norms:
+        for arm in arms:
+            cells = [(d, lr) for d in depths for lr in lrs if (norm, arm, d, lr) in stats]
+            if cells:
+                low = [{"depth": d, "lr": lr} for d, lr in cells
+                       if stats[(norm, arm, d, lr)]["final"] is not None and stats[(norm, arm, d, lr)]["final"] < plateau]
+                below.setdefault(norm, {})[arm] = {"below": low, "cells": len(cells)}
+    return {"unigram_loss": plateau, "below_plateau": below}
+
+
 def _lr_text(lr: float) -> str:
     return f"{lr:.0e}".replace("e-0", "e-")
 
@@ -333,6 +391,11 @@ def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 
     return out
 
 
+def _below_text(arm: str, b: dict[str, Any]) -> str:
+    cells = ", ".join(f"{c['depth']}L lr {_lr_text(c['lr'])}" for c in b["below"])
+    return f"{arm} {len(b['below'])}/{b['cells']}" + (f" ({cells})" if cells else "")
+
+
 def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: dict[str, Any] | None = None) -> str:
     """The map as a table (one row per norm, arm, depth; failure rate and mean final loss per lr) + the claims
     (+ the per-block gradient spread of ``grad_spread``)."""
@@ -360,6 +423,12 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
         for res in c["no_warmup_failures_rescued_by"]:
             ok = ", ".join(res["arms_ok"]) or "no arm"
             lines.append(f"  - {res['depth']} layers, lr {_lr_text(res['lr'])}: {ok} fine there.")
+    plateau = found.get("plateau") or {}
+    if plateau.get("unigram_loss") is not None:
+        lines.append(f"\nUnigram plateau (validation targets under training token frequencies): "
+                     f"{plateau['unigram_loss']:.3f}. Cells (depth × lr) whose mean final loss is below it:")
+        for norm, per_arm in plateau["below_plateau"].items():
+            lines.append(f"- {norm}: " + "; ".join(_below_text(arm, b) for arm, b in per_arm.items()))
     if spread and spread["norms"]:
         lines.append(f"\nLargest / smallest per-block gradient norm at the first updates, {spread['depth']} layers, "
                      f"lr {_lr_text(spread['lr'])} (median over seeds):")
@@ -384,6 +453,8 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
     if not classified:
         return [], {}, ""
     found = claims(classified, k)
+    corpus = runs[0].config.get("data", {}).get("corpus") if runs else None
+    found["plateau"] = plateau_claims(classified, unigram_plateau(corpus) if corpus else None)
     focus = focus_cell(classified)
     images = [
         (draw_map(classified, out, "rate")[0], "Failure rate of each arm per depth × lr (rows: norm placement)"),
@@ -422,7 +493,7 @@ def focus_runs(runs: list[Any], focus: dict[str, Any] | None = None) -> list[Any
     """The runs the per-arm figures draw: every arm of the ``focus`` cell (``focus_cell``; computed from
     ``runs`` when not given) and, for contrast, Adam without warmup of the other stacks at the same
     depth, lr and beta2."""
-    results = {r.name: r for r in classify(label_settings(run_result(r) for r in runs))}
+    results = {c["name"]: c for c in classify(label_settings(run_result(r) for r in runs))}
     if not results:
         return runs
     focus = focus or focus_cell(list(results.values()))
