@@ -89,7 +89,8 @@ class SweepConfig:
     only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
     keep: list[str] = option(
         [],
-        help="fnmatch patterns over a run's arm name (adam-none-lr1e-3-post-L6) to keep; empty keeps all (a slice).",
+        help="fnmatch patterns over a run's arm name (adam-none-lr1e-3-post-L6) or full name (...-L6-s0) to keep; "
+        "empty keeps all (a slice of the grid).",
     )
     axes: dict[str, dict[str, list[str]]] = option(
         {},
@@ -185,9 +186,9 @@ def expand(sweep: SweepConfig) -> list[RunSpec]:
         if sweep.only and not any(fnmatch.fnmatchcase(f"{opt}-{wu}", pat) for pat in sweep.only):
             continue
         arm = "-".join([opt, wu, f"lr{lr_label(lr)}", *(label for _, label, _ in extra)])
-        if sweep.keep and not any(fnmatch.fnmatchcase(arm, pat) for pat in sweep.keep):
-            continue  # outside the slice (`keep`)
         name = f"{arm}-s{seed}"
+        if sweep.keep and not any(fnmatch.fnmatchcase(arm, p) or fnmatch.fnmatchcase(name, p) for p in sweep.keep):
+            continue  # outside the slice (`keep`)
         run_dir = out_dir / "runs" / name
         extra_ovr = [o for _, _, ovr in extra for o in ovr]
         ovr = (*common, *opt_ovr, *wu_ovr, *extra_ovr, f"optim.lr={lr!r}", f"train.seed={seed}", f"train.run_dir={run_dir}")

@@ -491,15 +491,15 @@ def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
 
 def focus_runs(runs: list[Any], focus: dict[str, Any] | None = None) -> list[Any]:
     """The runs the per-arm figures draw: every arm of the ``focus`` cell (``focus_cell``; computed from
-    ``runs`` when not given) and, for contrast, Adam without warmup of the other stacks at the same
-    depth, lr and beta2."""
+    ``runs`` when not given) and, for contrast, Adam without warmup of the other stacks (and beta2) at the
+    same depth and lr."""
     results = {c["name"]: c for c in classify(label_settings(run_result(r) for r in runs))}
     if not results:
         return runs
     focus = focus or focus_cell(list(results.values()))
 
     def shown(c: dict[str, Any]) -> bool:
-        if c["depth"] != focus["depth"] or c["lr"] != focus["lr"] or c.get("beta2") != focus["beta2"]:
+        if c["depth"] != focus["depth"] or c["lr"] != focus["lr"]:
             return False
         return c["norm"] == focus["norm"] or c["arm"] == NO_WARMUP
 
