@@ -65,8 +65,8 @@ if [ ! -f "$CORPUS/manifest.json" ]; then
     exit 2
 fi
 ARGS=("$SWEEP" "corpus=$CORPUS" "out_dir=$SWEEP_DIR" "jobs=1" "threads=1" "${GRID[@]}" "${OVERRIDES[@]}")
-$PY -m pipelines.study.sweep list "${ARGS[@]}" > /dev/null || exit 2   # a bad override fails here, before any run
-total=$($PY -m pipelines.study.sweep list "${ARGS[@]}" | wc -l)
+listing=$($PY -m pipelines.study.sweep list "${ARGS[@]}") || exit 2   # a bad override fails here, before any run
+total=$(printf '%s\n' "$listing" | wc -l)
 echo "warmup map: $total runs, $SHARDS shards, mode $MODE, at most $MINUTES min, into $SWEEP_DIR"
 
 start=$(date +%s)

@@ -56,6 +56,7 @@ DEFAULT_K = 2.0
 MIN_STD = 1e-3
 MAP_FIGURES = ("map_failure.png", "map_loss.png", "map_grad_layers.png")
 NO_WARMUP = "adam-none"
+PLATEAU_MARGIN = 0.1  # nats below the unigram plateau that count as having left it (perplexity 10 % lower)
 _BLOCK = re.compile(r"^grad_norm/(?:.+\.)?blocks\.(\d+)$")  # per-block norms of monitoring.diagnostics
 
 
@@ -254,7 +255,8 @@ def unigram_plateau(corpus: str | Path) -> float | None:
 
 
 def plateau_claims(classified: list[dict[str, Any]], plateau: float | None) -> dict[str, Any]:
-    """Per norm and arm, the (depth, lr) cells whose mean final loss is below the unigram plateau."""
+    """Per norm and arm, how far below the unigram plateau each (depth, lr) cell's mean final loss ends
+    (``gap``, nats), and the cells that left it: more than ``PLATEAU_MARGIN`` below."""
     if plateau is None:
         return {"unigram_loss": None}
     stats = cell_stats(classified)
@@ -262,12 +264,12 @@ def plateau_claims(classified: list[dict[str, Any]], plateau: float | None) -> d
     below: dict[str, dict[str, Any]] = {}
     for norm in norms:
         for arm in arms:
-            cells = [(d, lr) for d in depths for lr in lrs if (norm, arm, d, lr) in stats]
+            cells = [(d, lr, stats[(norm, arm, d, lr)]["final"]) for d in depths for lr in lrs if (norm, arm, d, lr) in stats]
             if cells:
-                low = [{"depth": d, "lr": lr} for d, lr in cells
-                       if stats[(norm, arm, d, lr)]["final"] is not None and stats[(norm, arm, d, lr)]["final"] < plateau]
-                below.setdefault(norm, {})[arm] = {"below": low, "cells": len(cells)}
-    return {"unigram_loss": plateau, "below_plateau": below}
+                gaps = [{"depth": d, "lr": lr, "gap": None if f is None else plateau - f} for d, lr, f in cells]
+                left = [g for g in gaps if g["gap"] is not None and g["gap"] > PLATEAU_MARGIN]
+                below.setdefault(norm, {})[arm] = {"below": left, "cells": len(cells), "gaps": gaps}
+    return {"unigram_loss": plateau, "margin": PLATEAU_MARGIN, "below_plateau": below}
 
 
 def _lr_text(lr: float) -> str:
@@ -392,8 +394,9 @@ def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 
 
 
 def _below_text(arm: str, b: dict[str, Any]) -> str:
-    cells = ", ".join(f"{c['depth']}L lr {_lr_text(c['lr'])}" for c in b["below"])
-    return f"{arm} {len(b['below'])}/{b['cells']}" + (f" ({cells})" if cells else "")
+    gaps = ", ".join(f"{g['depth']}L {_lr_text(g['lr'])}: {'div' if g['gap'] is None else format(g['gap'], '.2f')}"
+                     for g in b["gaps"])
+    return f"{arm} {len(b['below'])}/{b['cells']} ({gaps})"
 
 
 def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: dict[str, Any] | None = None) -> str:
@@ -426,7 +429,8 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
     plateau = found.get("plateau") or {}
     if plateau.get("unigram_loss") is not None:
         lines.append(f"\nUnigram plateau (validation targets under training token frequencies): "
-                     f"{plateau['unigram_loss']:.3f}. Cells (depth × lr) whose mean final loss is below it:")
+                     f"{plateau['unigram_loss']:.3f}. Cells that left it (mean final loss more than "
+                     f"{plateau['margin']:g} below) / cells, and plateau − mean final loss per depth × lr:")
         for norm, per_arm in plateau["below_plateau"].items():
             lines.append(f"- {norm}: " + "; ".join(_below_text(arm, b) for arm, b in per_arm.items()))
     if spread and spread["norms"]:

@@ -236,3 +236,19 @@ def test_literature_map_tiny_grid_end_to_end(tmp_path, gpt_corpus):
         "adam-none-lr1e-3-b999-post-L2", "adam-linear-lr1e-3-b999-post-L2", "adam-none-lr1e-3-b98-post-L2"}
     for name in (*MAP_FIGURES, "histograms.png", "adam_variance.png", "lr.png"):
         assert (out / "study" / name).stat().st_size > 5_000
+
+
+def test_plateau_claims_say_which_cells_left_the_unigram_plateau(gpt_corpus):
+    """A cell has left the plateau when its mean final loss is more than the margin below it; the plateau
+    is the unigram cross-entropy of the corpus' validation targets (between 0 and ln(vocab))."""
+    from pipelines.study.warmup_map import PLATEAU_MARGIN, plateau_claims, unigram_plateau
+
+    rows = [result("adam-none", s, 6.64 + 0.01 * s) for s in range(2)] + [result("adam-linear", s, 6.2) for s in range(2)]
+    found = plateau_claims(classify(rows), 6.70)
+    post = found["below_plateau"]["post"]
+    assert found["margin"] == PLATEAU_MARGIN and post["adam-none"]["below"] == [] and post["adam-none"]["cells"] == 1
+    assert post["adam-linear"]["below"][0]["gap"] == pytest.approx(0.5)
+    plateau = unigram_plateau(gpt_corpus)
+    assert plateau is not None and 0 < plateau < math.log(json.loads((gpt_corpus / "manifest.json").read_text())
+                                                          ["tokenizer"]["vocab_size"])
+    assert unigram_plateau(gpt_corpus / "missing") is None
