@@ -13,19 +13,23 @@
 # stopped: runs are seed-major, so whole seeds finish first), --out DIR; anything else is a sweep override
 # (e.g. 'seeds=[0,1]'). The corpus (CORPUS, default demo_out/corpus_lit_gpt; ~2 MB) is prepared here with
 # `pretrain prepare` (see the config's header) and travels with the repo (Ray is not on the GPU image);
-# missing Python packages travel as wheels in .whl/ as for benchmarks/gpu_check.sh.
-# When $OUT is set (the device tool), the map table, map_summary.json and the log are copied there.
+# missing Python packages travel as wheels in .whl/ as for benchmarks/gpu_check.sh. Through the device tool:
+# carry [".whl", "demo_out/corpus_lit_gpt"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570;
+# the map table, map_summary.json, map_failure.png and shard 0's log come back in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
-if ! $PY -c 'import webdataset, safetensors' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+# the wheels only where a dependency is missing (the GPU image: deepspeed, webdataset, ...; the list and how to
+# build them: benchmarks/gpu_train_throughput.sh); a set-up machine runs with PYTHON=.venv/bin/python
+if ! $PY -c 'import deepspeed, webdataset' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export PYTHONUNBUFFERED=1
+export DS_BUILD_OPS=0  # DeepSpeed (imported, unused by the ddp engine) never builds its ops
 
 SWEEP=configs/sweeps/warmup_map_literature.yaml
 CORPUS=${CORPUS:-demo_out/corpus_lit_gpt}
