@@ -324,20 +324,20 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
 
 
 def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Path, first: int = 3) -> str:
-    """Per-layer gradient norm at the first logged updates, Adam without vs. with warmup, for the
-    post-LN (else first) norm placement at the deepest depth and largest lr (first seed of each arm)."""
+    """Per-layer gradient norm at the first logged updates, Adam without vs. with warmup, at the focus
+    cell (``focus_cell``: post-LN, deepest depth; first seed of each arm)."""
     from matplotlib.figure import Figure
 
-    norms, arms, depths, lrs = _axes(classified)
-    norm = "post" if "post" in norms else norms[0]
+    focus = focus_cell(classified)
+    norm, depth, lr = focus["norm"], focus["depth"], focus["lr"]
     target = {r["name"]: r for r in classified}
     chosen = {}
     for r in runs:
         c = target.get(r.name)
-        if c and c["norm"] == norm and c["depth"] == depths[-1] and c["lr"] == lrs[-1] and c["arm"] not in chosen:
+        if c and c["norm"] == norm and c["depth"] == depth and c["lr"] == lr and c["arm"] not in chosen:
             chosen[c["arm"]] = r
     fig = Figure(figsize=(3.2 * first + 1, 3.4), layout="constrained")
-    fig.suptitle(f"|gradient| per block, first updates: {norm}, {depths[-1]} layers, lr {_lr_text(lrs[-1])}")
+    fig.suptitle(f"|gradient| per block, first updates: {norm}, {depth} layers, lr {_lr_text(lr)}")
     for col in range(first):
         ax = fig.add_subplot(1, first, col + 1)
         ax.grid(True, alpha=0.3)
@@ -364,15 +364,17 @@ def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Pat
 
 def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 3) -> dict[str, Any]:
     """Largest / smallest per-block gradient norm at the first ``first`` diagnostics updates, per norm
-    placement and arm, at the deepest stack and largest lr: the median over seeds (a vanishing lower
-    block shows as a ratio of many orders of magnitude; Xiong et al. 2020, Liu et al. 2020 Admin)."""
-    norms, _arms, depths, lrs = _axes(classified)
+    placement and arm, at the focus cell's depth and lr (``focus_cell``): the median over seeds (a vanishing
+    lower block shows as a ratio of many orders of magnitude; Xiong et al. 2020, Liu et al. 2020 Admin)."""
+    norms, _arms, _depths, _lrs = _axes(classified)
+    focus = focus_cell(classified)
+    depth, lr = focus["depth"], focus["lr"]
     target = {r["name"]: r for r in classified}
     ratios: dict[tuple[str, str], list[list[float]]] = {}
     steps: dict[tuple[str, str], list[int]] = {}
     for r in runs:
         c = target.get(r.name)
-        if not c or c["depth"] != depths[-1] or c["lr"] != lrs[-1]:
+        if not c or c["depth"] != depth or c["lr"] != lr:
             continue
         recs = [d for d in r.diag if any(_BLOCK.match(k) for k in d)][:first]
         per_update = []
@@ -381,7 +383,7 @@ def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 
             per_update.append(max(norms_) / min(norms_) if norms_ and min(norms_) > 0 else math.inf)
         ratios.setdefault((c["norm"], c["arm"]), []).append(per_update)
         steps.setdefault((c["norm"], c["arm"]), [int(rec["step"]) for rec in recs])
-    out: dict[str, Any] = {"depth": depths[-1], "lr": lrs[-1], "norms": {}}
+    out: dict[str, Any] = {"depth": depth, "lr": lr, "norms": {}}
     for (norm, arm), rows in ratios.items():
         n = min(len(row) for row in rows)
         out["norms"].setdefault(norm, {})[arm] = {
@@ -414,7 +416,8 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
                     s = stats.get((norm, arm, d, lr))
                     loss = "—" if not s or s["final"] is None else f"{s['final']:.3f}"
                     cells.append("" if not s else f"{s['fail']}/{s['runs']} · {loss}")
-                lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
+                if any(cells):  # a slice of the map: no row for a (stack, arm, depth) without runs
+                    lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
     lines.append("")
     lines.append(f"Failure: diverged, final loss above start, or > {found['k']:g} pooled seed std above the best arm of the cell.")
     for norm, c in found["norms"].items():
@@ -476,18 +479,25 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
 
 
 def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
-    """The cell the per-arm figures (lr, loss, histograms, Adam variance) of ``analysis.render_study`` show.
+    """The cell the per-arm figures (lr, loss, histograms, Adam variance, per-block gradients) show.
 
-    The first stack (post-LN, the papers' beta2) at the deepest depth, at the smallest lr where Adam
-    without warmup fails in most seeds there -- where the question is decided -- else at the largest lr.
+    The first stack (post-LN, the papers' beta2): the deepest depth where Adam without warmup fails in
+    most seeds and there the smallest such lr -- where the question is decided --, else the deepest
+    depth and its largest lr; only cells that hold runs (a slice of a map has holes).
     """
     if not classified:
         return {}
     stats = cell_stats(classified)
-    norms, _arms, depths, lrs = _axes(classified)
-    norm, depth = norms[0], depths[-1]
-    failing = [lr for lr in lrs if stats.get((norm, NO_WARMUP, depth, lr), {}).get("rate", 0) > 0.5]
-    lr = failing[0] if failing else lrs[-1]
+    norms, _arms, _depths, _lrs = _axes(classified)
+    norm = norms[0]
+    ran = sorted((d, lr) for (n, _a, d, lr) in stats if n == norm)  # the cells this stack has runs in (a slice)
+    failing = [(d, lr) for d, lr in ran if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+    if failing:
+        depth = max(d for d, _ in failing)
+        lr = min(lr for d, lr in failing if d == depth)
+    else:
+        depth = max(d for d, _ in ran)
+        lr = max(lr for d, lr in ran if d == depth)
     beta2 = next(r.get("beta2") for r in classified if r["norm"] == norm)
     why = "smallest lr where Adam without warmup fails" if failing else "no failure of Adam without warmup: largest lr"
     return {"norm": norm, "beta2": beta2, "depth": depth, "lr": lr, "why": why}
