@@ -163,9 +163,9 @@ def test_grad_spread_reads_the_block_norms_of_the_hardest_cell():
 
 
 LITERATURE = REPO / "configs/sweeps/warmup_map_literature.yaml"
-CPU_SLICE = ["only=[adam-none,adam-linear,radam-none]", "lrs=[1e-3,3e-3]", "seeds=[0,1]",
+CPU_SLICE = ["only=[adam-none,adam-linear,radam-none]", "lrs=[3e-4,1e-3,3e-3]", "seeds=[0,1]",
              'keep=["*-lr1e-3-b999-post-L6", "adam-none-lr1e-3-b999-*-L6", "adam-*-lr3e-3-b999-post-L6", '
-             '"adam-*-lr1e-3-b999-post-L12-s0"]']
+             '"adam-*-lr1e-3-b999-post-L12-s0", "adam-*-lr3e-4-b999-post-L6", "adam-none-lr3e-4-b999-pre-L6"]']
 
 
 def test_literature_map_config_and_its_cpu_slice():
@@ -181,7 +181,7 @@ def test_literature_map_config_and_its_cpu_slice():
     assert {c.optim.betas[1] for c in cfgs} == {0.999, 0.98} and {c.model.overrides["num_layers"] for c in cfgs} == {6, 12}
     assert all(c.optim.grad_clip == 0 and c.model.overrides["hidden_size"] >= 128 for c in cfgs)
     names = [s.name for s in expand(load_sweep(LITERATURE, CPU_SLICE))]
-    assert len(names) == 16 and set(names) <= {s.name for s in specs}
+    assert len(names) == 22 and set(names) <= {s.name for s in specs}
     assert sorted(n for n in names if "-L12-" in n) == ["adam-linear-lr1e-3-b999-post-L12-s0",
                                                         "adam-none-lr1e-3-b999-post-L12-s0"]  # keep by full name
     norms = {norm for n in names for norm in ("post", "pre", "tfixup") if f"-{norm}-" in n and n.startswith("adam-none-")}
