@@ -485,8 +485,8 @@ def render_study(
     if manifest.get("config", {}).get("axes"):  # a depth x lr x norm sweep: the warmup map, figures of its hardest cell
         from pipelines.study.warmup_map import focus_runs, render_map
 
-        map_images, _, _ = render_map(runs, out, k=float(manifest["config"].get("fail_k", 2.0)))
-        runs = focus_runs(runs)
+        map_images, map_summary, _ = render_map(runs, out, k=float(manifest["config"].get("fail_k", 2.0)))
+        runs = focus_runs(runs, map_summary.get("focus")) or runs
     arms = _arms(runs)
     colors = _colors(list(arms))
     total = max(int(r.config.get("train", {}).get("max_steps", 0) or 0) for r in runs) or 1

@@ -13,6 +13,7 @@ grid point shares (an optional ``base`` RunConfig file plus ``run:`` sections) a
     lrs: [1.0e-3]
     seeds: [0, 1, 2]
     only: [adam-*, radam-none]                # keep these optimizer-warmup arms (fnmatch); [] = all
+    keep: ["*-post-*", "adam-none-*"]         # keep these full arm names (fnmatch): a slice of the grid
     axes: {depth: {L2: [model.overrides.num_layers=2], L6: [model.overrides.num_layers=6]}}  # more axes
 
 ``expand`` turns it into ``RunSpec`` s named ``{optimizer}-{warmup}-lr{lr}-s{seed}`` (e.g.
@@ -26,7 +27,8 @@ Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``int
 retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error).
 
 Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` and, for ``slurm/sweep_array.sbatch``,
-``python -m pipelines.study.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``.
+``python -m pipelines.study.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``; N processes sharing one
+GPU: ``python -m pipelines.study.sweep local SWEEP.yaml --shard I/N`` (benchmarks/warmup_map_gpu.sh).
 The study follows Liu et al. 2020 (RAdam, arXiv:1908.03265) and Ma & Yarats 2019 (untuned warmup,
 arXiv:1910.04209); ``pipelines.study.analysis.render_study`` turns SWEEP_DIR into figures and a table.
 """
@@ -85,6 +87,11 @@ class SweepConfig:
     lrs: list[float] = option([1e-3], help="Peak learning rates (optim.lr).")
     seeds: list[int] = option([0], help="Seeds (train.seed).")
     only: list[str] = option([], help="fnmatch patterns over `optimizer-warmup` arms to keep; empty keeps all.")
+    keep: list[str] = option(
+        [],
+        help="fnmatch patterns over a run's arm name (adam-none-lr1e-3-post-L6) or full name (...-L6-s0) to keep; "
+        "empty keeps all (a slice of the grid).",
+    )
     axes: dict[str, dict[str, list[str]]] = option(
         {},
         help="More grid axes after lrs: axis -> {label: overrides} (e.g. norm: {post: [...]}); labels join run names.",
@@ -177,14 +184,20 @@ def expand(sweep: SweepConfig) -> list[RunSpec]:
     ):
         if sweep.only and not any(fnmatch.fnmatchcase(f"{opt}-{wu}", pat) for pat in sweep.only):
             continue
-        name = "-".join([opt, wu, f"lr{lr_label(lr)}", *(label for _, label, _ in extra), f"s{seed}"])
+        arm = "-".join([opt, wu, f"lr{lr_label(lr)}", *(label for _, label, _ in extra)])
+        name = f"{arm}-s{seed}"
+        if sweep.keep and not any(fnmatch.fnmatchcase(arm, p) or fnmatch.fnmatchcase(name, p) for p in sweep.keep):
+            continue  # outside the slice (`keep`)
         run_dir = out_dir / "runs" / name
         extra_ovr = [o for _, _, ovr in extra for o in ovr]
         ovr = (*common, *opt_ovr, *wu_ovr, *extra_ovr, f"optim.lr={lr!r}", f"train.seed={seed}", f"train.run_dir={run_dir}")
         axes = {"optimizer": opt, "warmup": wu, "lr": lr, **{axis: label for axis, label, _ in extra}, "seed": seed}
         specs.append(RunSpec(len(specs), name, run_dir, ovr, axes))
     if not specs:
-        raise ConfigError(f"The sweep grid is empty: no optimizer-warmup arm matches `only: {sweep.only}`.")
+        raise ConfigError(
+            f"The sweep grid is empty: no optimizer-warmup arm matches `only: {sweep.only}`"
+            + (f" and `keep: {sweep.keep}`" if sweep.keep else "") + "."
+        )
     return specs
 
 
@@ -347,12 +360,34 @@ def pending(sweep: SweepConfig) -> list[RunSpec]:
     return [s for s in expand(sweep) if _done_record(s.run_dir) is None]
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/8"`` -> (2, 8): this process runs the grid points whose index is 2 modulo 8."""
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise ConfigError(f"--shard {text!r} must be I/N with 0 <= I < N (e.g. --shard 0/8 ... --shard 7/8).")
+    return shard
+
+
 def run_local(
-    sweep: SweepConfig, extra: list[str] | tuple[str, ...] = (), *, force: bool = False
+    sweep: SweepConfig,
+    extra: list[str] | tuple[str, ...] = (),
+    *,
+    force: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every grid point, one after another; returns the records (skipped ones marked ``skipped``)."""
+    """Every grid point, one after another; returns the records (skipped ones marked ``skipped``).
+
+    ``shard=(i, n)``: only the points whose index is i modulo n -- n such processes share one machine
+    (e.g. one GPU), each running its runs in-process, the same SWEEP_DIR, no run twice.
+    """
     specs = expand(sweep)
     write_manifest(sweep, specs)
+    if shard is not None:
+        specs = [s for s in specs if s.index % shard[1] == shard[0]]
     if sweep.jobs == 1:
         results = []
         for spec in specs:
@@ -417,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "run-one":
             p.add_argument("--index", type=int, default=None, help="Grid index (default: $SLURM_ARRAY_TASK_ID).")
             p.add_argument("--force", action="store_true", help="Delete and rerun a run marked done.")
+        if name == "local":
+            p.add_argument("--shard", default=None, metavar="I/N",
+                           help="Run only the grid points whose index is I modulo N (N such processes share a GPU).")
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.overrides)
@@ -426,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{s.index}\t{s.name}\t{'done' if _done_record(s.run_dir) else 'pending'}")
             return 0
         if args.cmd == "local":
-            run_local(sweep, args.set)
-            return 0
+            shard = parse_shard(args.shard) if args.shard else None
+            results = run_local(sweep, args.set, shard=shard)
+            return 0 if all(r.get("status") in FINAL_STATUSES for r in results) else 1
         index = args.index if args.index is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
         if not 0 <= index < len(specs):
             raise ConfigError(f"--index {index} is outside the sweep's {len(specs)} runs (0..{len(specs) - 1}).")

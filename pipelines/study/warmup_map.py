@@ -36,13 +36,28 @@ from pathlib import Path
 from typing import Any
 
 from monitoring.report import save_figure
+from pipelines.study.plateau import unigram_plateau
 
-__all__ = ["DEFAULT_K", "run_result", "classify", "cell_stats", "claims", "draw_map", "grad_spread", "focus_runs", "render_map"]
+__all__ = [
+    "DEFAULT_K",
+    "run_result",
+    "label_settings",
+    "classify",
+    "cell_stats",
+    "claims",
+    "draw_map",
+    "grad_spread",
+    "focus_cell",
+    "unigram_plateau",
+    "focus_runs",
+    "render_map",
+]
 
 DEFAULT_K = 2.0
 MIN_STD = 1e-3
 MAP_FIGURES = ("map_failure.png", "map_loss.png", "map_grad_layers.png")
 NO_WARMUP = "adam-none"
+PLATEAU_MARGIN = 0.1  # nats below the unigram plateau that count as having left it (perplexity 10 % lower)
 _BLOCK = re.compile(r"^grad_norm/(?:.+\.)?blocks\.(\d+)$")  # per-block norms of monitoring.diagnostics
 
 
@@ -84,10 +99,12 @@ def run_result(r: Any) -> dict[str, Any]:
     else:
         tail = train[-3:]
         final = statistics.fmean(tail) if tail and all(_finite(v) for v in tail) else float("nan")
+    betas = opt.get("betas") or [0.9, 0.999]
     return {
         "name": r.name,
         "arm": arm,
         "norm": _norm_of(cfg),
+        "beta2": float(betas[1]),
         "depth": _depth_of(cfg),
         "lr": float(opt.get("lr", float("nan"))),
         "seed": r.seed,
@@ -95,6 +112,16 @@ def run_result(r: Any) -> dict[str, Any]:
         "final": float("nan") if stopped else final,
         "wall_time_s": r.status.get("wall_time_s"),
     }
+
+
+def label_settings(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``results`` whose ``norm`` label also names beta2 (``post β2=0.999``) when the sweep mixes
+    several beta2 values: a cell (and a map panel) is one residual stack at one beta2, never a blend of two."""
+    out = [dict(r) for r in results]
+    if len({r.get("beta2") for r in out}) > 1:
+        for r in out:
+            r["norm"] = f"{r['norm']} β2={r['beta2']:g}"
+    return out
 
 
 def _cell(res: dict[str, Any]) -> tuple[str, int, float]:
@@ -152,7 +179,9 @@ def cell_stats(classified: list[dict[str, Any]]) -> dict[tuple[str, str, int, fl
 
 def _axes(classified: list[dict[str, Any]]) -> tuple[list[str], list[str], list[int], list[float]]:
     order = {"post": 0, "pre": 1, "tfixup": 2}
-    norms = sorted({r["norm"] for r in classified}, key=lambda n: (order.get(n, 9), n))
+    beta2 = {r["norm"]: r.get("beta2") or 0.0 for r in classified}
+    # post-LN first, then pre-LN, T-Fixup; within a stack the papers' larger beta2 first
+    norms = sorted(beta2, key=lambda n: (order.get(n.split()[0], 9), -beta2[n], n))
     arms = list(dict.fromkeys(r["arm"] for r in classified))
     return norms, arms, sorted({r["depth"] for r in classified}), sorted({r["lr"] for r in classified})
 
@@ -184,6 +213,24 @@ def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, 
             "cells": len(depths) * len(lrs),
         }
     return out
+
+
+def plateau_claims(classified: list[dict[str, Any]], plateau: float | None) -> dict[str, Any]:
+    """Per norm and arm, how far below the unigram plateau each (depth, lr) cell's mean final loss ends
+    (``gap``, nats), and the cells that left it: more than ``PLATEAU_MARGIN`` below."""
+    if plateau is None:
+        return {"unigram_loss": None}
+    stats = cell_stats(classified)
+    norms, arms, depths, lrs = _axes(classified)
+    below: dict[str, dict[str, Any]] = {}
+    for norm in norms:
+        for arm in arms:
+            cells = [(d, lr, stats[(norm, arm, d, lr)]["final"]) for d in depths for lr in lrs if (norm, arm, d, lr) in stats]
+            if cells:
+                gaps = [{"depth": d, "lr": lr, "gap": None if f is None else plateau - f} for d, lr, f in cells]
+                left = [g for g in gaps if g["gap"] is not None and g["gap"] > PLATEAU_MARGIN]
+                below.setdefault(norm, {})[arm] = {"below": left, "cells": len(cells), "gaps": gaps}
+    return {"unigram_loss": plateau, "margin": PLATEAU_MARGIN, "below_plateau": below}
 
 
 def _lr_text(lr: float) -> str:
@@ -238,20 +285,20 @@ def draw_map(classified: list[dict[str, Any]], out: Path, value: str = "rate") -
 
 
 def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Path, first: int = 3) -> str:
-    """Per-layer gradient norm at the first logged updates, Adam without vs. with warmup, for the
-    post-LN (else first) norm placement at the deepest depth and largest lr (first seed of each arm)."""
+    """Per-layer gradient norm at the first logged updates, Adam without vs. with warmup, at the focus
+    cell (``focus_cell``: post-LN, deepest depth; first seed of each arm)."""
     from matplotlib.figure import Figure
 
-    norms, arms, depths, lrs = _axes(classified)
-    norm = "post" if "post" in norms else norms[0]
+    focus = focus_cell(classified)
+    norm, depth, lr = focus["norm"], focus["depth"], focus["lr"]
     target = {r["name"]: r for r in classified}
     chosen = {}
     for r in runs:
         c = target.get(r.name)
-        if c and c["norm"] == norm and c["depth"] == depths[-1] and c["lr"] == lrs[-1] and c["arm"] not in chosen:
+        if c and c["norm"] == norm and c["depth"] == depth and c["lr"] == lr and c["arm"] not in chosen:
             chosen[c["arm"]] = r
     fig = Figure(figsize=(3.2 * first + 1, 3.4), layout="constrained")
-    fig.suptitle(f"|gradient| per block, first updates: {norm}, {depths[-1]} layers, lr {_lr_text(lrs[-1])}")
+    fig.suptitle(f"|gradient| per block, first updates: {norm}, {depth} layers, lr {_lr_text(lr)}")
     for col in range(first):
         ax = fig.add_subplot(1, first, col + 1)
         ax.grid(True, alpha=0.3)
@@ -278,15 +325,17 @@ def draw_grad_layers(runs: list[Any], classified: list[dict[str, Any]], out: Pat
 
 def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 3) -> dict[str, Any]:
     """Largest / smallest per-block gradient norm at the first ``first`` diagnostics updates, per norm
-    placement and arm, at the deepest stack and largest lr: the median over seeds (a vanishing lower
-    block shows as a ratio of many orders of magnitude; Xiong et al. 2020, Liu et al. 2020 Admin)."""
-    norms, _arms, depths, lrs = _axes(classified)
+    placement and arm, at the focus cell's depth and lr (``focus_cell``): the median over seeds (a vanishing
+    lower block shows as a ratio of many orders of magnitude; Xiong et al. 2020, Liu et al. 2020 Admin)."""
+    norms, _arms, _depths, _lrs = _axes(classified)
+    focus = focus_cell(classified)
+    depth, lr = focus["depth"], focus["lr"]
     target = {r["name"]: r for r in classified}
     ratios: dict[tuple[str, str], list[list[float]]] = {}
     steps: dict[tuple[str, str], list[int]] = {}
     for r in runs:
         c = target.get(r.name)
-        if not c or c["depth"] != depths[-1] or c["lr"] != lrs[-1]:
+        if not c or c["depth"] != depth or c["lr"] != lr:
             continue
         recs = [d for d in r.diag if any(_BLOCK.match(k) for k in d)][:first]
         per_update = []
@@ -295,7 +344,7 @@ def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 
             per_update.append(max(norms_) / min(norms_) if norms_ and min(norms_) > 0 else math.inf)
         ratios.setdefault((c["norm"], c["arm"]), []).append(per_update)
         steps.setdefault((c["norm"], c["arm"]), [int(rec["step"]) for rec in recs])
-    out: dict[str, Any] = {"depth": depths[-1], "lr": lrs[-1], "norms": {}}
+    out: dict[str, Any] = {"depth": depth, "lr": lr, "norms": {}}
     for (norm, arm), rows in ratios.items():
         n = min(len(row) for row in rows)
         out["norms"].setdefault(norm, {})[arm] = {
@@ -305,6 +354,12 @@ def grad_spread(runs: list[Any], classified: list[dict[str, Any]], first: int = 
         }
     out["norms"] = {n: out["norms"][n] for n in norms if n in out["norms"]}
     return out
+
+
+def _below_text(arm: str, b: dict[str, Any]) -> str:
+    gaps = ", ".join(f"{g['depth']}L {_lr_text(g['lr'])}: {'div' if g['gap'] is None else format(g['gap'], '.2f')}"
+                     for g in b["gaps"])
+    return f"{arm} {len(b['below'])}/{b['cells']} ({gaps})"
 
 
 def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: dict[str, Any] | None = None) -> str:
@@ -322,7 +377,8 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
                     s = stats.get((norm, arm, d, lr))
                     loss = "—" if not s or s["final"] is None else f"{s['final']:.3f}"
                     cells.append("" if not s else f"{s['fail']}/{s['runs']} · {loss}")
-                lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
+                if any(cells):  # a slice of the map: no row for a (stack, arm, depth) without runs
+                    lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
     lines.append("")
     lines.append(f"Failure: diverged, final loss above start, or > {found['k']:g} pooled seed std above the best arm of the cell.")
     for norm, c in found["norms"].items():
@@ -334,6 +390,13 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
         for res in c["no_warmup_failures_rescued_by"]:
             ok = ", ".join(res["arms_ok"]) or "no arm"
             lines.append(f"  - {res['depth']} layers, lr {_lr_text(res['lr'])}: {ok} fine there.")
+    plateau = found.get("plateau") or {}
+    if plateau.get("unigram_loss") is not None:
+        lines.append(f"\nUnigram plateau (validation targets under training token frequencies): "
+                     f"{plateau['unigram_loss']:.3f}. Cells that left it (mean final loss more than "
+                     f"{plateau['margin']:g} below) / cells, and plateau − mean final loss per depth × lr:")
+        for norm, per_arm in plateau["below_plateau"].items():
+            lines.append(f"- {norm}: " + "; ".join(_below_text(arm, b) for arm, b in per_arm.items()))
     if spread and spread["norms"]:
         lines.append(f"\nLargest / smallest per-block gradient norm at the first updates, {spread['depth']} layers, "
                      f"lr {_lr_text(spread['lr'])} (median over seeds):")
@@ -354,10 +417,13 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
     from core.files import atomic_write_text
 
     runs = [r for r in runs if r.status.get("status") in ("ok", "diverged")]  # finished runs only (a sweep may be running)
-    classified = classify([run_result(r) for r in runs], k)
+    classified = classify(label_settings(run_result(r) for r in runs), k)
     if not classified:
         return [], {}, ""
     found = claims(classified, k)
+    corpus = runs[0].config.get("data", {}).get("corpus") if runs else None
+    found["plateau"] = plateau_claims(classified, unigram_plateau(corpus) if corpus else None)
+    focus = focus_cell(classified)
     images = [
         (draw_map(classified, out, "rate")[0], "Failure rate of each arm per depth × lr (rows: norm placement)"),
         (draw_map(classified, out, "final")[0], "Mean final loss per depth × lr"),
@@ -365,17 +431,51 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
     ]
     spread = grad_spread(runs, classified)
     table = markdown(classified, found, spread)
-    summary = {"claims": found, "grad_spread": spread, "runs": classified}
+    table += (f"\nPer-arm figures (lr, loss, histograms, adam_variance): {focus['norm']}, {focus['depth']} layers, "
+              f"lr {_lr_text(focus['lr'])} ({focus['why']}), with Adam without warmup of the other stacks there.\n")
+    summary = {"claims": found, "grad_spread": spread, "focus": focus, "runs": classified}
     atomic_write_text(out / "map_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     atomic_write_text(out / "map_table.md", table)
     return images, summary, table
 
 
-def focus_runs(runs: list[Any]) -> list[Any]:
-    """The runs of the hardest cells (deepest stack, largest lr; every norm and arm): what the
-    LR, loss and histogram figures of ``analysis.render_study`` draw for a map sweep."""
-    res = {r.name: run_result(r) for r in runs}
-    if not res:
+def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cell the per-arm figures (lr, loss, histograms, Adam variance, per-block gradients) show.
+
+    The first stack (post-LN, the papers' beta2): the deepest depth where Adam without warmup fails in
+    most seeds and there the smallest such lr -- where the question is decided --, else the deepest
+    depth and its largest lr; only cells that hold runs (a slice of a map has holes).
+    """
+    if not classified:
+        return {}
+    stats = cell_stats(classified)
+    norms, _arms, _depths, _lrs = _axes(classified)
+    norm = norms[0]
+    ran = sorted((d, lr) for (n, _a, d, lr) in stats if n == norm)  # the cells this stack has runs in (a slice)
+    failing = [(d, lr) for d, lr in ran if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+    if failing:
+        depth = max(d for d, _ in failing)
+        lr = min(lr for d, lr in failing if d == depth)
+    else:
+        depth = max(d for d, _ in ran)
+        lr = max(lr for d, lr in ran if d == depth)
+    beta2 = next(r.get("beta2") for r in classified if r["norm"] == norm)
+    why = "smallest lr where Adam without warmup fails" if failing else "no failure of Adam without warmup: largest lr"
+    return {"norm": norm, "beta2": beta2, "depth": depth, "lr": lr, "why": why}
+
+
+def focus_runs(runs: list[Any], focus: dict[str, Any] | None = None) -> list[Any]:
+    """The runs the per-arm figures draw: every arm of the ``focus`` cell (``focus_cell``; computed from
+    ``runs`` when not given) and, for contrast, Adam without warmup of the other stacks (and beta2) at the
+    same depth and lr."""
+    results = {c["name"]: c for c in classify(label_settings(run_result(r) for r in runs))}
+    if not results:
         return runs
-    deepest, largest = max(v["depth"] for v in res.values()), max(v["lr"] for v in res.values())
-    return [r for r in runs if res[r.name]["depth"] == deepest and res[r.name]["lr"] == largest]
+    focus = focus or focus_cell(list(results.values()))
+
+    def shown(c: dict[str, Any]) -> bool:
+        if c["depth"] != focus["depth"] or c["lr"] != focus["lr"]:
+            return False
+        return c["norm"] == focus["norm"] or c["arm"] == NO_WARMUP
+
+    return [r for r in runs if r.name in results and shown(results[r.name])]

@@ -129,7 +129,11 @@ def test_tiny_grid_end_to_end(tmp_path, bert_corpus):
     assert all(r["fail"] and r["reason"] == "diverged" for n, r in by_name.items() if "lr1e30" in n)
     assert {r["norm"] for r in by_name.values()} == {"post", "tfixup"}
     assert "| post | adam-none | 1 |" in (page.parent / "map_table.md").read_text()
-    assert set(summary["grad_spread"]["norms"]) <= {"post", "tfixup"} and summary["grad_spread"]["lr"] == 1e30
+    assert set(summary["grad_spread"]["norms"]) <= {"post", "tfixup"}
+    # the per-block spread and the per-arm figures are drawn at the focus cell: post-LN, the smallest lr
+    # where Adam without warmup fails in most seeds (1e30 diverges; 1e-3 may end above its start in 4 steps)
+    failing = sorted(r["lr"] for r in by_name.values() if r["norm"] == "post" and r["arm"] == "adam-none" and r["fail"])
+    assert summary["focus"]["lr"] == failing[0] == summary["grad_spread"]["lr"] and summary["focus"]["norm"] == "post"
 
 
 def test_grad_spread_reads_the_block_norms_of_the_hardest_cell():
@@ -156,3 +160,99 @@ def test_grad_spread_reads_the_block_norms_of_the_hardest_cell():
     assert post["updates"] == [1, 5] and post["seeds"] == 3
     assert post["median_ratio"] == pytest.approx([1.25, 0.1 / 1e-7])
     assert pre["median_ratio"] == pytest.approx([1.25, 5.0])
+
+
+LITERATURE = REPO / "configs/sweeps/warmup_map_literature.yaml"
+CPU_SLICE = ["only=[adam-none,adam-linear,radam-none]", "lrs=[3e-4,1e-3,3e-3]", "seeds=[0,1]",
+             'keep=["*-lr1e-3-b999-post-L6", "adam-none-lr1e-3-b999-*-L6", "adam-*-lr3e-3-b999-post-L6", '
+             '"adam-*-lr1e-3-b999-post-L12-s0", "adam-*-lr3e-4-b999-post-L6", "adam-none-lr3e-4-b999-pre-L6"]']
+
+
+def test_literature_map_config_and_its_cpu_slice():
+    """Issue #33: the papers' settings (beta2 0.999 / 0.98, width >= 128, depth 6 / 12, lr 1e-4..3e-3, no
+    clipping), the same arms and stacks as the small map; the documented CPU slice is a part of that grid."""
+    sweep = load_sweep(LITERATURE)
+    specs = expand(sweep)
+    assert {(s.axes["optimizer"], s.axes["warmup"]) for s in specs} == {
+        ("adam", "none"), ("adam", "linear"), ("adam", "untuned_exponential"), ("radam", "none")}
+    assert set(sweep.axes) == {"beta2", "norm", "depth"} and set(sweep.axes["norm"]) == {"post", "pre", "tfixup"}
+    assert len(specs) == 4 * 2 * 3 * 2 * len(sweep.lrs) * 3 and min(sweep.lrs) >= 1e-4 and max(sweep.lrs) <= 3e-3
+    cfgs = [run_config(sweep, s) for s in specs[:48]]
+    assert {c.optim.betas[1] for c in cfgs} == {0.999, 0.98} and {c.model.overrides["num_layers"] for c in cfgs} == {6, 12}
+    assert all(c.optim.grad_clip == 0 and c.model.overrides["hidden_size"] >= 128 for c in cfgs)
+    names = [s.name for s in expand(load_sweep(LITERATURE, CPU_SLICE))]
+    assert len(names) == 22 and set(names) <= {s.name for s in specs}
+    assert sorted(n for n in names if "-L12-" in n) == ["adam-linear-lr1e-3-b999-post-L12-s0",
+                                                        "adam-none-lr1e-3-b999-post-L12-s0"]  # keep by full name
+    norms = {norm for n in names for norm in ("post", "pre", "tfixup") if f"-{norm}-" in n and n.startswith("adam-none-")}
+    assert norms == {"post", "pre", "tfixup"}
+    assert all("-post-" in n for n in names if not n.startswith("adam-none-"))
+    with pytest.raises(Exception, match="keep"):
+        load_sweep(LITERATURE, ['keep=["nothing-*"]'])
+
+
+def test_mixed_beta2_cells_and_the_focus_cell():
+    """Two beta2 values are two settings (never one cell); the per-arm figures show the post-LN cell
+    where Adam without warmup first fails at the deepest depth."""
+    from pipelines.study.warmup_map import focus_cell, label_settings
+
+    rows = []
+    for beta2 in (0.999, 0.98):
+        for lr in (1e-3, 3e-3):
+            for arm in ("adam-none", "adam-linear"):
+                for seed in range(2):
+                    bad = arm == "adam-none" and beta2 == 0.999 and lr == 3e-3
+                    r = result(arm, seed, (7.0 if bad else 5.0) + 0.01 * seed, depth=12, lr=lr)
+                    rows.append({**r, "beta2": beta2, "name": f"{r['name']}-b{beta2}"})
+    classified = classify(label_settings(rows))
+    assert {r["norm"] for r in classified} == {"post β2=0.999", "post β2=0.98"}
+    failed = {(r["norm"], r["lr"]) for r in classified if r["fail"]}
+    assert failed == {("post β2=0.999", 3e-3)}  # mixed into one cell, 0.98's good runs would hide nothing here
+    assert focus_cell(classified) == {"norm": "post β2=0.999", "beta2": 0.999, "depth": 12, "lr": 3e-3,
+                                      "why": "smallest lr where Adam without warmup fails"}
+    assert {r["norm"] for r in label_settings(rows[:8])} == {"post"}  # one beta2: the labels stay as they were
+
+
+@pytest.mark.slow
+def test_literature_map_tiny_grid_end_to_end(tmp_path, gpt_corpus):
+    """The GPU map script at tiny size on the CPU: 2 in-process shards of the NEW config's grid (both beta2),
+    then `pretrain report`: every run once, the map split by beta2, the plateau and focus claims computed."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "map"
+    env = {**os.environ, "PYTHON": sys.executable, "CORPUS": str(gpt_corpus), "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(REPO / "benchmarks/warmup_map_gpu.sh"), "--cpu-tiny", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "12 / 12 runs done" in proc.stdout
+    log = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert len(log) == 12 and len({r["name"] for r in log}) == 12 and {r["status"] for r in log} == {"ok"}
+    summary = json.loads((out / "study/map_summary.json").read_text())
+    assert {r["norm"] for r in summary["runs"]} == {"post β2=0.999", "post β2=0.98"}
+    assert summary["claims"]["plateau"]["unigram_loss"] > 0
+    assert summary["focus"]["norm"] == "post β2=0.999" and summary["focus"]["depth"] == 2
+    table = (tmp_path / "map_table.md").read_text()  # the script's copy into $OUT
+    assert "| post β2=0.98 | adam-none | 1 |" in table and "Unigram plateau" in table
+    study = json.loads((out / "study/study_summary.json").read_text())
+    assert {a["arm"] for a in study["arms"]} == {
+        "adam-none-lr1e-3-b999-post-L2", "adam-linear-lr1e-3-b999-post-L2", "adam-none-lr1e-3-b98-post-L2"}
+    for name in (*MAP_FIGURES, "histograms.png", "adam_variance.png", "lr.png"):
+        assert (out / "study" / name).stat().st_size > 5_000
+
+
+def test_plateau_claims_say_which_cells_left_the_unigram_plateau(gpt_corpus):
+    """A cell has left the plateau when its mean final loss is more than the margin below it; the plateau
+    is the unigram cross-entropy of the corpus' validation targets (between 0 and ln(vocab))."""
+    from pipelines.study.warmup_map import PLATEAU_MARGIN, plateau_claims, unigram_plateau
+
+    rows = [result("adam-none", s, 6.64 + 0.01 * s) for s in range(2)] + [result("adam-linear", s, 6.2) for s in range(2)]
+    found = plateau_claims(classify(rows), 6.70)
+    post = found["below_plateau"]["post"]
+    assert found["margin"] == PLATEAU_MARGIN and post["adam-none"]["below"] == [] and post["adam-none"]["cells"] == 1
+    assert post["adam-linear"]["below"][0]["gap"] == pytest.approx(0.5)
+    plateau = unigram_plateau(gpt_corpus)
+    assert plateau is not None and 0 < plateau < math.log(json.loads((gpt_corpus / "manifest.json").read_text())
+                                                          ["tokenizer"]["vocab_size"])
+    assert unigram_plateau(gpt_corpus / "missing") is None

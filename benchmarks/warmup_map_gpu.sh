@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue #33's GPU map: the whole of configs/sweeps/warmup_map_literature.yaml plus 24-layer stacks
+# (4 arms x 2 beta2 x 3 stacks x 3 depths x 4 lrs x 3 seeds = 864 runs of 300 steps), as SHARDS
+# processes on the one GPU, each running its share of the grid in-process (`python -m
+# pipelines.study.sweep local ... --shard I/N`: one torch/CUDA start per process, not per run), into the
+# sweep directory `pretrain report` reads; then the report (map table printed, figures in SWEEP_DIR/study).
+#
+#   bash benchmarks/warmup_map_gpu.sh                      # on the GPU machine (<= MINUTES, default 8)
+#   PYTHON=.venv/bin/python bash benchmarks/warmup_map_gpu.sh --cpu-tiny   # anywhere: the same pipeline,
+#                                                          # a tiny grid on the CPU (what tests run)
+# Options: --cpu-tiny, --shards N (default 12 on a GPU), --minutes M (default 8: then every shard gets
+# SIGTERM, its run in flight saves a checkpoint and stops; the next invocation resumes the grid where it
+# stopped: runs are seed-major, so whole seeds finish first), --out DIR; anything else is a sweep override
+# (e.g. 'seeds=[0,1]'). The corpus (CORPUS, default demo_out/corpus_lit_gpt; ~2 MB) is prepared here with
+# `pretrain prepare` (see the config's header) and travels with the repo (Ray is not on the GPU image);
+# missing Python packages travel as wheels in .whl/ as for benchmarks/gpu_check.sh. Through the device tool:
+# carry [".whl", "demo_out/corpus_lit_gpt"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570;
+# the map table, map_summary.json, map_failure.png and shard 0's log come back in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+# the wheels only where a dependency is missing (the GPU image: deepspeed, webdataset, ...; the list and how to
+# build them: benchmarks/gpu_train_throughput.sh); a set-up machine runs with PYTHON=.venv/bin/python
+if ! $PY -c 'import deepspeed, webdataset' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export PYTHONUNBUFFERED=1
+export DS_BUILD_OPS=0  # DeepSpeed (imported, unused by the ddp engine) never builds its ops
+
+SWEEP=configs/sweeps/warmup_map_literature.yaml
+CORPUS=${CORPUS:-demo_out/corpus_lit_gpt}
+MODE=gpu SHARDS="" MINUTES=8 SWEEP_DIR="" OVERRIDES=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-tiny) MODE=cpu ;;
+        --shards) SHARDS=$2; shift ;;
+        --minutes) MINUTES=$2; shift ;;
+        --out) SWEEP_DIR=$2; shift ;;
+        *) OVERRIDES+=("$1") ;;
+    esac
+    shift
+done
+
+if [ "$MODE" = cpu ]; then  # the same grid machinery and report, sized for a CPU test: 12 runs of 4 steps
+    export CUDA_VISIBLE_DEVICES=""
+    SHARDS=${SHARDS:-2}
+    SWEEP_DIR=${SWEEP_DIR:-runs/sweeps/warmup_map_literature_tiny}
+    GRID=("lrs=[1e-3]" "seeds=[0,1]" "only=[adam-none,adam-linear]" 'keep=["*-L2", "adam-none-*"]'
+          'axes.depth={L1: [model.overrides.num_layers=1], L2: [model.overrides.num_layers=2]}'
+          'axes.norm={post: [model.overrides.norm_placement=post, model.overrides.init=standard]}')
+    SETS=(--set model.overrides.hidden_size=32 --set model.overrides.intermediate_size=64
+          --set train.max_steps=4 --set train.eval_every=4 --set train.eval_batches=1 --set train.log_every=1
+          --set logging.diagnostics_every=2 --set data.micro_batch_size=4)
+else
+    SHARDS=${SHARDS:-12}
+    SWEEP_DIR=${SWEEP_DIR:-runs/sweeps/warmup_map_literature}
+    GRID=('axes.depth={L6: [model.overrides.num_layers=6], L12: [model.overrides.num_layers=12], L24: [model.overrides.num_layers=24]}')
+    SETS=()
+    command -v nvidia-smi >/dev/null && nvidia-smi -L
+fi
+if [ ! -f "$CORPUS/manifest.json" ]; then
+    echo "error: $CORPUS/manifest.json is missing. Prepare the corpus first (Ray runs on the CPU machine):" >&2
+    echo "  pretrain prepare configs/data/gpt_packed.yaml output=$CORPUS seq_len=64 tokenizer.vocab_size=4096 shard_target_mb=1" >&2
+    echo "and carry it along (or set CORPUS=DIR)." >&2
+    exit 2
+fi
+ARGS=("$SWEEP" "corpus=$CORPUS" "out_dir=$SWEEP_DIR" "jobs=1" "threads=1" "${GRID[@]}" "${OVERRIDES[@]}")
+listing=$($PY -m pipelines.study.sweep list "${ARGS[@]}") || exit 2   # a bad override fails here, before any run
+total=$(printf '%s\n' "$listing" | wc -l)
+echo "warmup map: $total runs, $SHARDS shards, mode $MODE, at most $MINUTES min, into $SWEEP_DIR"
+
+start=$(date +%s)
+mkdir -p "$SWEEP_DIR.logs"
+pids=()
+for ((i = 0; i < SHARDS; i++)); do
+    timeout -s TERM -k 60 "$((MINUTES * 60))" \
+        $PY -m pipelines.study.sweep local "${ARGS[@]}" "${SETS[@]}" --shard "$i/$SHARDS" > "$SWEEP_DIR.logs/shard-$i.log" 2>&1 &
+    pids+=($!)
+    if [ "$i" = 0 ]; then  # shard 0 claims SWEEP_DIR and writes sweep.json before the others start
+        for _ in $(seq 120); do [ -f "$SWEEP_DIR/sweep.json" ] && break; sleep 1; done
+    fi
+done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+wall=$(( $(date +%s) - start ))
+done_runs=$(find "$SWEEP_DIR/runs" -name done 2>/dev/null | wc -l)
+echo "warmup map: $done_runs / $total runs done in ${wall}s wall ($SHARDS shards; $failed shards stopped early or failed)"
+$PY -m pipelines.cli report "$SWEEP_DIR" | tee "$SWEEP_DIR.logs/report.log"
+status=${PIPESTATUS[0]}
+if [ -n "${OUT:-}" ]; then
+    cp "$SWEEP_DIR/study/map_table.md" "$SWEEP_DIR/study/map_summary.json" "$SWEEP_DIR/study/map_failure.png" "$OUT/" 2>/dev/null
+    tail -n 40 "$SWEEP_DIR.logs/shard-0.log" > "$OUT/shard-0.log"
+fi
+[ "$status" = 0 ] && [ "$done_runs" = "$total" ] && exit 0
+[ "$status" = 0 ] && exit 3   # the report is written, the grid is not complete: run the script again
+exit "$status"
