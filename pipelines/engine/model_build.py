@@ -1,0 +1,78 @@
+"""The model a run trains: ``models.create`` with what the data imposes, checked against the family spec.
+
+``build_model`` is shared by pretraining (``trainer.train``) and the benchmarks; ``model.init_from``
+starts from another checkpoint's full weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from core import families
+from core.config import ConfigError
+from pipelines.engine.config import RunConfig
+
+__all__ = ["build_model"]
+
+
+def _init_from(model: torch.nn.Module, path: str) -> None:
+    """Load a checkpoint's full weights into ``model`` (every key must match: same architecture)."""
+    from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    hint = "Use the same model.name and model.overrides as the run that wrote it."
+    try:
+        missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+    except RuntimeError as exc:  # a tensor of another shape
+        raise ConfigError(f"model.init_from={path}: {str(exc).splitlines()[-1].strip()} {hint}") from None
+    tied = {k for k in missing if k.endswith(("decoder.weight", "lm_head.weight"))}
+    if set(missing) - tied or unexpected:
+        raise ConfigError(f"model.init_from={path}: the checkpoint's weights do not fit model.name (missing "
+                          f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}). {hint}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``models.create`` with the fields the data imposes (vocab, labels, image size); returns (model, build args)."""
+    import models
+
+    overrides = dict(cfg.model.overrides)
+    try:
+        fields = {f.name for f in dataclasses.fields(models.get_config(cfg.model.name))}
+    except ValueError as exc:
+        raise ConfigError(f"model.name: {exc}") from None
+    for key, value in task.model_overrides().items():
+        if key not in fields:
+            continue
+        if key in overrides and overrides[key] != value:
+            raise ConfigError(
+                f"model.overrides.{key}={overrides[key]!r} disagrees with the data ({value!r}, from the corpus manifest / "
+                f"data config). Remove the override or prepare matching data."
+            )
+        overrides[key] = value
+    if cfg.model.pad_vocab_multiple != 1 and "pad_vocab_multiple" in fields:  # models without a vocabulary: no-op
+        overrides.setdefault("pad_vocab_multiple", cfg.model.pad_vocab_multiple)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    try:
+        model = models.create(cfg.model.name, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.overrides: {exc}") from None
+    if cfg.model.init_from:
+        _init_from(model, cfg.model.init_from)
+    family = families.family_of_model(cfg.model.name)
+    if task.name in families.pretraining_tasks() and task.name not in family.tasks:
+        need = " or ".join(spec.name for spec in families.families_for_task(task.name))
+        raise ConfigError(f"train.task={task.name} needs a {need} model; model.name={cfg.model.name} is a {family.name} model.")
+    seq_len = getattr(task, "seq_len", 0)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if seq_len and max_pos is not None and max_pos < seq_len:
+        raise ConfigError(f"The corpus seq_len {seq_len} exceeds model max_position_embeddings {max_pos}; raise it in model.overrides.")
+    if cfg.model.activation_checkpointing:
+        if not hasattr(model, "set_activation_checkpointing"):
+            raise ConfigError(f"model.activation_checkpointing: {cfg.model.name} does not support it.")
+        model.set_activation_checkpointing(True)
+    return model, {"name": cfg.model.name, "overrides": overrides}
