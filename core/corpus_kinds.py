@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from core.registry import Registry
+
 __all__ = ["RAW_PIXELS", "raw_pixels", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
            "registered_corpus_kind", "corpus_kind", "corpus_kind_names", "kind_of_record"]
 
@@ -202,18 +204,15 @@ def raw_pixels(data: Any) -> np.ndarray:
     return arr
 
 
-_KINDS: dict[str, CorpusKind] = {}
+_KINDS: Registry[CorpusKind] = Registry("corpus kind", key="kind")
 
 
 def register_corpus_kind(kind: CorpusKind) -> CorpusKind:
-    if not kind.name or kind.name in _KINDS:
-        raise ValueError(f"Corpus kind {kind.name!r} is empty or already registered.")
-    _KINDS[kind.name] = kind
-    return kind
+    return _KINDS.register(kind.name, kind)  # an empty or taken name is refused (ValueError)
 
 
 def unregister_corpus_kind(name: str) -> None:
-    _KINDS.pop(name)
+    _KINDS.unregister(name)
 
 
 @contextmanager

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from core.registry import Registry
+
 __all__ = ["FamilySpec", "register_family", "unregister_family", "registered_family", "get_family", "list_families",
            "family_of_model", "family_of_config", "families_for_task", "pretraining_tasks", "model_names", "model_catalog",
            "UnknownModel"]
@@ -54,14 +56,12 @@ class FamilySpec:
         return self.hf_model_type is not None
 
 
-_FAMILIES: dict[str, FamilySpec] = {}
+_FAMILIES: Registry[FamilySpec] = Registry("model family", key="model family")
 _SIZES: dict[str, str] = {}  # model size name -> family name
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:
     """Register ``spec`` (its sizes become model names); a name or size already taken is refused."""
-    if spec.name in _FAMILIES:
-        raise ValueError(f"Model family {spec.name!r} is already registered.")
     if not dataclasses.is_dataclass(spec.config_class):
         raise TypeError(f"FamilySpec {spec.name!r}: config_class must be a dataclass, got {spec.config_class!r}.")
     taken = sorted(set(spec.sizes) & set(_SIZES))
@@ -69,14 +69,14 @@ def register_family(spec: FamilySpec) -> FamilySpec:
         raise ValueError(f"Model family {spec.name!r}: size(s) {taken} already belong to family {_SIZES[taken[0]]!r}.")
     for size in spec.sizes:
         spec.config(size)  # a bad default fails at registration, not at first use
-    _FAMILIES[spec.name] = spec
+    _FAMILIES.register(spec.name, spec)  # a taken name is refused (ValueError)
     _SIZES.update(dict.fromkeys(spec.sizes, spec.name))
     return spec
 
 
 def unregister_family(name: str) -> None:
     """Remove family ``name`` and its sizes (a test's toy family; ``registered_family`` does it for you)."""
-    spec = _FAMILIES.pop(name)
+    spec = _FAMILIES.unregister(name)
     for size in spec.sizes:
         _SIZES.pop(size, None)
 
