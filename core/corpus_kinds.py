@@ -27,7 +27,7 @@ import numpy as np
 
 from core.registry import Registry
 
-__all__ = ["RAW_PIXELS", "raw_pixels", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
+__all__ = ["CORPUS_KINDS", "RAW_PIXELS", "raw_pixels", "CorpusKind", "PackedLM", "BertPairs", "Images", "register_corpus_kind", "unregister_corpus_kind",
            "registered_corpus_kind", "corpus_kind", "corpus_kind_names", "kind_of_record"]
 
 
@@ -205,6 +205,7 @@ def raw_pixels(data: Any) -> np.ndarray:
 
 
 _KINDS: Registry[CorpusKind] = Registry("corpus kind", key="kind")
+CORPUS_KINDS = _KINDS  #: what a prep config's ``kind`` names (``data_prep.config``)
 
 
 def register_corpus_kind(kind: CorpusKind) -> CorpusKind:

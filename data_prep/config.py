@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config, option, to_dict
+from core.corpus_kinds import CORPUS_KINDS
 
 __all__ = [
     "SourceConfig",
@@ -106,7 +107,8 @@ class ImageConfig:
 class PrepConfig:
     """A data-preparation job: sources -> clean -> tokenize -> samples -> shards + manifest."""
 
-    kind: Literal["bert_pairs", "packed_lm", "images"] = option("bert_pairs", help="What samples to build.")
+    kind: str = option("bert_pairs", help="What samples to build: a registered corpus kind (bert_pairs, packed_lm, images).",
+                      registry=CORPUS_KINDS)
     output: str = option("", help="Corpus directory to write (manifest.json, tokenizer/, *.tar).")
     sources: list[SourceConfig] = option([], help="Inputs; see SourceConfig.")
     seq_len: int = option(128, help="bert_pairs: max sequence length incl. [CLS]/[SEP]; packed_lm: window length.")
