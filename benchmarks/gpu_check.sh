@@ -18,15 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-SITE=${SITE:-/tmp/site}
-# the wheels only where deepspeed is missing (the GPU image); a set-up machine runs with PYTHON=.venv/bin/python
-if ! $PY -c 'import deepspeed' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh  # PY; the wheels of .whl/ where a package is missing
 # DeepSpeed: never build its ops (the optimizer is torch's fused AdamW, ZeRO-2 needs no kernels).
 export DS_BUILD_OPS=0
 

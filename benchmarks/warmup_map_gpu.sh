@@ -19,16 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-SITE=${SITE:-/tmp/site}
-# the wheels only where a dependency is missing (the GPU image: deepspeed, webdataset, ...; the list and how to
-# build them: benchmarks/gpu_train_throughput.sh); a set-up machine runs with PYTHON=.venv/bin/python
-if ! $PY -c 'import deepspeed, webdataset' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export PYTHONUNBUFFERED=1
+GPU_NEEDS="deepspeed, webdataset" source benchmarks/gpu_env.sh  # PY; the wheels of .whl/ where a package is missing
 export DS_BUILD_OPS=0  # DeepSpeed (imported, unused by the ddp engine) never builds its ops
 
 SWEEP=configs/sweeps/warmup_map_literature.yaml
