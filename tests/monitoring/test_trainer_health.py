@@ -147,10 +147,11 @@ def test_throttled_loader_warns_of_data_starvation(tmp_path, capsys):
 def test_two_ranks_name_the_straggler_and_agree_on_a_one_rank_nan(tmp_path, engine):
     """A real 2-process job (gloo; DDP, or DeepSpeed ZeRO-2): rank 1 sleeps in every forward; rank 1
     alone sees a corrupt sample at step 7, and both ranks must skip that update together (a rank
-    that went on alone would hang in DDP's gradient all-reduce)."""
+    that went on alone would hang in DDP's gradient all-reduce). The sleep (0.3 s a step) is longer than
+    a step of this tiny model, so a busy machine's scheduling noise cannot make rank 0 the slower one."""
     run_dir = tmp_path / "run"
     spec = {"run_dir": str(run_dir), "steps": 15, "engine": engine, "grad_accum": 2,
-            "slow_rank": 1, "slow_forward_s": 0.05, "skew_every": 5, "nan_at": [[1, 7, 1]]}
+            "slow_rank": 1, "slow_forward_s": 0.15, "skew_every": 5, "nan_at": [[1, 7, 1]]}
     from pipelines.engine.distributed import free_port, fresh_world_env
 
     env = fresh_world_env()
