@@ -38,7 +38,7 @@ def stock_deepspeed() -> Iterator[None]:
         _state["stock"] = was
 
 
-def skip_one_rank_allreduce_(ds_engine: Any) -> None:
+def skip_one_rank_allreduce_(ds_engine: Any) -> bool:
     """ZeRO-0 on one rank: no gradient all-reduce after backward (an identity there, done at a price).
 
     DeepSpeed's ``allreduce_gradients`` flattens every gradient into buffers, all-reduces them and
@@ -48,6 +48,8 @@ def skip_one_rank_allreduce_(ds_engine: Any) -> None:
     """
     if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
         ds_engine.enable_backward_allreduce = False
+        return True
+    return False
 
 
 # -- ZeRO-1/2 optimizer (deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer) on one rank
@@ -185,8 +187,7 @@ PATCHES: dict[str, Patch] = {
 _NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size", "has_moe_layers", "model_parallel_rank",
           "mpu", "cpu_offload", "zenflow", "overlap_comm", "_offload_gradient_safety_enabled", "use_grad_accum_attribute",
           "_use_compact_grad_partition_buffer", "bit16_groups", "contiguous_gradients", "compute_grad_norm",
-          "check_grad_overflow",
-          "get_param_id", "params_already_reduced", "copy_grads_in_partition", "device", "clip_grad", "loss_scale")
+          "check_grad_overflow", "get_param_id", "params_already_reduced", "copy_grads_in_partition", "device", "clip_grad", "loss_scale")
 
 
 def one_rank_fast_path_(ds_engine: Any) -> list[str]:
@@ -197,10 +198,11 @@ def one_rank_fast_path_(ds_engine: Any) -> list[str]:
 
     if _state["stock"]:
         return []
-    skip_one_rank_allreduce_(ds_engine)
-    installed = ["skip_allreduce"] if not ds_engine.enable_backward_allreduce else []
+    installed = ["skip_allreduce"] if skip_one_rank_allreduce_(ds_engine) else []
     opt = getattr(ds_engine, "optimizer", None)
-    if (not isinstance(opt, DeepSpeedZeroOptimizer) or ".".join(deepspeed.__version__.split(".")[:2]) not in TESTED_DEEPSPEED
+    version = ".".join(deepspeed.__version__.split(".")[:2])
+    if (type(opt) is not DeepSpeedZeroOptimizer  # ZeRO-3, BF16_Optimizer, or a subclass that may override what is patched
+            or version not in TESTED_DEEPSPEED
             or not all(hasattr(opt, a) for a in _NEEDS + tuple(p.method for p in PATCHES.values()))
             or not _plain_one_rank(opt)):
         return installed
