@@ -16,7 +16,10 @@ on a shared machine. Prints one table: ms per step, and engine / bare - 1 (goal:
 one-rank patches of ``pipelines.engine.one_rank``, ZeRO-0's skipped all-reduce included) and times it
 in the same alternating blocks: the before/after of those patches as one more ratio, patched / stock.
 
-    python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2] [--stock]
+``--clock cpu`` times this process's CPU time instead of the wall clock: with one thread, what the
+other jobs of a busy machine disturb least (they still share its caches).
+
+    python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2] [--stock] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -90,11 +93,13 @@ def child(args: argparse.Namespace) -> dict:
 
     steps = {name: (bare_step if name == "bare" else (lambda e=e: engine_step(e))) for name, e in sides.items()}
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
     def block(fn) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(args.block):
             fn()
-        return (time.perf_counter() - t0) / args.block
+        return (clock() - t0) / args.block
 
     for fn in steps.values():  # warm-up: allocator, DeepSpeed's first-step set-up
         for _ in range(2):
@@ -117,6 +122,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6, help="alternating bare / engine blocks")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU time (with --threads 1, what the other jobs of a shared machine disturb least)")
     p.add_argument("--stock", action="store_true", help="also time stock DeepSpeed (one-rank patches off) in the same blocks")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -127,14 +134,14 @@ def main() -> int:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
     print(f"{args.model}, batch {args.batch} x {args.seq_len}, fp32, CPU, {args.threads} thread(s); "
-          f"median of {args.rounds} alternating blocks of {args.block} steps")
+          f"median of {args.rounds} alternating blocks of {args.block} steps, {args.clock} clock")
     print(f"{'engine':<8} {'bare ms':>9} {'engine ms':>10} {'overhead':>9}"
           + (f" {'stock ms':>9} {'stock overhead':>15} {'engine/stock':>13}" if args.stock else ""))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     for name in args.engines.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--model", args.model, "--vocab", str(args.vocab), "--batch",
                str(args.batch), "--seq-len", str(args.seq_len), "--block", str(args.block), "--rounds", str(args.rounds),
-               "--threads", str(args.threads), *(["--stock"] if args.stock else [])]
+               "--threads", str(args.threads), "--clock", args.clock, *(["--stock"] if args.stock else [])]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
