@@ -12,7 +12,14 @@ the engine step in alternating blocks on identical copies of the model, and keep
 block: the ratio is taken within one process and one stretch of time, which is what stays meaningful
 on a shared machine. Prints one table: ms per step, and engine / bare - 1 (goal: <= 5 %).
 
-    python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2]
+``--stock`` also builds, in the same process, a DeepSpeed engine with stock DeepSpeed (none of the
+one-rank patches of ``pipelines.engine.one_rank``, ZeRO-0's skipped all-reduce included) and times it
+in the same alternating blocks: the before/after of those patches as one more ratio, patched / stock.
+
+``--clock cpu`` times this process's CPU time instead of the wall clock: with one thread, what the
+other jobs of a busy machine disturb least (they still share its caches).
+
+    python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2] [--stock] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ def child(args: argparse.Namespace) -> dict:
     import models
     from core.config import load_config
     from pipelines.engine import distributed as dist
-    from pipelines.engine import engines
+    from pipelines.engine import engines, one_rank
     from pipelines.engine.config import RunConfig
     from pipelines.engine.optim import build_optimizer
 
@@ -53,9 +60,21 @@ def child(args: argparse.Namespace) -> dict:
     model = models.create(args.model, vocab_size=args.vocab)
     bare = copy.deepcopy(model)
     bare_opt = build_optimizer(bare, cfg.optim, offload=False, device=env.device)
+    stock_model = copy.deepcopy(model) if args.stock and engine_name == "deepspeed" else None
     engine = engines.build_engine(cfg, env, model, build_optimizer(model, cfg.optim, offload=False, device=env.device),
                                   lambda step: 1.0)
     engine.train()
+    sides: dict = {"bare": None, "engine": engine}
+    if stock_model is not None:  # a second engine in this process: accelerate keeps one state per process, so reset it
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        with one_rank.stock_deepspeed():
+            sides["stock"] = engines.build_engine(
+                cfg, env, stock_model, build_optimizer(stock_model, cfg.optim, offload=False, device=env.device),
+                lambda step: 1.0)
+        sides["stock"].train()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     batch = {"input_ids": ids, "labels": ids}
 
@@ -66,25 +85,30 @@ def child(args: argparse.Namespace) -> dict:
         bare_opt.step()
         bare_opt.zero_grad(set_to_none=True)
 
-    def engine_step() -> None:
+    def engine_step(engine) -> None:
         loss = engine(**batch)["loss"]
         loss.detach().to(torch.float64).reshape(1).tolist()  # the step's agreement read (Trainer._reduce_metrics)
         engine.backward(loss)
         engine.step()
 
+    steps = {name: (bare_step if name == "bare" else (lambda e=e: engine_step(e))) for name, e in sides.items()}
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
     def block(fn) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(args.block):
             fn()
-        return (time.perf_counter() - t0) / args.block
+        return (clock() - t0) / args.block
 
-    for fn in (bare_step, engine_step):  # warm-up: allocator, DeepSpeed's first-step set-up
+    for fn in steps.values():  # warm-up: allocator, DeepSpeed's first-step set-up
         for _ in range(2):
             fn()
-    times: dict[str, list[float]] = {"bare": [], "engine": []}
-    for i in range(args.rounds):  # which side goes first alternates too
-        for side in (("bare", "engine") if i % 2 == 0 else ("engine", "bare")):
-            times[side].append(block(bare_step if side == "bare" else engine_step))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for i in range(args.rounds):  # which side goes first rotates too
+        for side in order[i % len(order):] + order[:i % len(order)]:
+            times[side].append(block(steps[side]))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -98,6 +122,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6, help="alternating bare / engine blocks")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU time (with --threads 1, what the other jobs of a shared machine disturb least)")
+    p.add_argument("--stock", action="store_true", help="also time stock DeepSpeed (one-rank patches off) in the same blocks")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     import torch
@@ -107,20 +134,24 @@ def main() -> int:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
     print(f"{args.model}, batch {args.batch} x {args.seq_len}, fp32, CPU, {args.threads} thread(s); "
-          f"median of {args.rounds} alternating blocks of {args.block} steps")
-    print(f"{'engine':<8} {'bare ms':>9} {'engine ms':>10} {'overhead':>9}")
+          f"median of {args.rounds} alternating blocks of {args.block} steps, {args.clock} clock")
+    print(f"{'engine':<8} {'bare ms':>9} {'engine ms':>10} {'overhead':>9}"
+          + (f" {'stock ms':>9} {'stock overhead':>15} {'engine/stock':>13}" if args.stock else ""))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     for name in args.engines.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--model", args.model, "--vocab", str(args.vocab), "--batch",
                str(args.batch), "--seq-len", str(args.seq_len), "--block", str(args.block), "--rounds", str(args.rounds),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--clock", args.clock, *(["--stock"] if args.stock else [])]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(f"{name:<8} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
             continue
         r = json.loads(lines[-1][7:])
-        print(f"{name:<8} {r['bare'] * 1e3:>9.1f} {r['engine'] * 1e3:>10.1f} {r['engine'] / r['bare'] - 1:>+9.1%}", flush=True)
+        row = f"{name:<8} {r['bare'] * 1e3:>9.1f} {r['engine'] * 1e3:>10.1f} {r['engine'] / r['bare'] - 1:>+9.1%}"
+        if "stock" in r:
+            row += f" {r['stock'] * 1e3:>9.1f} {r['stock'] / r['bare'] - 1:>+15.1%} {r['engine'] / r['stock']:>13.3f}"
+        print(row, flush=True)
     return 0
 
 

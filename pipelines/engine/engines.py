@@ -33,6 +33,7 @@ import torch
 from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
+from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
@@ -247,7 +248,7 @@ class DeepSpeedEngine(Engine):
         super().__init__(accelerator, model, optimizer, scheduler, cfg)
         self.zero_stage = cfg.distributed.zero_stage
         self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
-        skip_one_rank_allreduce_(model)
+        self.one_rank_patches = one_rank_fast_path_(model)  # identities on a world of one, removed (one_rank.py)
 
     def optimizer_param_groups(self) -> list[dict[str, Any]]:
         zero_opt = getattr(self.model, "optimizer", None)
@@ -328,18 +329,6 @@ class DeepSpeedEngine(Engine):
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no engine state under {path / 'engine'}; the checkpoint is incomplete.")
         self._load_scheduler(path)
-
-
-def skip_one_rank_allreduce_(ds_engine: Any) -> None:
-    """ZeRO-0 on one rank: no gradient all-reduce after backward (an identity there, done at a price).
-
-    DeepSpeed's ``allreduce_gradients`` flattens every gradient into buffers, all-reduces them and
-    copies them back: on a world of one, two copies of all gradients per step that change nothing
-    (the sum of one rank, divided by 1). Skipping it gives the same gradients bitwise. ZeRO-1/2
-    reduce inside their optimizer, which builds its fp32 gradient partitions there, so they keep it.
-    """
-    if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
-        ds_engine.enable_backward_allreduce = False
 
 
 def deepspeed_getters(

@@ -1,0 +1,213 @@
+"""DeepSpeed on a world of one rank: the per-step work that is an identity there, removed.
+
+On one GPU DeepSpeed still runs the machinery that partitions and reduces over many ranks: collectives
+over a world of one, per-parameter Python loops (each a kernel launch or more on a GPU), host reads.
+Each patch below replaces one method of the ONE engine instance (never DeepSpeed's classes), says why
+it computes the same thing on one rank, and is installed only when every attribute it relies on is
+there and the DeepSpeed version is one it was checked against (``TESTED_DEEPSPEED``): an upgrade
+falls back to stock DeepSpeed, never to something silently different. Weights after N steps are
+bitwise those of stock DeepSpeed on CPU fp32 (tests/pipelines/test_one_rank.py).
+
+``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names; ``STOCK`` (a context
+manager) turns it off, for the benchmark's before/after and the tests' reference engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "stock_deepspeed"]
+
+#: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
+TESTED_DEEPSPEED = ("0.19",)
+_state = {"stock": False}
+
+
+@contextlib.contextmanager
+def stock_deepspeed() -> Iterator[None]:
+    """Engines built inside run stock DeepSpeed (no one-rank patches): the reference for tests and benchmarks."""
+    was, _state["stock"] = _state["stock"], True
+    try:
+        yield
+    finally:
+        _state["stock"] = was
+
+
+def skip_one_rank_allreduce_(ds_engine: Any) -> bool:
+    """ZeRO-0 on one rank: no gradient all-reduce after backward (an identity there, done at a price).
+
+    DeepSpeed's ``allreduce_gradients`` flattens every gradient into buffers, all-reduces them and
+    copies them back: on a world of one, two copies of all gradients per step that change nothing
+    (the sum of one rank, divided by 1). Skipping it gives the same gradients bitwise. ZeRO-1/2
+    reduce inside their optimizer, which builds its fp32 gradient partitions there (``PATCHES``).
+    """
+    if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
+        ds_engine.enable_backward_allreduce = False
+        return True
+    return False
+
+
+# -- ZeRO-1/2 optimizer (deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer) on one rank
+
+
+def _plain_one_rank(opt: Any) -> bool:
+    """The layout every patch assumes: one data-parallel rank per group, no sequence / model / expert
+    parallelism, gradients in the parameters' dtype on the device (no offload, no ZenFlow, no fp32
+    accumulation buffer for bf16 parameters), reductions on the current stream."""
+    from deepspeed import comm as dist
+
+    groups = [opt.dp_process_group, *opt.real_dp_process_group]
+    return (all(dist.get_world_size(group=g) == 1 for g in groups) and opt.sequence_parallel_size == 1
+            and not opt.has_moe_layers and opt.model_parallel_rank == 0 and opt.mpu is None
+            and not opt.cpu_offload and not opt.zenflow and not opt.overlap_comm
+            and not opt._offload_gradient_safety_enabled and not opt.use_grad_accum_attribute
+            and not any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
+            and not any(hasattr(p, "ds_pipe_replicated") for g in opt.bit16_groups for p in g))
+
+
+def _identity_average_tensor(opt: Any) -> Callable[..., None]:
+    def average_tensor(tensor: torch.Tensor, communication_data_type: torch.dtype) -> None:
+        """The IPG bucket's reduce-scatter over one rank: DeepSpeed divides the bucket by the world size
+        (1.0: exact), flattens it into a new buffer, all-reduces that (the sum of one rank) and copies
+        every slice back, so the bucket ends as it began. Nothing to do."""
+
+    return average_tensor
+
+
+def _grads_straight_to_partition(opt: Any) -> Callable[..., None]:
+    stock = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+    def reduce_independent_p_g_buckets_and_remove_grads(param: torch.Tensor, i: int) -> None:
+        """Per-parameter gradient hook: stock DeepSpeed copies the gradient into the IPG bucket, reduces
+        the bucket (an identity on one rank, above) and then copies it again into the partition's
+        contiguous gradient buffer (``copy_grads_in_partition``), in the order the hooks fired. On one
+        rank every parameter is in the partition, so the gradient goes to that buffer at once, in the
+        same order: the same buffer, one copy of all gradients fewer per step."""
+        if param.numel() == 0 or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
+            return stock(param, i)
+        param_id = opt.get_param_id(param)
+        if opt.params_already_reduced[param_id]:
+            return stock(param, i)  # stock raises its own message for a gradient computed twice
+        opt.copy_grads_in_partition(param, i)
+        opt.params_already_reduced[param_id] = True
+
+    return reduce_independent_p_g_buckets_and_remove_grads
+
+
+def _foreach_grad_norm(opt: Any) -> Callable[..., torch.Tensor]:
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    stock = opt.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2) -> torch.Tensor:
+        """A group's gradient L2 norm: stock DeepSpeed casts each gradient to the norm dtype (fp64 where
+        the device has it) and takes its norm one parameter at a time in Python, then all-reduces the
+        sum of squares over the data-parallel group (one rank: the identity). Here the per-tensor norms
+        come from one ``torch._foreach_norm`` (accumulating in the norm dtype, no cast copies), then the
+        same stack, square, sum, cast and square root. On CPU the per-tensor norms are bitwise those of
+        the loop; a fused CUDA kernel may sum a tensor's squares in another order (in fp64)."""
+        if float(norm_type) != 2.0:
+            return stock(gradients, params, norm_type)
+        real = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        grads = [g.detach() for g, _ in zip(real, params, strict=False)]  # stock zips too (padding has no param)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
+            total = torch.stack([n.to(opt.device) for n in norms]).pow(2.0).sum().float()
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32).to(opt.device)
+        total = total.pow(1.0 / 2.0)
+        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+        return total
+
+    return get_grad_norm_direct
+
+
+def _overflow_from_the_norm(opt: Any) -> Callable[..., bool]:
+    def has_overflow(partition_gradients: bool = True) -> bool:
+        """The overflow check before the norm (fp16, and bf16 with ``check_grad_overflow``): stock DeepSpeed
+        tests every gradient for inf/NaN one tensor at a time, all-reduces the flag and reads it back to
+        the host (``.item()``). The gradient norm that ``step`` computes next is non-finite exactly when a
+        gradient is, and ``step`` then marks the same overflow (``is_invalid_grad_norm``, with the same
+        loss-scale update and an infinite norm recorded); a finite norm too large for fp32 is an overflow
+        either way. So on one rank, with the norm computed, this pass adds nothing."""
+        return False
+
+    return has_overflow
+
+
+def _clip_without_host_reads(opt: Any) -> Callable[..., None]:
+    def unscale_and_clip_grads(grad_groups_flat: list[Any], total_norm: torch.Tensor | None) -> None:
+        """Unscale and clip one group's flat fp32 gradients. Stock DeepSpeed asks ``is_invalid_grad_norm``
+        of the norm once per group — a host read each — to replace an invalid norm by inf; ``torch.where``
+        does the same on the device. The factor is computed with the same operations in the same order."""
+        if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+            return
+        combined_scale = opt.loss_scale
+        if opt.clip_grad > 0.0:
+            clip_norm = total_norm
+            if torch.is_tensor(clip_norm):
+                clip_norm = torch.where(torch.isfinite(clip_norm) & (clip_norm >= 0), clip_norm,
+                                        torch.full_like(clip_norm, float("inf")))
+            clip = ((clip_norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * opt.loss_scale
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / combined_scale)
+
+    return unscale_and_clip_grads
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check."""
+
+    method: str
+    build: Callable[[Any], Callable[..., Any]]
+    applies: Callable[[Any], bool] = lambda opt: True
+
+
+PATCHES: dict[str, Patch] = {
+    "identity_ipg_reduction": Patch("average_tensor", _identity_average_tensor),
+    "grads_straight_to_partition": Patch("reduce_independent_p_g_buckets_and_remove_grads", _grads_straight_to_partition,
+                                         lambda opt: opt.contiguous_gradients),
+    "foreach_grad_norm": Patch("get_grad_norm_direct", _foreach_grad_norm),
+    "overflow_from_the_norm": Patch("has_overflow", _overflow_from_the_norm,
+                                    lambda opt: opt.check_grad_overflow and opt.compute_grad_norm),
+    "clip_without_host_reads": Patch("unscale_and_clip_grads", _clip_without_host_reads),
+}
+
+#: Attributes of DeepSpeedZeroOptimizer the patches read (besides the methods they replace).
+_NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size", "has_moe_layers", "model_parallel_rank",
+          "mpu", "cpu_offload", "zenflow", "overlap_comm", "_offload_gradient_safety_enabled", "use_grad_accum_attribute",
+          "_use_compact_grad_partition_buffer", "bit16_groups", "contiguous_gradients", "compute_grad_norm",
+          "check_grad_overflow", "get_param_id", "params_already_reduced", "copy_grads_in_partition", "device", "clip_grad", "loss_scale")
+
+
+def one_rank_fast_path_(ds_engine: Any) -> list[str]:
+    """Install the one-rank patches that apply to this DeepSpeed engine; returns their names (none on
+    more than one rank, under ZeRO-3, inside ``stock_deepspeed()`` or on an untested DeepSpeed)."""
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if _state["stock"]:
+        return []
+    installed = ["skip_allreduce"] if skip_one_rank_allreduce_(ds_engine) else []
+    opt = getattr(ds_engine, "optimizer", None)
+    version = ".".join(deepspeed.__version__.split(".")[:2])
+    if (type(opt) is not DeepSpeedZeroOptimizer  # ZeRO-3, BF16_Optimizer, or a subclass that may override what is patched
+            or version not in TESTED_DEEPSPEED
+            or not all(hasattr(opt, a) for a in _NEEDS + tuple(p.method for p in PATCHES.values()))
+            or not _plain_one_rank(opt)):
+        return installed
+    for name, patch in PATCHES.items():
+        if patch.applies(opt):
+            setattr(opt, patch.method, patch.build(opt))
+            installed.append(name)
+    return installed

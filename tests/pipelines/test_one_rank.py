@@ -1,0 +1,96 @@
+"""DeepSpeed ZeRO-1/2 on one rank with the per-step identities removed (``pipelines.engine.one_rank``)
+computes what stock DeepSpeed computes: the same weights bitwise, the same norms and the same skipped
+step, and where a patch would not be an identity (fp32 gradient accumulation for bf16 weights, an
+untested DeepSpeed) nothing is patched."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import models
+from pipelines.engine.config import OptimConfig
+from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
+
+ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_straight_to_partition", "foreach_grad_norm",
+       "overflow_from_the_norm", "clip_without_host_reads"]
+STEPS, ACCUM, NAN_STEP = 4, 2, 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A tiny model's kernels on 2 threads spin against the other jobs of a shared machine (50x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | None = None):
+    """Weights, reported norms and skipped steps after ``STEPS`` clipped optimizer steps of a tiny GPT
+    (``ACCUM`` micro-batches each; step ``NAN_STEP`` gets a NaN gradient, as ``skip_step`` makes one)."""
+    from pipelines.engine.one_rank import one_rank_fast_path_, stock_deepspeed
+
+    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.05)  # small: every step clips
+    torch.manual_seed(0)
+    model = models.create("gpt-tiny", vocab_size=64)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM,
+                 # a small bucket: stock DeepSpeed reduces it several times within one backward
+                 "zero_optimization": {"stage": stage, "contiguous_gradients": True, "overlap_comm": False,
+                                       "reduce_bucket_size": 20_000},
+                 "bf16": {"enabled": precision == "bf16"}, **deepspeed_optimizer_fields(cfg), **(extra or {})}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+    with stock_deepspeed() if stock else contextlib.nullcontext():
+        installed = one_rank_fast_path_(engine)
+    g = torch.Generator().manual_seed(1)
+    norms, skipped = [], []
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            ids = torch.randint(0, 64, (2, 8), generator=g)
+            loss = engine(input_ids=ids, labels=ids)["loss"]
+            if step == NAN_STEP and micro == ACCUM - 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+        skipped.append(not engine.was_step_applied())
+    weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return weights, norms, skipped, installed
+
+
+def _same(a, b):
+    (wa, na, sa, _), (wb, nb, sb, _) = a, b
+    assert sa == sb == [i == NAN_STEP for i in range(STEPS)]
+    assert [float(x) for x in na] == pytest.approx([float(x) for x in nb], nan_ok=True)
+    assert all(float(x) == float(y) for x, y in zip(na, nb, strict=True) if math.isfinite(float(x)))  # bitwise norms
+    assert all(torch.equal(wa[n], wb[n]) for n in wa), [n for n in wa if not torch.equal(wa[n], wb[n])]
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_one_rank_zero_is_stock_deepspeed_bitwise(ds_world, stage, precision):
+    stock = _train(ds_world, stage, precision, stock=True)
+    patched = _train(ds_world, stage, precision, stock=False)
+    assert stock[3] == []
+    # bf16 checks for overflow before the norm (check_grad_overflow); fp32 does not, so there is no pass to drop
+    assert patched[3] == [n for n in ALL[1:] if precision == "bf16" or n != "overflow_from_the_norm"]
+    _same(stock, patched)
+
+
+def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
+    """bf16 weights with fp32 gradient accumulation: ZeRO-2 reduces into a separate fp32 partition
+    (reducing the bucket is not an identity there: patched anyway, the NaN step goes unseen and the
+    weights part), ZeRO-1 hands the step to DeepSpeed's BF16_Optimizer: stock path. An untested
+    DeepSpeed release gets the stock path too."""
+    fp32_accum = {"data_types": {"grad_accum_dtype": "fp32"}}
+    for stage in (1, 2):
+        stock = _train(ds_world, stage, "bf16", stock=True, extra=fp32_accum)
+        patched = _train(ds_world, stage, "bf16", stock=False, extra=fp32_accum)
+        assert patched[3] == []
+        _same(stock, patched)
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
+    assert _train(ds_world, 2, "fp32", stock=False)[3] == []
