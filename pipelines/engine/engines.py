@@ -248,7 +248,8 @@ class DeepSpeedEngine(Engine):
         super().__init__(accelerator, model, optimizer, scheduler, cfg)
         self.zero_stage = cfg.distributed.zero_stage
         self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
-        self.one_rank_patches = one_rank_fast_path_(model)  # identities on a world of one, removed (one_rank.py)
+        # identities on a world of one, removed (one_rank.py); distributed.one_rank_fast_path=false: stock DeepSpeed
+        self.one_rank_patches = one_rank_fast_path_(model) if cfg.distributed.one_rank_fast_path else []
 
     def optimizer_param_groups(self) -> list[dict[str, Any]]:
         zero_opt = getattr(self.model, "optimizer", None)

@@ -32,11 +32,11 @@ HOT_PATH = {  # what our code may read per non-log step, per engine (world of 1;
 }
 
 
-def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int) -> list[dict]:
+def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int, extra: tuple[str, ...] = ()) -> list[dict]:
     overrides = [f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
                  f"train.log_every={LOG_EVERY}", f"logging.skew_every={LOG_EVERY}", "train.eval_every=0",
                  "train.eval_batches=1", "train.checkpoint_every=0", "data.num_workers=0", "data.micro_batch_size=4",
-                 "train.grad_accum_steps=2", f"distributed.engine={engine}", "logging.tensorboard=false"]
+                 "train.grad_accum_steps=2", f"distributed.engine={engine}", "logging.tensorboard=false", *extra]
     out = tmp_path / "syncs.json"
     launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                       str(processes), "--master_port", str(free_port())]
@@ -66,6 +66,15 @@ def test_one_process_non_log_steps_read_the_device_once_plus_the_grad_norm(engin
             assert library.get("Tensor.__bool__ @ <library> via pipelines/engine/engines.py:backward") == 1, library
     # the log steps read more (that is where the metrics are reduced), and the trace sees them
     assert set(trace["steps"]) >= {str(s) for s in range(1, STEPS + 1)}
+
+
+def test_stock_deepspeed_on_request_makes_its_own_collectives(gpt_corpus, tmp_path):
+    """``distributed.one_rank_fast_path=false`` runs stock DeepSpeed (the escape hatch, and the GPU check's
+    before row): its collectives over the world of one are back on every step."""
+    (trace,) = _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=1, extra=("distributed.one_rank_fast_path=false",))
+    for step in _non_log_steps():
+        assert _ours(trace["steps"][step]) == HOT_PATH["deepspeed"], f"step {step}: {trace['steps'][step]}"
+        assert [site for site in trace["steps"][step] if site.startswith("dist.") and "<library>" in site], trace["steps"][step]
 
 
 @pytest.mark.slow
