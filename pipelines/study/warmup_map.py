@@ -442,17 +442,23 @@ def render_map(runs: list[Any], out: Path, k: float = DEFAULT_K) -> tuple[list[t
 def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
     """The cell the per-arm figures (lr, loss, histograms, Adam variance, per-block gradients) show.
 
-    The first stack (post-LN, the papers' beta2): the deepest depth where Adam without warmup fails in
-    most seeds and there the smallest such lr -- where the question is decided --, else the deepest
-    depth and its largest lr; only cells that hold runs (a slice of a map has holes).
+    The first stack (post-LN; of its beta2 settings the first where Adam without warmup fails, else the
+    first): the deepest depth where Adam without warmup fails in most seeds and there the smallest such
+    lr -- where the question is decided --, else the deepest depth and its largest lr; only cells that
+    hold runs (a slice of a map has holes).
     """
     if not classified:
         return {}
     stats = cell_stats(classified)
     norms, _arms, _depths, _lrs = _axes(classified)
-    norm = norms[0]
-    ran = sorted((d, lr) for (n, _a, d, lr) in stats if n == norm)  # the cells this stack has runs in (a slice)
-    failing = [(d, lr) for d, lr in ran if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+
+    def cells(norm: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        ran = sorted((d, lr) for (n, _a, d, lr) in stats if n == norm)  # the cells this setting has runs in (a slice)
+        return ran, [(d, lr) for d, lr in ran if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+
+    stack = [n for n in norms if n.split(" ")[0] == norms[0].split(" ")[0]]  # "post β2=0.999", "post β2=0.98"
+    norm = next((n for n in stack if cells(n)[1]), norms[0])
+    ran, failing = cells(norm)
     if failing:
         depth = max(d for d, _ in failing)
         lr = min(lr for d, lr in failing if d == depth)

@@ -212,6 +212,12 @@ def test_mixed_beta2_cells_and_the_focus_cell():
                                       "why": "smallest lr where Adam without warmup fails"}
     assert {r["norm"] for r in label_settings(rows[:8])} == {"post"}  # one beta2: the labels stay as they were
 
+    # failing only under the second beta2: the figures show that setting, not the first one's largest lr
+    rows = [{**r, "norm": "post", "final": (7.0 if (r["arm"], r["beta2"], r["lr"]) == ("adam-none", 0.98, 1e-3) else 5.0)
+             + 0.01 * r["seed"]} for r in rows]
+    assert focus_cell(classify(label_settings(rows))) == {"norm": "post β2=0.98", "beta2": 0.98, "depth": 12, "lr": 1e-3,
+                                                         "why": "smallest lr where Adam without warmup fails"}
+
 
 @pytest.mark.slow
 def test_literature_map_tiny_grid_end_to_end(tmp_path, gpt_corpus):
