@@ -186,9 +186,10 @@ class DistributedConfig:
     world_free_checkpoints: bool = option(True, help="ZeRO 1-3: each checkpoint also holds the weights and optimizer "
                                           "state by parameter name (+12 B/param for Adam), so the run can resume on "
                                           "another number of GPUs or ZeRO stage.")
-    one_rank_fast_path: bool = option(True, help="DeepSpeed on one GPU: skip the per-step work that is an identity on a "
-                                      "world of one (collectives, the gradient bucket copy, per-parameter norm loops; "
-                                      "same weights bitwise, pipelines/engine/one_rank.py). false runs stock DeepSpeed.")
+    one_rank_fast_path: bool = option(True, help="One process: skip the per-step work that is an identity on a world "
+                                      "of one (DDP's gradient all-reduce; DeepSpeed's collectives, bucket copy and "
+                                      "per-parameter norm loops; same weights bitwise, pipelines/engine/one_rank.py). "
+                                      "false runs the stock DDP wrapper and stock DeepSpeed.")
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

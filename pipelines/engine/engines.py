@@ -377,6 +377,19 @@ def deepspeed_getters(
     return {"get_grad": safe_get_full_grad, "get_state": get_state, "get_param": get_param}
 
 
+def unwrap_one_rank_ddp(accelerator: Any, model: Any) -> Any:
+    """One process: the model without accelerate's ``DistributedDataParallel`` wrapper.
+
+    accelerate wraps the model in DDP whenever a process group exists, a world of one included. DDP's
+    reducer then copies every gradient into its buckets, all-reduces them over the one rank (the sum of
+    one, divided by 1) and copies them back: the same gradients bitwise, for two passes over them and a
+    collective per step (on a GPU, copy kernels and an NCCL call). Several processes keep the wrapper.
+    """
+    if accelerator.num_processes == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
 def _drop_accelerate_deepspeed_env() -> None:
     """The DeepSpeed fields ``accelerate launch --config_file`` exports were folded into the run config
     (``distributed.load_launched_config``); they are dropped here so that accelerate does not build a
@@ -444,4 +457,6 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
     if cfg.model.compile:
         model = torch.compile(model)
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
+    if d.one_rank_fast_path:
+        model = unwrap_one_rank_ddp(acc, model)
     return DDPEngine(acc, model, optimizer, scheduler, cfg)

@@ -94,3 +94,42 @@ def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
 
     monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
     assert _train(ds_world, 2, "fp32", stock=False)[3] == []
+
+
+def test_one_process_ddp_runs_without_the_ddp_wrapper_and_computes_the_same():
+    """One process: the DDP engine's model is not wrapped in ``DistributedDataParallel`` (its bucketed
+    all-reduce over one rank is an identity); weights after clipped steps equal the wrapped model's bitwise,
+    and ``distributed.one_rank_fast_path=false`` keeps the wrapper."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.nn.parallel import DistributedDataParallel
+
+    from core.config import load_config
+    from pipelines.engine import distributed as dist
+    from pipelines.engine.config import RunConfig
+    from pipelines.engine.engines import build_engine
+
+    runs = {}
+    with dist.in_process_run():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist.free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        for fast in (False, True):
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+            cfg = load_config("configs/train/gpt_tiny_cpu.yaml", [
+                "distributed.engine=ddp", f"distributed.one_rank_fast_path={str(fast).lower()}", "optim.grad_clip=0.05",
+                "model.overrides={hidden_dropout: 0.0, attention_dropout: 0.0}"], cls=RunConfig)
+            env = dist.init_env()
+            torch.manual_seed(0)
+            model = models.create("gpt-tiny", vocab_size=64)
+            engine = build_engine(cfg, env, model, build_optimizer(model, cfg.optim), lambda step: 1.0)
+            engine.train()
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                ids = torch.randint(0, 64, (2, 8), generator=g)
+                engine.backward(engine(input_ids=ids, labels=ids)["loss"])
+                engine.step()
+            runs[fast] = (type(engine.model), {n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    assert runs[False][0] is DistributedDataParallel and runs[True][0] is not DistributedDataParallel
+    assert all(torch.equal(runs[False][1][n], runs[True][1][n]) for n in runs[False][1])
