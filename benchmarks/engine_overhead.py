@@ -12,9 +12,10 @@ the engine step in alternating blocks on identical copies of the model, and keep
 block: the ratio is taken within one process and one stretch of time, which is what stays meaningful
 on a shared machine. Prints one table: ms per step, and engine / bare - 1 (goal: <= 5 %).
 
-``--stock`` also builds, in the same process, a DeepSpeed engine with stock DeepSpeed (none of the
-one-rank patches of ``pipelines.engine.one_rank``, ZeRO-0's skipped all-reduce included) and times it
-in the same alternating blocks: the before/after of those patches as one more ratio, patched / stock.
+``--stock`` also builds, in the same process, the engine with ``distributed.one_rank_fast_path=false``
+(DDP: accelerate's ``DistributedDataParallel`` wrapper kept; DeepSpeed: none of the one-rank patches of
+``pipelines.engine.one_rank``, ZeRO-0's skipped all-reduce included) and times it in the same
+alternating blocks: the before/after of the one-process fast path as one more ratio, engine / stock.
 
 ``--clock cpu`` times this process's CPU time instead of the wall clock: with one thread, what the
 other jobs of a busy machine disturb least (they still share its caches).
@@ -46,7 +47,7 @@ def child(args: argparse.Namespace) -> dict:
     import models
     from core.config import load_config
     from pipelines.engine import distributed as dist
-    from pipelines.engine import engines, one_rank
+    from pipelines.engine import engines
     from pipelines.engine.config import RunConfig
     from pipelines.engine.optim import build_optimizer
 
@@ -60,7 +61,7 @@ def child(args: argparse.Namespace) -> dict:
     model = models.create(args.model, vocab_size=args.vocab)
     bare = copy.deepcopy(model)
     bare_opt = build_optimizer(bare, cfg.optim, offload=False, device=env.device)
-    stock_model = copy.deepcopy(model) if args.stock and engine_name == "deepspeed" else None
+    stock_model = copy.deepcopy(model) if args.stock else None
     engine = engines.build_engine(cfg, env, model, build_optimizer(model, cfg.optim, offload=False, device=env.device),
                                   lambda step: 1.0)
     engine.train()
@@ -70,10 +71,11 @@ def child(args: argparse.Namespace) -> dict:
 
         AcceleratorState._reset_state()
         GradientState._reset_state()
-        with one_rank.stock_deepspeed():
-            sides["stock"] = engines.build_engine(
-                cfg, env, stock_model, build_optimizer(stock_model, cfg.optim, offload=False, device=env.device),
-                lambda step: 1.0)
+        stock_cfg = copy.deepcopy(cfg)
+        stock_cfg.distributed.one_rank_fast_path = False  # the DDP wrapper and DeepSpeed as they come
+        sides["stock"] = engines.build_engine(
+            stock_cfg, env, stock_model, build_optimizer(stock_model, cfg.optim, offload=False, device=env.device),
+            lambda step: 1.0)
         sides["stock"].train()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     batch = {"input_ids": ids, "labels": ids}
@@ -124,7 +126,7 @@ def main() -> int:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: this process's CPU time (with --threads 1, what the other jobs of a shared machine disturb least)")
-    p.add_argument("--stock", action="store_true", help="also time stock DeepSpeed (one-rank patches off) in the same blocks")
+    p.add_argument("--stock", action="store_true", help="also time the engine with distributed.one_rank_fast_path=false in the same blocks")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     import torch
