@@ -197,8 +197,9 @@ def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, 
         for arm in arms:
             cells = [(d, lr) for d in depths for lr in lrs if stats.get((norm, arm, d, lr), {}).get("rate", 0) > 0.5]
             per_arm[arm] = [{"depth": d, "lr": lr, "rate": stats[(norm, arm, d, lr)]["rate"]} for d, lr in cells]
+        ran = [(d, lr) for d in depths for lr in lrs if (norm, NO_WARMUP, d, lr) in stats]  # a slice has holes
         first_fail = {}
-        for d in depths:
+        for d in sorted({d for d, _ in ran}):
             failing = [lr for lr in lrs if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
             first_fail[str(d)] = min(failing) if failing else None
         rescued = []
@@ -210,7 +211,7 @@ def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, 
             "no_warmup_first_failing_lr": first_fail,
             "no_warmup_failures_rescued_by": rescued,
             "no_warmup_fail_cells": len(per_arm.get(NO_WARMUP, [])),
-            "cells": len(depths) * len(lrs),
+            "cells": len(ran),  # the cells where Adam without warmup ran
         }
     return out
 

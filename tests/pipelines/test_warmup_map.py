@@ -262,3 +262,12 @@ def test_plateau_claims_say_which_cells_left_the_unigram_plateau(gpt_corpus):
     assert plateau is not None and 0 < plateau < math.log(json.loads((gpt_corpus / "manifest.json").read_text())
                                                           ["tokenizer"]["vocab_size"])
     assert unigram_plateau(gpt_corpus / "missing") is None
+
+
+def test_a_slice_counts_only_the_cells_that_ran():
+    """A slice of the map (``keep``) has holes: the claims count the cells where Adam without warmup ran,
+    and name the first failing lr only for the depths it ran at."""
+    rows = [result("adam-none", s, 5.0 + 0.01 * s, depth=6, lr=lr) for s in range(2) for lr in (1e-3, 3e-3)]
+    rows += [result("adam-linear", s, 5.0, depth=12, lr=1e-3) for s in range(2)]  # another arm alone at 12 layers
+    post = claims(classify(rows))["norms"]["post"]
+    assert post["cells"] == 2 and post["no_warmup_first_failing_lr"] == {"6": None}
