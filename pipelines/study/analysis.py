@@ -222,8 +222,12 @@ def _band(ax: Any, rs: list[StudyRun], getter: Any, color: Any, label: str, logy
     mean = [statistics.fmean(by_step[s]) for s in steps]
     std = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
     lo = [max(m - d, m * 1e-3) if logy else m - d for m, d in zip(mean, std, strict=True)]
-    ax.plot(steps, mean, color=color, linewidth=1.4, label=f"{label} (n={len(rs)})")
-    ax.fill_between(steps, lo, [m + d for m, d in zip(mean, std, strict=True)], color=color, alpha=0.18, linewidth=0)
+    few = len(steps) < 3  # e.g. one validation at the end of each run: a line of one point draws nothing
+    ax.plot(steps, mean, color=color, linewidth=1.4, marker="o" if few else None, label=f"{label} (n={len(rs)})")
+    if few:
+        ax.errorbar(steps, mean, yerr=std, fmt="none", color=color, capsize=3)
+    else:
+        ax.fill_between(steps, lo, [m + d for m, d in zip(mean, std, strict=True)], color=color, alpha=0.18, linewidth=0)
     return True
 
 
