@@ -33,7 +33,7 @@ import torch
 from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
-from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_
+from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
@@ -375,19 +375,6 @@ def deepspeed_getters(
         return full if full is not None else p
 
     return {"get_grad": safe_get_full_grad, "get_state": get_state, "get_param": get_param}
-
-
-def unwrap_one_rank_ddp(accelerator: Any, model: Any) -> Any:
-    """One process: the model without accelerate's ``DistributedDataParallel`` wrapper.
-
-    accelerate wraps the model in DDP whenever a process group exists, a world of one included. DDP's
-    reducer then copies every gradient into its buckets, all-reduces them over the one rank (the sum of
-    one, divided by 1) and copies them back: the same gradients bitwise, for two passes over them and a
-    collective per step (on a GPU, copy kernels and an NCCL call). Several processes keep the wrapper.
-    """
-    if accelerator.num_processes == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    return model
 
 
 def _drop_accelerate_deepspeed_env() -> None:

@@ -1,4 +1,4 @@
-"""DeepSpeed on a world of one rank: the per-step work that is an identity there, removed.
+"""One process (a world of one rank): the per-step work of DDP and DeepSpeed that is an identity there, removed.
 
 On one GPU DeepSpeed still runs the machinery that partitions and reduces over many ranks: collectives
 over a world of one, per-parameter Python loops (each a kernel launch or more on a GPU), host reads.
@@ -8,8 +8,9 @@ there and the DeepSpeed version is one it was checked against (``TESTED_DEEPSPEE
 falls back to stock DeepSpeed, never to something silently different. Weights after N steps are
 bitwise those of stock DeepSpeed on CPU fp32 (tests/pipelines/test_one_rank.py).
 
-``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names; ``STOCK`` (a context
-manager) turns it off, for the benchmark's before/after and the tests' reference engine.
+``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names; ``stock_deepspeed()``
+(a context manager) turns it off for the tests' reference engine. DDP's one-process identity is its
+wrapper (``unwrap_one_rank_ddp``). In a run, ``distributed.one_rank_fast_path=false`` keeps both stock.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "stock_deepspeed"]
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "stock_deepspeed",
+           "unwrap_one_rank_ddp"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
 TESTED_DEEPSPEED = ("0.19",)
@@ -36,6 +38,19 @@ def stock_deepspeed() -> Iterator[None]:
         yield
     finally:
         _state["stock"] = was
+
+
+def unwrap_one_rank_ddp(accelerator: Any, model: Any) -> Any:
+    """One process: the model without accelerate's ``DistributedDataParallel`` wrapper.
+
+    accelerate wraps the model in DDP whenever a process group exists, a world of one included. DDP's
+    reducer then copies every gradient into its buckets, all-reduces them over the one rank (the sum of
+    one, divided by 1) and copies them back: the same gradients bitwise, for two passes over them and a
+    collective per step (on a GPU, copy kernels and an NCCL call). Several processes keep the wrapper.
+    """
+    if accelerator.num_processes == 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
 
 
 def skip_one_rank_allreduce_(ds_engine: Any) -> bool:
