@@ -8,36 +8,23 @@ there and the DeepSpeed version is one it was checked against (``TESTED_DEEPSPEE
 falls back to stock DeepSpeed, never to something silently different. Weights after N steps are
 bitwise those of stock DeepSpeed on CPU fp32 (tests/pipelines/test_one_rank.py).
 
-``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names; ``stock_deepspeed()``
-(a context manager) turns it off for the tests' reference engine. DDP's one-process identity is its
-wrapper (``unwrap_one_rank_ddp``). In a run, ``distributed.one_rank_fast_path=false`` keeps both stock.
+``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names. DDP's one-process
+identity is its wrapper (``unwrap_one_rank_ddp``). ``distributed.one_rank_fast_path=false`` keeps both
+stock (the engines call neither).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "stock_deepspeed",
-           "unwrap_one_rank_ddp"]
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "unwrap_one_rank_ddp"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
 TESTED_DEEPSPEED = ("0.19",)
-_state = {"stock": False}
-
-
-@contextlib.contextmanager
-def stock_deepspeed() -> Iterator[None]:
-    """Engines built inside run stock DeepSpeed (no one-rank patches): the reference for tests and benchmarks."""
-    was, _state["stock"] = _state["stock"], True
-    try:
-        yield
-    finally:
-        _state["stock"] = was
 
 
 def unwrap_one_rank_ddp(accelerator: Any, model: Any) -> Any:
@@ -207,12 +194,10 @@ _NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size",
 
 def one_rank_fast_path_(ds_engine: Any) -> list[str]:
     """Install the one-rank patches that apply to this DeepSpeed engine; returns their names (none on
-    more than one rank, under ZeRO-3, inside ``stock_deepspeed()`` or on an untested DeepSpeed)."""
+    more than one rank, under ZeRO-3, or on an untested DeepSpeed)."""
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if _state["stock"]:
-        return []
     installed = ["skip_allreduce"] if skip_one_rank_allreduce_(ds_engine) else []
     opt = getattr(ds_engine, "optimizer", None)
     version = ".".join(deepspeed.__version__.split(".")[:2])
