@@ -6,6 +6,7 @@ untested DeepSpeed) nothing is patched."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_one_process_ddp_runs_without_the_ddp_wrapper_and_computes_the_same():
         for fast in (False, True):
             AcceleratorState._reset_state()
             GradientState._reset_state()
-            cfg = load_config("configs/train/gpt_tiny_cpu.yaml", [
+            cfg = load_config(Path(__file__).resolve().parents[2] / "configs/train/gpt_tiny_cpu.yaml", [
                 "distributed.engine=ddp", f"distributed.one_rank_fast_path={str(fast).lower()}", "optim.grad_clip=0.05",
                 "model.overrides={hidden_dropout: 0.0, attention_dropout: 0.0}"], cls=RunConfig)
             env = dist.init_env()
