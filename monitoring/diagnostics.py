@@ -277,11 +277,11 @@ def gradient_histogram(
     hi = max(float(g.max()) for g in grads)
     if hi <= lo:  # all entries equal: one unit-wide range around them
         lo, hi = lo - 0.5, hi + 0.5
-    counts = torch.zeros(bins, dtype=torch.float64)
+    counts = torch.zeros(bins, dtype=torch.float64, device=grads[0].device)  # summed where the gradients live
     for g in grads:
         counts += torch.histc(g, bins=bins, min=lo, max=hi).double()
     edges = np.linspace(lo, hi, bins + 1)
-    return counts.numpy(), edges
+    return counts.cpu().numpy(), edges
 
 
 # --------------------------------------------------------------------------------------------

@@ -124,6 +124,18 @@ def test_gradient_histogram_counts_and_edges():
     assert counts.size == 0 and edges.size == 0
 
 
+def test_gradient_histogram_counts_where_the_gradients_live():
+    """Counts are summed on the gradients' device, not the default one: on a GPU the sweep's
+    diagnostics crashed on update 1 (CUDA histc into a CPU counter). Here the default device is
+    ``meta`` and the gradients are on the CPU: the same mismatch without a GPU."""
+    a = nn.Parameter(torch.zeros(3))
+    a.grad = torch.tensor([1.0, 10.0, 100.0])
+    with torch.device("meta"):
+        counts, edges = gradient_histogram([("a", a)], bins=2, log10_abs=True)
+    np.testing.assert_allclose(edges, [0.0, 1.0, 2.0])
+    np.testing.assert_allclose(counts, [1, 2])
+
+
 # --------------------------------------------------------------------------------------------
 # Overhead benchmark (python tests/monitoring/test_diagnostics.py)
 # --------------------------------------------------------------------------------------------
