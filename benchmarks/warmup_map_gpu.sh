@@ -14,8 +14,16 @@
 # (e.g. 'seeds=[0,1]'). The corpus (CORPUS, default demo_out/corpus_lit_gpt; ~2 MB) is prepared here with
 # `pretrain prepare` (see the config's header) and travels with the repo (Ray is not on the GPU image);
 # missing Python packages travel as wheels in .whl/ as for benchmarks/gpu_check.sh. Through the device tool:
-# carry [".whl", "demo_out/corpus_lit_gpt"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570;
-# the map table, map_summary.json, map_failure.png and shard 0's log come back in $OUT.
+# carry [".whl", "demo_out/corpus_lit_gpt", "runs/sweeps/warmup_map_literature"], command
+# `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570; back in $OUT come the map table,
+# map_summary.json, map_failure.png, shard 0's log and warmup_map_runs.tgz.NN: the finished runs (metrics,
+# configs, `done` markers; no checkpoints) with sweep.json. Unpacked here
+# (`cat warmup_map_runs.tgz.* | tar xzf - -C runs/sweeps`), they travel with the next call, whose sweep
+# skips them: the grid fills up over several lent sessions, and `pretrain report` reads it here.
+#
+# The shards share the GPU through MPS where the machine has it (nvidia-cuda-mps-control; checked with a
+# probe, else plain time-slicing). Measured without MPS (H100, 2026-11-26): 12 shards of tiny launch-bound
+# runs time-sliced the GPU at 0.29 s per step each, ~41 steps/s in all: 7 runs of 300 steps in 3 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,6 +72,26 @@ listing=$($PY -m pipelines.study.sweep list "${ARGS[@]}") || exit 2   # a bad ov
 total=$(printf '%s\n' "$listing" | wc -l)
 echo "warmup map: $total runs, $SHARDS shards, mode $MODE, at most $MINUTES min, into $SWEEP_DIR"
 
+start_mps() {  # MPS: kernels of the shards' processes run side by side instead of in turns
+    local ctl
+    ctl=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null) || return 1
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if "$ctl" -d && $PY -c 'import torch; torch.ones(1, device="cuda").sum().item()' 2>/dev/null; then
+        MPS_CTL=$ctl
+        return 0
+    fi
+    echo quit | "$ctl" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    return 1
+}
+MPS_CTL=""
+if [ "$MODE" = gpu ]; then
+    if start_mps; then echo "warmup map: the shards share the GPU through MPS ($MPS_CTL)"
+    else echo "warmup map: no MPS on this machine; the shards time-slice the GPU"; fi
+fi
+runs_before=$(find "$SWEEP_DIR/runs" -name done 2>/dev/null | wc -l)
+
 start=$(date +%s)
 mkdir -p "$SWEEP_DIR.logs"
 pids=()
@@ -78,13 +106,22 @@ done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 wall=$(( $(date +%s) - start ))
+[ -n "$MPS_CTL" ] && echo quit | "$MPS_CTL"
 done_runs=$(find "$SWEEP_DIR/runs" -name done 2>/dev/null | wc -l)
-echo "warmup map: $done_runs / $total runs done in ${wall}s wall ($SHARDS shards; $failed shards stopped early or failed)"
+steps=$(grep -ho 'max_steps: [0-9]*' "$SWEEP_DIR"/runs/*/config.yaml 2>/dev/null | head -n 1 | grep -o '[0-9]*$')
+echo "warmup map: $done_runs / $total runs done ($runs_before before this call), $((done_runs - runs_before)) in ${wall}s wall" \
+     "($SHARDS shards; $failed shards stopped early or failed; ~$(( (done_runs - runs_before) * ${steps:-0} / (wall > 0 ? wall : 1) )) steps/s in all)"
 $PY -m pipelines.cli report "$SWEEP_DIR" | tee "$SWEEP_DIR.logs/report.log"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
     cp "$SWEEP_DIR/study/map_table.md" "$SWEEP_DIR/study/map_summary.json" "$SWEEP_DIR/study/map_failure.png" "$OUT/" 2>/dev/null
     tail -n 40 "$SWEEP_DIR.logs/shard-0.log" > "$OUT/shard-0.log"
+    # the finished runs, to carry into the next call (the device tool returns files of <= 16 MiB each)
+    parent=$(dirname "$SWEEP_DIR") name=$(basename "$SWEEP_DIR")
+    (cd "$parent" && { ls "$name"/.pretrain-output.json "$name"/sweep.json "$name"/sweep.jsonl 2>/dev/null
+                       find "$name/runs" -name done 2>/dev/null | while read -r d; do
+                           find "$(dirname "$d")" -path '*/checkpoints' -prune -o -type f -print; done; } |
+        tar czf - -T -) | split -b 15M -d - "$OUT/warmup_map_runs.tgz."
 fi
 [ "$status" = 0 ] && [ "$done_runs" = "$total" ] && exit 0
 [ "$status" = 0 ] && exit 3   # the report is written, the grid is not complete: run the script again

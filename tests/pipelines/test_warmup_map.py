@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,20 @@ def test_literature_map_tiny_grid_end_to_end(tmp_path, gpt_corpus):
         "adam-none-lr1e-3-b999-post-L2", "adam-linear-lr1e-3-b999-post-L2", "adam-none-lr1e-3-b98-post-L2"}
     for name in (*MAP_FIGURES, "histograms.png", "adam_variance.png", "lr.png"):
         assert (out / "study" / name).stat().st_size > 5_000
+
+    # The finished runs come back in $OUT (no checkpoints) and, unpacked elsewhere, are skipped by the next
+    # call: a GPU map fills up over several lent machines. One run removed from the copy runs again.
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    packed = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("warmup_map_runs.tgz.*")))
+    subprocess.run(["tar", "xzf", "-", "-C", str(carried)], input=packed, check=True)
+    assert not list(carried.rglob("checkpoints")) and len(list(carried.rglob("done"))) == 12
+    shutil.rmtree(carried / "map/runs/adam-none-lr1e-3-b98-post-L1-s0")
+    env["OUT"] = ""
+    proc = subprocess.run(["bash", str(REPO / "benchmarks/warmup_map_gpu.sh"), "--cpu-tiny", "--out", str(carried / "map")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "12 / 12 runs done (11 before this call), 1 in" in proc.stdout
 
 
 def test_plateau_claims_say_which_cells_left_the_unigram_plateau(gpt_corpus):
