@@ -1,7 +1,7 @@
 """The GPU recipes (configs/train/gpu/) are what their headers say: they load, the model builds (on
 the meta device: no memory), the schedule builds, the global batch on the GPUs the recipe is written for
-(4 x 8; 8 x 8 for GPT 350M and 1.3B) is the paper's, a
-4-node x 8-GPU ``pretrain submit --dry-run`` renders, and README's throughput estimates are the
+(1 x 8 for BERT-base, 4 x 8 for GPT-2 small and ViT-B/16, 8 x 8 for GPT 350M and 1.3B) is the paper's,
+``pretrain submit --dry-run`` renders on those nodes, and README's throughput estimates are the
 FLOPs formula's (``models.flops``) at 50 % of an H100 SXM's bf16 peak."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ GPU = REPO / "configs" / "train" / "gpu"
 H100_BF16_PEAK = 989.5e12  # monitoring/throughput.py's H100 SXM entry
 #: recipe -> (model params, global batch in the paper, seq_len of the estimate (None = images), GPUs it is written for)
 RECIPES = {
-    "bert_base_phase1.yaml": (110_106_428, 256, 128, 32),
-    "bert_base_phase2.yaml": (110_106_428, 256, 512, 32),
+    "bert_base_phase1.yaml": (110_106_428, 256, 128, 8),
+    "bert_base_phase2.yaml": (110_106_428, 256, 512, 8),
     "gpt2_small.yaml": (124_439_808, 512, 1024, 32),
     "gpt2_medium.yaml": (354_823_168, 512, 1024, 64),
     "gpt3_xl.yaml": (1_315_723_264, 512, 2048, 64),
@@ -76,7 +76,7 @@ def test_bert_phase2_goes_on_from_phase1s_last_lr():
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
-    """Tiny corpora with enough samples for one micro-batch on each of 32 ranks."""
+    """Tiny corpora with enough samples for the submit checks on every recipe's ranks."""
     root = tmp_path_factory.mktemp("recipes")
     return {"mlm_nsp": cf.make_bert_corpus(root / "bert", train_sizes=(200, 200)),
             "causal_lm": cf.make_gpt_corpus(root / "gpt", train_sizes=(300, 300)),
@@ -84,19 +84,20 @@ def corpora(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_renders_a_four_node_submit(name, corpora, tmp_path):
+def test_recipe_renders_its_submit(name, corpora, tmp_path):
     from pipelines.cli import main
     from pipelines.engine.config import load_run_config
 
     task = load_run_config(GPU / name).train.task
+    nodes = RECIPES[name][3] // 8  # the GPUs the recipe is written for, in 8-GPU nodes
     out, err = io.StringIO(), io.StringIO()
     argv = ["submit", str(GPU / name), f"data.corpus={corpora[task]}", f"train.run_dir={tmp_path / 'run'}",
-            "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00", "--dry-run"]
+            "--nodes", str(nodes), "--gpus-per-node", "8", "--time", "24:00:00", "--dry-run"]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(argv)
     script = out.getvalue()
     assert rc == 0, err.getvalue()
-    assert "#SBATCH --nodes=4" in script and "--gpus-per-node=8" in script, script
+    assert f"#SBATCH --nodes={nodes}" in script and "--gpus-per-node=8" in script, script
 
 
 def test_readme_lists_every_recipe_with_the_formulas_estimate():
