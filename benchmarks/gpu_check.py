@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+PROFILE_ROWS = 25
 RECIPES = ("gpt", "bert", "vit")
 ENGINES = ("deepspeed", "ddp")  # the default rows; --engines also takes zero0, zero1, zero3, zero2-stock
 ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0": ["distributed.zero_stage=0"],
@@ -166,6 +167,9 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
            "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
     cmd += ENGINE_OVERRIDES[engine] + list(args.set)
+    if args.profile:  # three steps after compilation, before the timed half (steps // 2 + 1 ..): the figures stay unprofiled
+        first = max(3, args.steps // 2 - 4)
+        cmd += [f"logging.profile_steps={first}-{first + 2}"]
     if args.cpu_smoke:
         cmd += ["data.num_workers=1", "data.micro_batch_size=8"]
     print("$ " + " ".join(cmd), flush=True)
@@ -175,6 +179,8 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
     if proc.returncode != 0:
         print(proc.stdout[-3000:] + proc.stderr[-6000:], flush=True)
         return {"error": f"rc {proc.returncode}", "wall_s": wall}
+    if args.profile and (run_dir / "profile/rank-00000.txt").is_file():  # the operator table into the log
+        print("\n".join((run_dir / "profile/rank-00000.txt").read_text().splitlines()[:PROFILE_ROWS + 4]), flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r][-1]
     return {**last, "wall_s": wall}
@@ -282,6 +288,9 @@ def main() -> int:
     pr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every training run, e.g. --set model.compile=true (repeatable)")
     pr.add_argument("--json", default="")
+    pr.add_argument("--profile", action="store_true",
+                    help="torch.profiler over 3 steps of each run before its timed half (logging.profile_steps); "
+                         f"the top {PROFILE_ROWS} operators by device time printed after the run")
     for q in (pp, pr):
         q.add_argument("--recipes", default=",".join(RECIPES))
         q.add_argument("--cpu-smoke", action="store_true", help="tiny CPU configs and corpora: proves the script")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config, option
+from monitoring.profiler import parse_profile_steps
 from monitoring.sink import SINKS
 from pipelines.engine.registries import DECAYS, OPTIMIZERS, TASKS, WARMUPS
 
@@ -217,6 +218,10 @@ class LoggingConfig:
                                        "resume checks; costs one host read per step. Empty = off.")
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
+    profile_steps: str = option("", help="torch.profiler over these optimizer steps, e.g. 21-25 (after compilation and "
+                                         "warm-up): run_dir/profile/rank-N.txt (operators by self device or CPU time, "
+                                         "call counts: host syncs show as aten::_local_scalar_dense) and a Chrome "
+                                         "trace. Empty = off.")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")
     nan_policy: Literal["skip_step", "stop"] = option("skip_step", help="On NaN/Inf loss or gradients.")
     max_consecutive_nan: int = option(5, help="skip_step: stop after this many bad steps in a row.")
@@ -224,6 +229,7 @@ class LoggingConfig:
     starvation_share: float = option(0.10, help="Warn when data wait exceeds this share of step time.")
 
     def __post_init__(self) -> None:
+        parse_profile_steps(self.profile_steps)  # a malformed window is refused when the config loads
         if not 0 <= self.prometheus_port <= 65535:
             raise ConfigError(f"logging.prometheus_port must be a TCP port (1-65535) or 0 for off, got {self.prometheus_port}.")
 

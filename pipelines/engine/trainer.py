@@ -49,6 +49,7 @@ class _RunState:
     health: Any
     meter: Any
     trace: Any
+    profiler: Any  # monitoring.profiler.StepProfiler: logging.profile_steps
     resume: Path | None
     started: float
 
@@ -108,7 +109,9 @@ class Trainer:
         self.engine.train()
         stop_reason, last_saved = None, None
         while self.step < self.cfg.train.max_steps:
+            run.profiler.before(self.step + 1)
             step = self._train_step(batches, run)
+            run.profiler.after(self.step)
             verdict = self._check_health(step, run)
             self._log_step(step, run)
             stop_reason = self._stop_reason(step, verdict)
@@ -125,6 +128,7 @@ class Trainer:
                 last_saved = self.save(run.health, run.meter)
         if run.trace is not None:
             run.trace.close()
+        run.profiler.close()
         run.logger.close()
         return {
             "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
@@ -138,6 +142,7 @@ class Trainer:
     def _start(self) -> _RunState:
         """Run dir and config.yaml, logger / health / throughput, resume from a checkpoint, signal handlers."""
         from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
+        from monitoring.profiler import StepProfiler
 
         cfg, t = self.cfg, self.cfg.train
         error = None
@@ -163,8 +168,9 @@ class Trainer:
             if self.is_main:
                 print(f"Resuming from {resume} (step {self.step}).", flush=True)
         self._install_signal_handlers()
-        return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), resume=resume,
-                         started=time.time())
+        profiler = StepProfiler(self.run_dir, cfg.logging.profile_steps, self.engine.rank, self.engine.device.type)
+        return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), profiler=profiler,
+                         resume=resume, started=time.time())
 
     def _train_step(self, batches: Any, run: _RunState) -> _StepResult:
         """One optimizer step: ``grad_accum`` micro-batches forward (backward all but the last), the

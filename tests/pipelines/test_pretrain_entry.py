@@ -44,6 +44,7 @@ def test_help_and_bad_key_exit_2_without_traceback():
     (["data.micro_batch_size=500"], "fewer than one global batch"),
     (["train.task=causal_lm", "model.name=gpt-tiny"], "holds a 'bert_pairs' corpus but the task needs 'packed_lm'"),
     (["model.name=gpt-tiny"], "needs a bert model"),
+    (["logging.profile_steps=5-2"], "logging.profile_steps='5-2' must be FIRST-LAST"),
 ])
 def test_impossible_configs_fail_before_any_process_group(bert_corpus, tmp_path, capsys, clean_env, overrides, message):
     code = main([CONFIG, f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path}/run", *overrides])
@@ -88,3 +89,20 @@ def test_find_resume_and_rng_state(tmp_path):
     a = torch.rand(3)
     ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(a, torch.rand(3))
+
+
+def test_a_profiled_run_leaves_the_windows_operator_table(gpt_corpus, tmp_path):
+    """``logging.profile_steps``: the run as a user runs it, profiled over steps 2-3 (on a GPU: after compilation);
+    the table holds the heaviest operators, the trace every call, the step's host reads
+    (``aten::_local_scalar_dense``) included."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "pipelines.pretrain", "configs/train/gpt_tiny_cpu.yaml",
+                           f"data.corpus={gpt_corpus}", f"train.run_dir={run}", "train.max_steps=4", "train.eval_every=0",
+                           "data.eval_split=none", "logging.tensorboard=false", "data.num_workers=0",
+                           "logging.profile_steps=2-3"], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    table = (run / "profile/rank-00000.txt").read_text()
+    assert "optimizer steps 2-3 of the window 2-3 (2 steps)" in table
+    assert "aten::mm" in table or "aten::addmm" in table
+    events = {e.get("name") for e in json.loads((run / "profile/rank-00000.trace.json").read_text())["traceEvents"]}
+    assert "aten::_local_scalar_dense" in events and "aten::scaled_dot_product_attention" in events

@@ -1,0 +1,97 @@
+"""A torch.profiler window over a few optimizer steps of a real run (``logging.profile_steps: "21-25"``).
+
+Why: a step's time on a GPU hides where it goes -- kernels, host syncs (``aten::_local_scalar_dense``,
+``cudaStreamSynchronize``), launch overhead, copies. A benchmark harness times a different program; this
+profiles the run a user runs, with its engine, loader and logging, after compilation and warm-up.
+
+Each rank writes ``run_dir/profile/rank-NNNNN.txt`` (the operators by self device time on a GPU, self
+CPU time otherwise, with call counts) and ``rank-NNNNN.trace.json`` (a Chrome / Perfetto trace). The window
+is closed early if the run ends inside it. Off (``""``) costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from core.config import ConfigError
+from core.files import atomic_write_text
+
+__all__ = ["StepProfiler", "parse_profile_steps"]
+
+ROW_LIMIT = 40
+
+
+def parse_profile_steps(spec: str) -> tuple[int, int] | None:
+    """``"21-25"`` -> (21, 25); ``"7"`` -> (7, 7); ``""`` -> None (off). Steps count from 1."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    first, sep, last = spec.partition("-")
+    try:
+        window = (int(first), int(last) if sep else int(first))
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1]:
+        raise ConfigError(f"logging.profile_steps={spec!r} must be FIRST-LAST optimizer steps with 1 <= FIRST <= LAST "
+                          "(e.g. logging.profile_steps=21-25, after compilation and warm-up), one step N, or empty for off.")
+    return window
+
+
+class StepProfiler:
+    """``before(step)`` / ``after(step)`` around each optimizer step (numbered from 1); ``close()`` at the end."""
+
+    def __init__(self, run_dir: Path, spec: str, rank: int, device_type: str):
+        self.window = parse_profile_steps(spec)
+        self.out = Path(run_dir) / "profile"
+        self.rank, self.cuda = rank, device_type == "cuda"
+        self._prof: Any = None
+        self._steps = 0
+        self._started = 0.0
+
+    def before(self, step: int) -> None:
+        if self.window is None or self._prof is not None or step != self.window[0]:
+            return
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+        self._prof.__enter__()
+        self._started = time.perf_counter()
+
+    def after(self, step: int) -> None:
+        if self._prof is None:
+            return
+        self._steps += 1
+        if step >= self.window[1]:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the window (if open) and write this rank's table and trace (temp name, then rename)."""
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        wall_ms = (time.perf_counter() - self._started) * 1e3 / max(self._steps, 1)
+        prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        stem = self.out / f"rank-{self.rank:05d}"
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        averages = prof.key_averages()
+        table = averages.table(sort_by=sort, row_limit=ROW_LIMIT)
+        first, last = self.window  # type: ignore[misc]
+        header = (f"# torch.profiler, optimizer steps {first}-{first + self._steps - 1} of the window {first}-{last} "
+                  f"({self._steps} steps), rank {self.rank}, sorted by {sort}; totals are for all {self._steps} steps\n"
+                  f"# wall {wall_ms:.2f} ms per step (profiled)")
+        if self.cuda:  # the device's busy share: what is left of the wall time is the device waiting on the host
+            busy_ms = sum(e.self_device_time_total for e in averages) / 1e3 / max(self._steps, 1)
+            header += f"; device busy {busy_ms:.2f} ms per step (kernels and copies, {busy_ms / wall_ms:.0%} of the wall)"
+        header += "\n"
+        atomic_write_text(stem.with_suffix(".txt"), header + table + "\n")
+        tmp = stem.with_name(f".{stem.name}.trace.json.tmp")
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, stem.with_name(stem.name + ".trace.json"))
+
