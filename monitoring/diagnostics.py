@@ -141,6 +141,43 @@ def _as_int(value: Any) -> int:
     return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
 
 
+def _read_steps(values: list[Any], *, default: int) -> list[int]:
+    """The optimizer states' step counters as ints, with one host read for all that are tensors (fused
+    Adam keeps them on the device); a state without one counts ``default``."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([v.detach().reshape(()).to(tensors[0].device, torch.float64) for v in tensors]).tolist()
+                if tensors else [])
+    return [default if v is None else int(next(read)) if isinstance(v, torch.Tensor) else int(v) for v in values]
+
+
+class _DeviceSums:
+    """Named float64 sums accumulated where the tensors live, plus a list of items, read back with one
+    ``tolist()``: on a GPU each host read waits for the device, and the diagnostics take ~5 per tensor."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.items: list[torch.Tensor] = []
+        self.device: torch.device | None = None
+
+    def _here(self, value: Any) -> torch.Tensor:
+        if self.device is None and isinstance(value, torch.Tensor):
+            self.device = value.device
+        return torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = self._here(value)
+        self.sums[key] = value if key not in self.sums else self.sums[key] + value  # the order float() + float() had
+
+    def add_item(self, value: Any) -> None:
+        self.items.append(self._here(value))
+
+    def read(self) -> tuple[dict[str, float], list[float]]:
+        keys = list(self.sums)
+        flat = [self.sums[k] for k in keys] + self.items
+        values = torch.stack(flat).tolist() if flat else []
+        return dict(zip(keys, values[: len(keys)])), values[len(keys):]
+
+
 def collect_diagnostics(
     named_params: Iterable[tuple[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer | None,
@@ -179,39 +216,41 @@ def collect_diagnostics(
     eps = eps if eps is not None else float(group0.get("eps", 1e-8))
 
     out: dict[str, float] = {"lr": float(lr)}
-    grad_sq: dict[str, float] = {}
-    upd_sq: dict[str, float] = {}
-    w_sq: dict[str, float] = {}
+    named = list(named_params)
+    sums = _DeviceSums()  # float64 sums kept on the device, read back once (not ~5 host reads per tensor)
     n_elem = 0
-    s_sum = s_sq_sum = 0.0
-    trust: list[float] = []
     state_step = None
+    adam_states = [(name, p, st) for name, p in named
+                   if (st := get_state(p)) and "exp_avg_sq" in st and "exp_avg" in st]
+    steps = _read_steps([st.get("step") for _, _, st in adam_states], default=step)
 
     with torch.no_grad():
-        for name, p in named_params:
-            group = layer_group(name)
+        for name, p in named:
             g = get_grad(p)
             if g is not None:
-                grad_sq[group] = grad_sq.get(group, 0.0) + float(g.detach().double().square().sum())
-            state = get_state(p)
-            if not state or "exp_avg_sq" not in state or "exp_avg" not in state:
-                continue
-            t = _as_int(state["step"]) if "step" in state else step
+                sums.add(f"grad_sq/{layer_group(name)}", g.detach().double().square().sum())
+        for (name, p, state), t in zip(adam_states, steps):
+            group = layer_group(name)
             state_step = t if state_step is None else max(state_step, t)
             if t < 1:
                 continue
             if "trust_ratio" in state:
-                trust.append(float(state["trust_ratio"]))
+                sums.add_item(state["trust_ratio"])
             v_hat = state["exp_avg_sq"].detach().double() / (1.0 - beta2**t)
             m_hat = state["exp_avg"].detach().double() / (1.0 - beta1**t)
             size = 1.0 / (v_hat.sqrt() + eps)
-            s_sum += float(size.sum())
-            s_sq_sum += float(size.square().sum())
+            sums.add("s_sum", size.sum())
+            sums.add("s_sq_sum", size.square().sum())
             n_elem += size.numel()
-            upd_sq[group] = upd_sq.get(group, 0.0) + float((m_hat * size).square().sum())
+            sums.add(f"upd_sq/{group}", (m_hat * size).square().sum())
             w = get_param(p).detach()
             if w.numel() == size.numel():  # else a ZeRO-3 local shard was passed without get_param
-                w_sq[group] = w_sq.get(group, 0.0) + float(w.double().square().sum())
+                sums.add(f"w_sq/{group}", w.double().square().sum())
+    read, trust = sums.read()
+    grad_sq = {k.split("/", 1)[1]: v for k, v in read.items() if k.startswith("grad_sq/")}
+    upd_sq = {k.split("/", 1)[1]: v for k, v in read.items() if k.startswith("upd_sq/")}
+    w_sq = {k.split("/", 1)[1]: v for k, v in read.items() if k.startswith("w_sq/")}
+    s_sum, s_sq_sum = read.get("s_sum", 0.0), read.get("s_sq_sum", 0.0)
 
     if grad_sq:
         out["grad_norm"] = sum(grad_sq.values()) ** 0.5
@@ -261,25 +300,30 @@ def gradient_histogram(
 
     def values(p: torch.Tensor) -> torch.Tensor | None:
         g = get_grad(p)
-        if g is None:
+        if g is None or g.numel() == 0:
             return None
         g = g.detach().float().reshape(-1)
-        g = g[torch.isfinite(g)]
-        if log10_abs:
-            g = g.abs()
-            g = g[g > 0].log10()
-        return g if g.numel() else None
+        return g.abs().log10() if log10_abs else g  # zeros -> -inf: dropped with the non-finite entries
 
     grads = [v for _, p in named_params if (v := values(p)) is not None]
     if not grads:
         return np.zeros(0), np.zeros(0)
-    lo = min(float(g.min()) for g in grads)
-    hi = max(float(g.max()) for g in grads)
+    # the range over the finite entries, with one host read for all tensors (no boolean indexing: each is a sync)
+    finite = [torch.isfinite(g) for g in grads]
+    inf = torch.tensor(float("inf"), device=grads[0].device)
+    lo, hi, n = torch.stack([
+        torch.stack([torch.where(f, g, inf).amin() for g, f in zip(grads, finite)]).amin().double(),
+        torch.stack([torch.where(f, g, -inf).amax() for g, f in zip(grads, finite)]).amax().double(),
+        torch.stack([f.sum() for f in finite]).sum().double(),
+    ]).tolist()
+    if n == 0:
+        return np.zeros(0), np.zeros(0)
     if hi <= lo:  # all entries equal: one unit-wide range around them
         lo, hi = lo - 0.5, hi + 0.5
+    below = lo - 1.0  # where the non-finite entries go: outside the range, so histc drops them
     counts = torch.zeros(bins, dtype=torch.float64, device=grads[0].device)  # summed where the gradients live
-    for g in grads:
-        counts += torch.histc(g, bins=bins, min=lo, max=hi).double()
+    for g, f in zip(grads, finite):
+        counts += torch.histc(torch.where(f, g, below), bins=bins, min=lo, max=hi).double()
     edges = np.linspace(lo, hi, bins + 1)
     return counts.cpu().numpy(), edges
 
