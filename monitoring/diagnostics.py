@@ -175,7 +175,7 @@ class _DeviceSums:
         keys = list(self.sums)
         flat = [self.sums[k] for k in keys] + self.items
         values = torch.stack(flat).tolist() if flat else []
-        return dict(zip(keys, values[: len(keys)])), values[len(keys):]
+        return dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys):]
 
 
 def collect_diagnostics(
@@ -229,7 +229,7 @@ def collect_diagnostics(
             g = get_grad(p)
             if g is not None:
                 sums.add(f"grad_sq/{layer_group(name)}", g.detach().double().square().sum())
-        for (name, p, state), t in zip(adam_states, steps):
+        for (name, p, state), t in zip(adam_states, steps, strict=True):
             group = layer_group(name)
             state_step = t if state_step is None else max(state_step, t)
             if t < 1:
@@ -312,8 +312,8 @@ def gradient_histogram(
     finite = [torch.isfinite(g) for g in grads]
     inf = torch.tensor(float("inf"), device=grads[0].device)
     lo, hi, n = torch.stack([
-        torch.stack([torch.where(f, g, inf).amin() for g, f in zip(grads, finite)]).amin().double(),
-        torch.stack([torch.where(f, g, -inf).amax() for g, f in zip(grads, finite)]).amax().double(),
+        torch.stack([torch.where(f, g, inf).amin() for g, f in zip(grads, finite, strict=True)]).amin().double(),
+        torch.stack([torch.where(f, g, -inf).amax() for g, f in zip(grads, finite, strict=True)]).amax().double(),
         torch.stack([f.sum() for f in finite]).sum().double(),
     ]).tolist()
     if n == 0:
@@ -322,7 +322,7 @@ def gradient_histogram(
         lo, hi = lo - 0.5, hi + 0.5
     below = lo - 1.0  # where the non-finite entries go: outside the range, so histc drops them
     counts = torch.zeros(bins, dtype=torch.float64, device=grads[0].device)  # summed where the gradients live
-    for g, f in zip(grads, finite):
+    for g, f in zip(grads, finite, strict=True):
         counts += torch.histc(torch.where(f, g, below), bins=bins, min=lo, max=hi).double()
     edges = np.linspace(lo, hi, bins + 1)
     return counts.cpu().numpy(), edges
