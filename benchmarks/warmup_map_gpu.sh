@@ -77,11 +77,11 @@ start_mps() {  # MPS: kernels of the shards' processes run side by side instead 
     ctl=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null) || return 1
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if "$ctl" -d && $PY -c 'import torch; torch.ones(1, device="cuda").sum().item()' 2>/dev/null; then
+    if timeout 60 "$ctl" -d && timeout 90 $PY -c 'import torch; torch.ones(1, device="cuda").sum().item()' 2>/dev/null; then
         MPS_CTL=$ctl
         return 0
     fi
-    echo quit | "$ctl" 2>/dev/null
+    echo quit | timeout 30 "$ctl" 2>/dev/null
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     return 1
 }
@@ -106,7 +106,7 @@ done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 wall=$(( $(date +%s) - start ))
-[ -n "$MPS_CTL" ] && echo quit | "$MPS_CTL"
+[ -n "$MPS_CTL" ] && echo quit | timeout 30 "$MPS_CTL"
 done_runs=$(find "$SWEEP_DIR/runs" -name done 2>/dev/null | wc -l)
 steps=$(grep -ho 'max_steps: [0-9]*' "$SWEEP_DIR"/runs/*/config.yaml 2>/dev/null | head -n 1 | grep -o '[0-9]*$')
 echo "warmup map: $done_runs / $total runs done ($runs_before before this call), $((done_runs - runs_before)) in ${wall}s wall" \
