@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def test_exact_resume_after_sigusr1_zero3(bert_corpus, tmp_path):
 
 
 _REFERENCES: dict[str, Path] = {}  # one uninterrupted run per engine, shared by both directions
+REFERENCE_WORLD = (1, 4, 2)  # (processes, micro batch, accumulation) of the uninterrupted run
 
 
 def _elastic_overrides(corpus: Path, run_dir: Path, engine: str, steps: int, mb: int, accum: int) -> list[str]:
@@ -147,14 +149,21 @@ def test_resume_on_another_world_size_continues_the_global_sample_sequence(gpt_c
     config = "configs/train/gpt_tiny_cpu.yaml"
     if engine not in _REFERENCES:
         ref_dir = tmp_path_factory.mktemp(f"elastic-ref-{engine}")
-        summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, ref_dir / "run", engine, 6, 4, 2),
+        summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, ref_dir / "run", engine, 6, *REFERENCE_WORLD[1:]),
                                 trace_dir=ref_dir / "trace"))
         _REFERENCES[engine] = ref_dir
     ref_dir = _REFERENCES[engine]
     (p0, mb0, a0), (p1, mb1, a1) = first, then
     run = tmp_path / "run"
-    summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 3, mb0, a0), processes=p0,
-                            trace_dir=tmp_path / "t-a"))
+    if first == REFERENCE_WORLD:  # the first leg is the reference's own steps 1-3: its run, stopped after step 3's save
+        shutil.copytree(ref_dir / "run", run)
+        shutil.rmtree(run / "checkpoints/step-00000006")
+        (run / "checkpoints/latest").write_text("step-00000003\n")
+        trace_a = ref_dir / "trace"
+    else:
+        trace_a = tmp_path / "t-a"
+        summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 3, mb0, a0), processes=p0,
+                                trace_dir=trace_a))
     if engine != "ddp":
         before = _world_free(run / "checkpoints/step-00000003")
         switch = summary_of(run_pretrain(config, _elastic_overrides(gpt_corpus, run, engine, 3, mb1, a1), processes=p1))
@@ -171,7 +180,7 @@ def test_resume_on_another_world_size_continues_the_global_sample_sequence(gpt_c
         return {step: [k for recs in per_rank for k in recs[step]["keys"]] for step in per_rank[0]}
 
     ref = global_keys(ref_dir / "trace", 1)
-    got = {**global_keys(tmp_path / "t-a", p0), **global_keys(tmp_path / "t-b", p1)}
+    got = {**global_keys(trace_a, p0), **global_keys(tmp_path / "t-b", p1)}
     assert sorted(got) == list(range(1, 7)) and all(got[s] == ref[s] for s in ref)  # no sample repeated or skipped
     losses = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if r.get("split") == "train" and "loss" in r}
