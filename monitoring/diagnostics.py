@@ -152,7 +152,7 @@ def _read_steps(values: list[Any], *, default: int) -> list[int]:
 
 class _DeviceSums:
     """Named float64 sums accumulated where the tensors live, plus a list of items, read back with one
-    ``tolist()``: on a GPU each host read waits for the device, and the diagnostics take ~5 per tensor."""
+    ``tolist()``: on a GPU each host read waits for the device, and the diagnostics took several per tensor."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -217,7 +217,7 @@ def collect_diagnostics(
 
     out: dict[str, float] = {"lr": float(lr)}
     named = list(named_params)
-    sums = _DeviceSums()  # float64 sums kept on the device, read back once (not ~5 host reads per tensor)
+    sums = _DeviceSums()  # float64 sums kept on the device, read back once (not several host reads per tensor)
     n_elem = 0
     state_step = None
     adam_states = [(name, p, st) for name, p in named
@@ -339,7 +339,8 @@ def diagnostics_due(step: int, every: int) -> bool:
 
 
 def adam_update(
-    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any] | None, group: dict[str, Any], *, radam: bool
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, Any] | None, group: dict[str, Any], *, radam: bool,
+    steps_done: int | None = None,
 ) -> torch.Tensor:
     """The step ``delta w`` that Adam/AdamW/RAdam is about to apply to ``p`` for (already clipped) gradient ``g``.
 
@@ -356,7 +357,9 @@ def adam_update(
     if wd and not decoupled:
         g = g + wd * w
     state = state or {}
-    t = (_as_int(state["step"]) if "step" in state else 0) + 1
+    if steps_done is None:  # the state's counter (a host read where it lives on the device)
+        steps_done = _as_int(state["step"]) if "step" in state else 0
+    t = steps_done + 1
     m = state["exp_avg"].detach().double() if "exp_avg" in state else torch.zeros_like(g)
     v = state["exp_avg_sq"].detach().double() if "exp_avg_sq" in state else torch.zeros_like(g)
     m_hat = (beta1 * m + (1 - beta1) * g) / (1 - beta1**t)
@@ -428,10 +431,11 @@ def log_diagnostics(logger: Any, engine: DiagnosticsEngine, *, step: int, cfg: A
     if before_step and facts.adam_update and groups:
         coef = engine.clip_coefficient(scalars.get("grad_norm", 0.0))
         by_param = {id(q): grp for grp in groups for q in grp["params"]}
+        todo = [(p, g, reads.get_state(p)) for _, p in named if (g := reads.get_grad(p)) is not None and id(p) in by_param]
+        steps_done = _read_steps([(st or {}).get("step", 0) for _, _, st in todo], default=0)  # one read for all
         updates = {
-            id(p): adam_update(p, g * coef, reads.get_state(p), by_param[id(p)], radam=facts.has_rectification)
-            for _, p in named
-            if (g := reads.get_grad(p)) is not None and id(p) in by_param
+            id(p): adam_update(p, g * coef, st, by_param[id(p)], radam=facts.has_rectification, steps_done=t)
+            for (p, g, st), t in zip(todo, steps_done, strict=True)
         }
         counts, edges = gradient_histogram(named, bins=bins, log10_abs=True, get_grad=lambda q: updates.get(id(q)))
         if len(counts):
