@@ -12,6 +12,7 @@ is closed early if the run ends inside it. Off (``""``) costs nothing.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,13 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         wall_ms = (time.perf_counter() - self._started) * 1e3 / max(self._steps, 1)
         prof.__exit__(None, None, None)
+        try:
+            self._write(prof, wall_ms)
+        except (OSError, RuntimeError, AttributeError) as exc:  # a diagnostic aid never stops the training run
+            print(f"warning: logging.profile_steps: could not write the profile to {self.out} ({exc}); "
+                  "the run goes on without it.", file=sys.stderr, flush=True)
+
+    def _write(self, prof: Any, wall_ms: float) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.out / f"rank-{self.rank:05d}"
         sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
