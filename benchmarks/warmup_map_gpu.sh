@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # Issue #33's GPU map: the whole of configs/sweeps/warmup_map_literature.yaml plus 24-layer stacks
-# (4 arms x 2 beta2 x 3 stacks x 3 depths x 4 lrs x 3 seeds = 864 runs of 300 steps), as SHARDS
-# processes on the one GPU, each running its share of the grid in-process (`python -m
-# pipelines.study.sweep local ... --shard I/N`: one torch/CUDA start per process, not per run), into the
-# sweep directory `pretrain report` reads; then the report (map table printed, figures in SWEEP_DIR/study).
+# (4 arms x 2 beta2 x 3 stacks x 3 depths x 4 lrs x 3 seeds = 864 runs of 300 steps) on one GPU, as ensembles
+# (`ensemble=N`, pipelines/study/ensemble.py): the 96 runs of one stack and depth -- they differ only in
+# optimizer, lr, beta2, warmup and seed -- train as one batched model in one process, so the GPU does 96 runs'
+# work per kernel instead of idling between the launches of one small run. Into the sweep directory
+# `pretrain report` reads; then the report (map table printed, figures in SWEEP_DIR/study).
 #
 #   bash benchmarks/warmup_map_gpu.sh                      # on the GPU machine (<= MINUTES, default 8)
 #   PYTHON=.venv/bin/python bash benchmarks/warmup_map_gpu.sh --cpu-tiny   # anywhere: the same pipeline,
 #                                                          # a tiny grid on the CPU (what tests run)
-# Options: --cpu-tiny, --shards N (default 12 on a GPU), --minutes M (default 8: then every shard gets
-# SIGTERM, its run in flight saves a checkpoint and stops; the next invocation resumes the grid where it
-# stopped: runs are seed-major, so whole seeds finish first), --out DIR; anything else is a sweep override
-# (e.g. 'seeds=[0,1]'). The corpus (CORPUS, default demo_out/corpus_lit_gpt; ~2 MB) is prepared here with
-# `pretrain prepare` (see the config's header) and travels with the repo (Ray is not on the GPU image);
-# missing Python packages travel as wheels in .whl/ as for benchmarks/gpu_check.sh. Through the device tool:
-# carry [".whl", "demo_out/corpus_lit_gpt", "runs/sweeps/warmup_map_literature"], command
-# `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570; back in $OUT come the map table,
-# map_summary.json, map_failure.png, shard 0's log and warmup_map_runs.tgz.NN: the finished runs (metrics,
-# configs, `done` markers; no checkpoints) with sweep.json. Unpacked here
-# (`cat warmup_map_runs.tgz.* | tar xzf - -C runs/sweeps`), they travel with the next call, whose sweep
-# skips them: the grid fills up over several lent sessions, and `pretrain report` reads it here.
+# Options: --cpu-tiny, --ensemble N (members per ensemble, default 96; 0 = one run at a time), --shards N
+# (processes on the GPU, each with its share of the grid: default 1 with ensembles, 12 without), --minutes M
+# (default 8: then every process gets SIGTERM; an ensemble stops at its next step and is rerun whole by the
+# next invocation, a single run saves a checkpoint and resumes; runs are seed-major, so whole seeds finish
+# first), --out DIR; anything else is a sweep override (e.g. 'seeds=[0,1]'). The corpus (CORPUS, default
+# demo_out/corpus_lit_gpt; ~2 MB) is prepared here with `pretrain prepare` (see the config's header) and
+# travels with the repo (Ray is not on the GPU image); missing Python packages travel as wheels in .whl/ as
+# for benchmarks/gpu_check.sh. Through the device tool: carry [".whl", "demo_out/corpus_lit_gpt",
+# "runs/sweeps/warmup_map_literature"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570;
+# back in $OUT come the map table, map_summary.json, map_failure.png, shard 0's log and
+# warmup_map_runs.tgz.NN: the finished runs (metrics, configs, `done` markers; no checkpoints) with
+# sweep.json. Unpacked here (`cat warmup_map_runs.tgz.* | tar xzf - -C runs/sweeps`), they travel with the
+# next call, whose sweep skips them: the grid fills up over several lent sessions, and `pretrain report`
+# reads it here.
 #
-# The shards share the GPU through MPS where the machine has it (nvidia-cuda-mps-control; checked with a
-# probe, else plain time-slicing). Measured without MPS (H100, 2026-11-26): 12 shards of tiny launch-bound
-# runs time-sliced the GPU at 0.29 s per step each, ~41 steps/s in all: 7 runs of 300 steps in 3 minutes.
+# Without ensembles the shards share the GPU through MPS where the machine has it (nvidia-cuda-mps-control;
+# checked with a probe, else plain time-slicing). Measured that way without MPS (H100, 2026-11-26): 12 shards
+# of tiny launch-bound runs time-sliced the GPU at 0.29 s per step each, ~41 steps/s in all: 7 runs of 300
+# steps in 3 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,11 +36,12 @@ export DS_BUILD_OPS=0  # DeepSpeed (imported, unused by the ddp engine) never bu
 
 SWEEP=configs/sweeps/warmup_map_literature.yaml
 CORPUS=${CORPUS:-demo_out/corpus_lit_gpt}
-MODE=gpu SHARDS="" MINUTES=8 SWEEP_DIR="" OVERRIDES=()
+MODE=gpu SHARDS="" MINUTES=8 SWEEP_DIR="" OVERRIDES=() ENSEMBLE=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu-tiny) MODE=cpu ;;
         --shards) SHARDS=$2; shift ;;
+        --ensemble) ENSEMBLE=$2; shift ;;
         --minutes) MINUTES=$2; shift ;;
         --out) SWEEP_DIR=$2; shift ;;
         *) OVERRIDES+=("$1") ;;
@@ -46,6 +51,7 @@ done
 
 if [ "$MODE" = cpu ]; then  # the same grid machinery and report, sized for a CPU test: 12 runs of 4 steps
     export CUDA_VISIBLE_DEVICES=""
+    ENSEMBLE=${ENSEMBLE:-4}
     SHARDS=${SHARDS:-2}
     SWEEP_DIR=${SWEEP_DIR:-runs/sweeps/warmup_map_literature_tiny}
     GRID=("lrs=[1e-3]" "seeds=[0,1]" "only=[adam-none,adam-linear]" 'keep=["*-L2", "adam-none-*"]'
@@ -55,7 +61,8 @@ if [ "$MODE" = cpu ]; then  # the same grid machinery and report, sized for a CP
           --set train.max_steps=4 --set train.eval_every=4 --set train.eval_batches=1 --set train.log_every=1
           --set logging.diagnostics_every=2 --set data.micro_batch_size=4)
 else
-    SHARDS=${SHARDS:-12}
+    ENSEMBLE=${ENSEMBLE:-96}
+    if [ "$ENSEMBLE" -gt 1 ]; then SHARDS=${SHARDS:-1}; else SHARDS=${SHARDS:-12}; fi
     SWEEP_DIR=${SWEEP_DIR:-runs/sweeps/warmup_map_literature}
     GRID=('axes.depth={L6: [model.overrides.num_layers=6], L12: [model.overrides.num_layers=12], L24: [model.overrides.num_layers=24]}')
     SETS=()
@@ -67,10 +74,10 @@ if [ ! -f "$CORPUS/manifest.json" ]; then
     echo "and carry it along (or set CORPUS=DIR)." >&2
     exit 2
 fi
-ARGS=("$SWEEP" "corpus=$CORPUS" "out_dir=$SWEEP_DIR" "jobs=1" "threads=1" "${GRID[@]}" "${OVERRIDES[@]}")
+ARGS=("$SWEEP" "corpus=$CORPUS" "out_dir=$SWEEP_DIR" "jobs=1" "threads=1" "ensemble=$ENSEMBLE" "${GRID[@]}" "${OVERRIDES[@]}")
 listing=$($PY -m pipelines.study.sweep list "${ARGS[@]}") || exit 2   # a bad override fails here, before any run
 total=$(printf '%s\n' "$listing" | wc -l)
-echo "warmup map: $total runs, $SHARDS shards, mode $MODE, at most $MINUTES min, into $SWEEP_DIR"
+echo "warmup map: $total runs, ensembles of <= $ENSEMBLE, $SHARDS shards, mode $MODE, at most $MINUTES min, into $SWEEP_DIR"
 
 start_mps() {  # MPS: kernels of the shards' processes run side by side instead of in turns
     local ctl
@@ -86,7 +93,7 @@ start_mps() {  # MPS: kernels of the shards' processes run side by side instead 
     return 1
 }
 MPS_CTL=""
-if [ "$MODE" = gpu ]; then
+if [ "$MODE" = gpu ] && [ "$SHARDS" -gt 1 ]; then
     if start_mps; then echo "warmup map: the shards share the GPU through MPS ($MPS_CTL)"
     else echo "warmup map: no MPS on this machine; the shards time-slice the GPU"; fi
 fi

@@ -165,6 +165,7 @@ class RunLogger:
         total_steps: for the progress bar and ETA.
         config_dict: the resolved run config, stored as TensorBoard text and tracker hyperparameters.
         throughput_unit: what ``tokens_per_s`` counts: "tok", or "img" for image models.
+        console: False leaves the console sink out (runs trained together print one line for all).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class RunLogger:
         total_steps: int,
         config_dict: dict[str, Any] | None = None,
         throughput_unit: str = "tok",
+        console: bool = True,
     ) -> None:
         self.enabled = bool(is_main)
         self.run_dir = Path(run_dir)
@@ -194,6 +196,8 @@ class RunLogger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = MetricsFile(self.run_dir)
             self.sinks = {**early, **open_sinks(ctx, early=False)}
+            if not console and "console" in self.sinks:
+                self.sinks.pop("console").close()
         except BaseException:
             for sink in early.values():
                 sink.close()

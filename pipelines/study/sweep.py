@@ -102,6 +102,11 @@ class SweepConfig:
     )
     jobs: int = option(1, help="--local: runs at the same time (each a subprocess when > 1; e.g. one per core).")
     threads: int = option(0, help="Intra-op CPU threads per run (torch / OMP_NUM_THREADS); 0 leaves the default.")
+    ensemble: int = option(
+        0,
+        help="--local: train up to this many grid points at once as one batched model (pipelines.study.ensemble: "
+        "runs that differ only in optimizer adam/radam, lr, betas, warmup and seed; no checkpoints); 0 or 1 = one at a time.",
+    )
     fail_k: float = option(2.0, help="Report (warmup map): a run fails when its final loss is > k seed std above the best arm.")
     target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
     slurm_script: str = option(
@@ -123,6 +128,8 @@ class SweepConfig:
                     )
         if self.jobs < 1:
             raise ConfigError(f"jobs must be >= 1, got {self.jobs}.")
+        if self.ensemble < 0:
+            raise ConfigError(f"ensemble must be >= 0 (members per ensemble; 0 = off), got {self.ensemble}.")
         if self.num_processes < 1:
             raise ConfigError(f"num_processes must be >= 1, got {self.num_processes}.")
 
@@ -343,15 +350,23 @@ def run_one(
     except Exception as exc:  # noqa: BLE001 - a failed run is a result of the sweep, not its end
         error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
-    wall = time.time() - started
     status = run_status(spec.run_dir, cfg.train.max_steps)
     if error is not None and status["status"] not in ("ok", "diverged"):
         status["status"] = "failed"
-    record.update(status=status.pop("status"), wall_time_s=round(wall, 3), time=started, rc=rc, error=error, **status)
+    record = _close_attempt(sweep, spec, started, status, rc=rc, error=error)
+    print(f"=== sweep run {spec.index}: {spec.name} -> {record['status']} ({record['wall_time_s']:.1f}s)", flush=True)
+    return record
+
+
+def _close_attempt(sweep: SweepConfig, spec: RunSpec, started: float, status: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The attempt's record (``run_status`` facts + ``fields``): the ``done`` marker when final, a sweep.jsonl line."""
+    status = dict(status)
+    record = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes,
+              "status": status.pop("status"), "wall_time_s": round(time.time() - started, 3), "time": started,
+              "rc": 0, "error": None, **fields, **status}
     if record["status"] in FINAL_STATUSES:
         atomic_write_text(spec.run_dir / DONE, json.dumps(record, default=str) + "\n")
-    _append_log(sweep_dir, record)
-    print(f"=== sweep run {spec.index}: {spec.name} -> {record['status']} ({wall:.1f}s)", flush=True)
+    _append_log(Path(sweep.out_dir), record)
     return record
 
 
@@ -388,8 +403,12 @@ def run_local(
     write_manifest(sweep, specs)
     if shard is not None:
         specs = [s for s in specs if s.index % shard[1] == shard[0]]
+    results: list[dict[str, Any]] = []
+    if sweep.ensemble > 1 and sweep.num_processes == 1:
+        results, specs = run_ensembles(sweep, specs, extra, force=force)
+        if any(r.get("stopped_by") == "signal" for r in results):
+            specs = []
     if sweep.jobs == 1:
-        results = []
         for spec in specs:
             results.append(run_one(sweep, spec, extra, force=force))
             if results[-1].get("stopped_by") == "signal":  # SIGTERM/SIGUSR1 stopped (and saved) this run: stop the sweep
@@ -400,13 +419,66 @@ def run_local(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
-            results = list(pool.map(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True), specs))
+            results += list(pool.map(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True), specs))
     counts: dict[str, int] = {}
     for r in results:
         key = "skipped" if r.get("skipped") else r["status"]
         counts[key] = counts.get(key, 0) + 1
     print("sweep finished: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
     return results
+
+
+def run_ensembles(
+    sweep: SweepConfig, specs: list[RunSpec], extra: list[str] | tuple[str, ...] = (), *, force: bool = False
+) -> tuple[list[dict[str, Any]], list[RunSpec]]:
+    """The grid points of ``specs`` that can, as ensembles of up to ``sweep.ensemble`` members
+    (``pipelines.study.ensemble``); returns their records and the specs left to run one at a time.
+    An ensemble the device cannot hold is split in two and each half tried again."""
+    from pipelines.study.ensemble import MARKER as ENSEMBLE_MARKER
+    from pipelines.study.ensemble import EnsembleTooLarge, plan_ensembles, run_ensemble
+
+    todo = []
+    for spec in specs:
+        if _done_record(spec.run_dir) is not None:
+            if not force:
+                continue
+            discard(spec.run_dir)
+        todo.append(spec)
+    configs = [run_config(sweep, s, extra) for s in todo]
+    groups, singles = plan_ensembles(todo, configs, sweep.ensemble)
+    queue = [[(todo[i], configs[i]) for i in group] for group in groups]
+    results: list[dict[str, Any]] = []
+    left = [todo[i] for i in singles]
+    while queue:
+        group = queue.pop(0)
+        print(f"=== ensemble of {len(group)}: {group[0][0].name} ... {group[-1][0].name}", flush=True)
+        started = time.time()
+        try:
+            outcomes = run_ensemble([s for s, _ in group], [c for _, c in group], threads=sweep.threads)
+        except EnsembleTooLarge as exc:
+            if len(group) < 4:
+                left += [s for s, _ in group]
+            else:
+                print(f"{exc}; splitting it in two", flush=True)
+                queue[:0] = [group[: len(group) // 2], group[len(group) // 2:]]
+            continue
+        for (spec, cfg), outcome in zip(group, outcomes, strict=True):
+            status = run_status(spec.run_dir, cfg.train.max_steps)  # "ok" needs a final checkpoint: members keep none
+            if status["status"] != "diverged":
+                status["status"] = "ok" if outcome["finished"] else ("failed" if outcome["error"] else "interrupted")
+            if outcome["stopped_by"] == "signal":
+                status["stopped_by"] = "signal"
+            results.append(_close_attempt(sweep, spec, started, status, error=outcome["error"], ensemble_size=len(group)))
+        counts = {s: sum(r["status"] == s for r in results[-len(group):]) for s in FINAL_STATUSES + ("failed", "interrupted")}
+        print(f"=== ensemble of {len(group)} -> {', '.join(f'{k} {v}' for k, v in counts.items() if v)} "
+              f"({time.time() - started:.1f}s)", flush=True)
+        if any(r.get("stopped_by") == "signal" for r in results):
+            print("sweep stopped by a signal; run the same command again to resume it.", flush=True)
+            break
+    for spec in left:  # an interrupted ensemble's run dir (its marker says so) is replaced, not resumed
+        if (Path(spec.run_dir) / ENSEMBLE_MARKER).is_file():
+            discard(spec.run_dir)
+    return results, sorted(left, key=lambda s: s.index)
 
 
 def _array_spec(indices: list[int]) -> str:

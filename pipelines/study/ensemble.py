@@ -1,0 +1,322 @@
+"""Many runs of a sweep trained as one batched model: the warmup map's hundreds of small runs on one GPU.
+
+A small run leaves a GPU idle: a width-128 model's step is a few hundred kernel launches of microseconds of
+work each, and processes sharing the GPU take turns rather than overlap (H100, 2026-11-26: 12 processes of
+the warmup map reached 41 steps/s in all, 0.29 s a step each). But the runs of a sweep that differ only in
+what the optimizer does with the gradients -- Adam or RAdam, learning rate, betas, eps, decay, clipping,
+warmup schedule -- and in the seed share everything else: architecture, batch shapes, number of steps. An
+*ensemble* trains N such runs (its *members*) at once:
+
+- every member's weights are initialised by ``build_model`` with the member's seed, as its run's are, and
+  become one row of an ``[N, P]`` fp32 tensor; ``torch.func.vmap`` over ``functional_call`` runs all the
+  members' forward passes with the kernels of one, each member on the batches its seed's loader gives its
+  run (members with one seed share a loader);
+- one backward of the sum of the members' losses gives each member its own gradient (rows share nothing);
+- ``member_math.MemberAdam`` steps every row with its run's optimizer and schedule, ``member_diagnostics``
+  measures every row as ``monitoring.diagnostics`` measures a run;
+- each member writes what its run writes -- ``config.yaml``, ``metrics.jsonl`` (train records every
+  ``log_every``, diagnostics every ``diagnostics_every``, evaluations, health events), the sweep's ``done``
+  marker and ``sweep.jsonl`` line -- so ``pretrain report`` reads ensemble runs like any others. A member
+  whose loss or gradient goes non-finite skips or stops (``logging.nan_policy``) while the others go on.
+
+The numbers are the one-run-at-a-time numbers up to float rounding (batched matmuls sum in another order);
+tests/pipelines/test_ensemble.py trains a grid both ways and compares what they log. Not done by an
+ensemble, so such runs go through ``sweep.run_one`` as before (``ensemble_reason`` says why): checkpoints
+(an interrupted ensemble starts again from step 0 next time, its run dirs replaced), gradient
+accumulation, mixed precision, dropout (each member would need its run's RNG stream), budgets in time or
+tokens, more than one process, objectives other than ``causal_lm``. Entry point: the sweep's ``ensemble: N``
+(``pretrain sweep ... ensemble=96 --local``; benchmarks/warmup_map_gpu.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import save_config, to_dict
+from core.files import atomic_write_text, discard
+from pipelines.engine.config import RunConfig
+
+__all__ = ["MEMBER_OPTIMIZERS", "ensemble_reason", "ensemble_key", "plan_ensembles", "run_ensemble", "EnsembleTooLarge"]
+
+MEMBER_OPTIMIZERS = {"adam": False, "radam": True}  # name -> RAdam's rectification
+MARKER = "ensemble.json"  # in each member's run dir: written by an ensemble (its leftovers may be replaced)
+_MEMBER_FIELDS = {"optim": ("name", "lr", "betas", "eps", "weight_decay", "grad_clip"), "schedule": None,
+                  "train": ("seed", "run_dir")}
+
+
+class EnsembleTooLarge(RuntimeError):
+    """The device ran out of memory: the caller splits the ensemble."""
+
+
+def ensemble_reason(cfg: RunConfig) -> str | None:
+    """Why the run ``cfg`` cannot be an ensemble member (None: it can)."""
+    t, o = cfg.train, cfg.optim
+    checks = [
+        (o.name not in MEMBER_OPTIMIZERS, f"optim.name={o.name} (ensembles step {', '.join(MEMBER_OPTIMIZERS)})"),
+        (o.decoupled_weight_decay and o.weight_decay > 0, "decoupled weight decay"),
+        (t.task != "causal_lm", f"train.task={t.task} (ensembles train causal_lm)"),
+        (t.precision != "fp32", f"train.precision={t.precision}"),
+        (t.grad_accum_steps != 1, "gradient accumulation"),
+        (bool(t.max_tokens or t.max_time_minutes), "a token or time budget"),
+        (t.checkpoint_every > 0, "periodic checkpoints (ensembles write none)"),
+        (bool(cfg.model.activation_checkpointing or cfg.model.init_from), "activation checkpointing or init_from"),
+        (bool(cfg.logging.sample_keys or cfg.logging.profile_steps), "logging.sample_keys or profile_steps"),
+        (_has_dropout(cfg), "dropout (each member would need its run's RNG stream)"),
+    ]
+    reasons = [why for bad, why in checks if bad]
+    return "; ".join(reasons) or None
+
+
+def _has_dropout(cfg: RunConfig) -> bool:
+    from models.registry import get_config
+
+    try:
+        default = get_config(cfg.model.name)
+    except ValueError:
+        return True  # an unknown model: not ours to batch
+    over = cfg.model.overrides
+    return any(float(over.get(k, getattr(default, k, 0.0)) or 0.0) > 0 for k in ("hidden_dropout", "attention_dropout"))
+
+
+def ensemble_key(cfg: RunConfig) -> str:
+    """What members of one ensemble share: the resolved config without the per-member fields."""
+    data = to_dict(cfg)
+    for section, fields in _MEMBER_FIELDS.items():
+        if fields is None:
+            data.pop(section, None)
+        else:
+            for name in fields:
+                data.get(section, {}).pop(name, None)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def _resumable_single_run(run_dir: Path) -> bool:
+    """A run dir an earlier one-at-a-time attempt left (not an ensemble's): ``run_one`` resumes it."""
+    return run_dir.exists() and not (run_dir / MARKER).is_file()
+
+
+def plan_ensembles(specs: list[Any], configs: list[RunConfig], size: int) -> tuple[list[list[int]], list[int]]:
+    """Indices into ``specs`` grouped into ensembles of at most ``size`` members (grid order kept), and the
+    indices that run one at a time (``ensemble_reason``, a resumable run dir, or alone in their group)."""
+    groups: dict[str, list[int]] = {}
+    singles: list[int] = []
+    for i, (spec, cfg) in enumerate(zip(specs, configs, strict=True)):
+        if ensemble_reason(cfg) or _resumable_single_run(Path(spec.run_dir)):
+            singles.append(i)
+        else:
+            groups.setdefault(ensemble_key(cfg), []).append(i)
+    ensembles = []
+    for members in groups.values():
+        for start in range(0, len(members), size):
+            chunk = members[start:start + size]
+            if len(chunk) > 1:
+                ensembles.append(chunk)
+            else:
+                singles.extend(chunk)
+    return ensembles, sorted(singles)
+
+
+@dataclass
+class _Member:
+    """One run of the ensemble as its run dir sees it."""
+
+    spec: Any
+    cfg: RunConfig
+    logger: Any
+    health: Any
+    alive: bool = True
+    step: int = 0
+    tokens: int = 0
+    stopped: str | None = None  # "health" or "signal"
+
+
+def run_ensemble(specs: list[Any], configs: list[RunConfig], *, threads: int = 0) -> list[dict[str, Any]]:
+    """Train ``specs`` (``pipelines.study.sweep.RunSpec`` s with their resolved ``configs``) as one ensemble; per
+    member ``{"finished", "stopped_by", "error"}`` (a failure is every member's, not an exception). Raises
+    ``EnsembleTooLarge`` when the device runs out of memory: the caller splits the ensemble (its run dirs are
+    replaced on the next try)."""
+    from pipelines.engine.distributed import in_process_run
+
+    members: list[_Member] = []
+    error = None
+    with in_process_run(threads), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the "
+                                "batching rule")  # CPU attention under vmap loops over the members (CUDA's kernels batch)
+        try:
+            _train(specs, configs, members)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EnsembleTooLarge(f"out of memory with {len(specs)} members: {exc}") from None
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed ensemble is a result of the sweep (its runs are retried)
+            error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    return _outcomes(specs, configs, members, error)
+
+
+def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -> None:
+    """Set up and run the ensemble, filling ``members`` as their run dirs open (closed again whatever happens)."""
+    from torch.func import functional_call, vmap
+
+    from monitoring import HealthMonitor, RunLogger
+    from monitoring.diagnostics import diagnostics_due
+    from pipelines.engine import distributed as dist
+    from pipelines.engine.check import run_schedule
+    from pipelines.engine.checkpoint import claim_run_dir
+    from pipelines.engine.model_build import build_model
+    from pipelines.engine.optim import no_weight_decay
+    from pipelines.engine.trainer import build_sources, open_run_data
+    from pipelines.study.member_math import ColumnLayout, MemberAdam, MemberHyper, member_diagnostics
+
+    first = configs[0]
+    env = dist.init_env()
+    data = open_run_data(first, env)
+    models = [build_model(cfg, data.task)[0] for cfg in configs]  # each seeded with its run's train.seed
+    device = torch.device(env.device, env.local_rank) if env.device == "cuda" else torch.device(env.device)
+    base = models[0].to(device)
+    named = list(base.named_parameters())
+    layout = ColumnLayout([n for n, _ in named], [p.shape for _, p in named], [no_weight_decay(n, p) for n, p in named],
+                          device)
+    weights = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]).to(device)
+    weights.requires_grad_(True)
+    del models[1:]
+    hyper = [MemberHyper(rectified=MEMBER_OPTIMIZERS[c.optim.name], lr=c.optim.lr, beta1=c.optim.betas[0],
+                         beta2=c.optim.betas[1], eps=c.optim.eps, weight_decay=c.optim.weight_decay,
+                         grad_clip=c.optim.grad_clip, schedule=run_schedule(c, d_model=base.config.hidden_size))
+             for c in configs]
+    opt = MemberAdam(weights, layout, hyper)
+    seeds = sorted({c.train.seed for c in configs})
+    sources = {s: build_sources(next(c for c in configs if c.train.seed == s), env, data, base) for s in seeds}
+    streams = {s: src.batches() for s, (src, _) in sources.items()}
+    eval_src = sources[seeds[0]][1]
+    row_of_seed = torch.tensor([seeds.index(c.train.seed) for c in configs], device=device)
+
+    for spec, cfg in zip(specs, configs, strict=True):
+        run_dir = Path(spec.run_dir)
+        if (run_dir / MARKER).is_file():
+            discard(run_dir)  # an interrupted ensemble's leftovers (ours: the marker says so)
+        claim_run_dir(run_dir)
+        atomic_write_text(run_dir / MARKER, json.dumps({"members": [s.name for s in specs]}) + "\n")
+        save_config(cfg, run_dir / "config.yaml")
+        logger = RunLogger(run_dir, cfg.logging, is_main=True, total_steps=cfg.train.max_steps, config_dict=to_dict(cfg),
+                           console=False)  # the ensemble prints one line for all its members
+        members.append(_Member(spec, cfg, logger, HealthMonitor(cfg.logging, logger)))
+
+    def losses_of(params: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return functional_call(base, params, (ids,), {"labels": labels})["loss"]
+
+    def outputs_of(params: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return functional_call(base, params, (ids,), {"labels": labels})
+
+    member_losses = vmap(losses_of)
+    signalled: list[int] = []
+    handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # a pre-emption or the GPU script's time limit: stop at a step boundary
+        try:
+            handlers[sig] = signal.signal(sig, lambda signum, _frame: signalled.append(signum))
+        except ValueError:  # not the main thread
+            pass
+    t, log_every, n = first.train, first.train.log_every, len(members)
+    try:
+        base.train()
+        for step in range(1, t.max_steps + 1):
+            if signalled:
+                for m in members:
+                    m.stopped = m.stopped or "signal"
+                break
+            tick = time.perf_counter()
+            by_seed = [next(streams[s]) for s in seeds]
+            ids = torch.stack([b["input_ids"] for b in by_seed]).to(device)[row_of_seed]
+            labels = torch.stack([b["labels"] for b in by_seed]).to(device)[row_of_seed]
+            batch_tokens = data.task.tokens(by_seed[0])
+            weights.grad = None
+            losses = member_losses(layout.views(weights), ids, labels)
+            live = torch.tensor([m.alive for m in members], device=device)
+            torch.where(live, losses, 0.0).sum().backward()
+            grads = weights.grad
+            norms = torch.linalg.vector_norm(grads, dim=1)  # fp32, as clip_grad_norm_ takes it
+            read = torch.cat([losses.detach(), norms]).tolist()  # the step's one host read
+            loss, norm = read[:n], read[n:]
+            alive = [i for i, m in enumerate(members) if m.alive]
+            due = [i for i in alive if math.isfinite(loss[i]) and diagnostics_due(step, members[i].cfg.logging.diagnostics_every)]
+            if due:
+                for i, record in zip(due, member_diagnostics(opt, grads, due, update=[step] * len(due)), strict=True):
+                    members[i].logger.log(step, record, split="diag")
+            apply = [m.alive and math.isfinite(loss[i]) and math.isfinite(norm[i]) for i, m in enumerate(members)]
+            opt.step(grads, apply, opt.clip_coefficients(norm))
+            step_time = time.perf_counter() - tick
+            lrs = opt.lrs()
+            for i in alive:
+                m = members[i]
+                m.step = step
+                m.tokens += batch_tokens if apply[i] else 0
+                grad_norm = norm[i] if math.isfinite(loss[i]) else None  # a skipped step reports none (skip_step)
+                verdict = m.health.check(step, loss[i], grad_norm)
+                if step % log_every == 0 or step == 1:
+                    m.logger.log(step, {"loss": loss[i], "lr": lrs[i], "grad_norm": grad_norm, "tokens": m.tokens,
+                                        "epoch": sources[m.cfg.train.seed][0].state_dict().get("epoch", 0),
+                                        "step_time": step_time, "tokens_per_s": batch_tokens / step_time,
+                                        "ensemble_size": n})
+                if verdict == "stop":
+                    m.alive, m.stopped = False, "health"
+                    m.logger.event(step, "stop", f"Stopped at step {step}: non-finite loss or gradients "
+                                   f"(logging.nan_policy={m.cfg.logging.nan_policy}); an ensemble member keeps no "
+                                   f"checkpoint.", failed_step=step, last_good_step=opt.updates_done[i])
+            if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
+                _evaluate(members, vmap(outputs_of), layout.views(weights), eval_src, data.task, base, device, step)
+            if step % 50 == 0 or step == t.max_steps:
+                print(f"ensemble of {n}: step {step}/{t.max_steps}, {sum(m.alive for m in members)} running, "
+                      f"{step_time * 1000:.0f} ms/step", flush=True)
+        else:
+            _evaluate(members, vmap(outputs_of), layout.views(weights), eval_src, data.task, base, device, t.max_steps)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+@torch.no_grad()
+def _evaluate(members: list[_Member], outputs: Any, params: dict[str, torch.Tensor], source: Any, task: Any,
+              base: torch.nn.Module, device: torch.device, step: int) -> None:
+    """The trainer's evaluation for every running member: the same ``train.eval_batches`` batches, summed by the
+    task's ``eval_sums`` per member."""
+    rows = [i for i, m in enumerate(members) if m.alive]
+    if source is None or not rows:
+        return
+    limit = members[0].cfg.train.eval_batches or None
+    sums: list[dict[str, float]] = [{} for _ in rows]
+    base.eval()
+    for batch, counted in source.evaluation_batches(limit=limit):
+        if not counted:
+            continue
+        on_device = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        out = outputs({k: v[rows] for k, v in params.items()}, on_device["input_ids"].expand(len(rows), -1, -1),
+                      on_device["labels"].expand(len(rows), -1, -1))
+        for j in range(len(rows)):
+            for k, v in task.eval_sums({name: value[j] for name, value in out.items()}, on_device).items():
+                sums[j][k] = sums[j].get(k, 0.0) + v
+    base.train()
+    for j, i in enumerate(rows):
+        members[i].logger.log(step, task.eval_metrics(sums[j]), split="eval")
+
+
+def _outcomes(specs: list[Any], configs: list[RunConfig], members: list[_Member], error: str | None) -> list[dict[str, Any]]:
+    """Per member: whether it trained to ``max_steps`` (``finished``), what stopped it, the ensemble's error."""
+    for m in members:
+        m.logger.close()
+    by_name = {m.spec.name: m for m in members}
+    out = []
+    for spec, cfg in zip(specs, configs, strict=True):
+        m = by_name.get(spec.name)
+        finished = m is not None and m.stopped is None and m.step == cfg.train.max_steps and error is None
+        out.append({"finished": finished, "stopped_by": m.stopped if m is not None else None, "error": error})
+    return out
