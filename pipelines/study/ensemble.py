@@ -155,6 +155,10 @@ def run_ensemble(specs: list[Any], configs: list[RunConfig], *, threads: int = 0
         try:
             _train(specs, configs, members)
         except torch.cuda.OutOfMemoryError as exc:
+            for m in members:
+                m.logger.close()
+            members.clear()
+            torch.cuda.empty_cache()
             raise EnsembleTooLarge(f"out of memory with {len(specs)} members: {exc}") from None
         except KeyboardInterrupt:
             raise
@@ -256,15 +260,17 @@ def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -
             opt.step(grads, apply, opt.clip_coefficients(norm))
             step_time = time.perf_counter() - tick
             lrs = opt.lrs()
+            logging_step = step % log_every == 0 or step == 1
+            epochs = {s: src.state_dict().get("epoch", 0) for s, (src, _) in sources.items()} if logging_step else {}
             for i in alive:
                 m = members[i]
                 m.step = step
                 m.tokens += batch_tokens if apply[i] else 0
                 grad_norm = norm[i] if math.isfinite(loss[i]) else None  # a skipped step reports none (skip_step)
                 verdict = m.health.check(step, loss[i], grad_norm)
-                if step % log_every == 0 or step == 1:
+                if logging_step:
                     m.logger.log(step, {"loss": loss[i], "lr": lrs[i], "grad_norm": grad_norm, "tokens": m.tokens,
-                                        "epoch": sources[m.cfg.train.seed][0].state_dict().get("epoch", 0),
+                                        "epoch": epochs[m.cfg.train.seed],
                                         "step_time": step_time, "tokens_per_s": batch_tokens / step_time,
                                         "ensemble_size": n})
                 if verdict == "stop":

@@ -124,6 +124,26 @@ def test_an_ensemble_that_completed_is_skipped_and_a_partial_one_is_replaced(bot
     assert not (Path(spec.run_dir) / "ensemble.json").exists()  # the ensemble's leftovers were replaced
 
 
+def test_an_ensemble_the_device_cannot_hold_is_split(gpt_corpus, tmp_path, monkeypatch, capsys):
+    """Out of device memory, an ensemble is tried again as two halves (here: more than 2 members do not fit)."""
+    import pipelines.study.ensemble as ensemble
+
+    real = ensemble.run_ensemble
+
+    def small_device(specs, configs, **kw):
+        if len(specs) > 2:
+            raise ensemble.EnsembleTooLarge(f"out of memory with {len(specs)} members")
+        return real(specs, configs, **kw)
+
+    monkeypatch.setattr(ensemble, "run_ensemble", small_device)
+    sweep = load_sweep(write_sweep(tmp_path, gpt_corpus, "split", ensemble=4),
+                       ['keep=["*-lr3e-3-plain-s0", "adam-none-lr3e-3-wdclip-s0"]'])
+    records = run_local(sweep)
+    out = capsys.readouterr().out
+    assert [r["status"] for r in records] == ["ok"] * 4 and [r["ensemble_size"] for r in records] == [2] * 4
+    assert "out of memory with 4 members; splitting it in two" in out
+
+
 def test_which_runs_can_share_an_ensemble(gpt_corpus, tmp_path):
     sweep = load_sweep(write_sweep(tmp_path, gpt_corpus, "plan", ensemble=4))
     specs = expand(sweep)
