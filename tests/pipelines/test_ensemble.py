@@ -28,7 +28,7 @@ def write_sweep(tmp_path: Path, corpus: Path, out: str, **fields) -> Path:
                                                         "norm_placement": "post"}},
             "optim": {"name": "adam", "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.0, "grad_clip": 0.0},
             "schedule": {"warmup": "none", "decay": "constant"},
-            "train": {"task": "causal_lm", "max_steps": 8, "eval_every": 8, "eval_batches": 2, "checkpoint_every": 0,
+            "train": {"task": "causal_lm", "max_steps": 8, "eval_every": 4, "eval_batches": 2, "checkpoint_every": 0,
                       "log_every": 1},
             "distributed": {"engine": "ddp"},
             "logging": {"progress": False, "tensorboard": False, "diagnostics_every": 3, "nan_policy": "stop"},
@@ -102,7 +102,7 @@ def test_an_ensemble_logs_what_its_runs_log_one_at_a_time(both_ways):
                 elif key != "time":
                     assert close(value, db[step][key], 2e-3), (a.name, step, key, value, db[step][key])
         ea, eb = by_step(ra, "eval"), by_step(rb, "eval")
-        assert ea.keys() == eb.keys(), a.name
+        assert ea.keys() == eb.keys() and (set(ea) == {4, 8} or "lr1e4" in a.name), a.name
         for step in ea:
             assert close(ea[step]["loss"], eb[step]["loss"], 1e-4) and abs(ea[step]["accuracy"] - eb[step]["accuracy"]) < 0.02
         events_a = [(r["step"], r["event"]) for r in ra if "event" in r]
