@@ -17,12 +17,13 @@
 # demo_out/corpus_lit_gpt; ~2 MB) is prepared here with `pretrain prepare` (see the config's header) and
 # travels with the repo (Ray is not on the GPU image); missing Python packages travel as wheels in .whl/ as
 # for benchmarks/gpu_check.sh. Through the device tool: carry [".whl", "demo_out/corpus_lit_gpt",
-# "runs/sweeps/warmup_map_literature"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`, timeout_s 570;
-# back in $OUT come the map table, map_summary.json, map_failure.png, shard 0's log and
-# warmup_map_runs.tgz.NN: the finished runs (metrics, configs, `done` markers; no checkpoints) with
-# sweep.json. Unpacked here (`cat warmup_map_runs.tgz.* | tar xzf - -C runs/sweeps`), they travel with the
-# next call, whose sweep skips them: the grid fills up over several lent sessions, and `pretrain report`
-# reads it here.
+# "runs/sweeps/warmup_map_literature.packed"], command `OUT=$OUT bash benchmarks/warmup_map_gpu.sh`,
+# timeout_s 570; back in $OUT come the map table, shard 0's log and
+# warmup_map_runs.tar.xz.NN: every finished run (the carried ones too; metrics with the early histograms
+# only, configs, `done` markers; benchmarks/warmup_map_pack.py), ~22 KB a run. Copied here into
+# runs/sweeps/warmup_map_literature.packed/ (replacing what was there), they travel with the next call, which
+# unpacks them first and skips those runs: the grid fills up over several lent sessions. Unpacked here
+# (`cat warmup_map_runs.tar.xz.* | tar xJf - -C runs/sweeps`), `pretrain report` reads them.
 #
 # Without ensembles the shards share the GPU through MPS where the machine has it (nvidia-cuda-mps-control;
 # checked with a probe, else plain time-slicing). Measured that way without MPS (H100, 2026-11-26): 12 shards
@@ -97,6 +98,10 @@ if [ "$MODE" = gpu ] && [ "$SHARDS" -gt 1 ]; then
     if start_mps; then echo "warmup map: the shards share the GPU through MPS ($MPS_CTL)"
     else echo "warmup map: no MPS on this machine; the shards time-slice the GPU"; fi
 fi
+if ls "$SWEEP_DIR".packed/warmup_map_runs.tar.xz.* >/dev/null 2>&1; then  # an earlier call's runs, carried packed
+    mkdir -p "$(dirname "$SWEEP_DIR")"
+    cat "$SWEEP_DIR".packed/warmup_map_runs.tar.xz.* | tar xJf - -C "$(dirname "$SWEEP_DIR")" --skip-old-files
+fi
 runs_before=$(find "$SWEEP_DIR/runs" -name done 2>/dev/null | wc -l)
 
 start=$(date +%s)
@@ -121,14 +126,10 @@ echo "warmup map: $done_runs / $total runs done ($runs_before before this call),
 $PY -m pipelines.cli report "$SWEEP_DIR" | tee "$SWEEP_DIR.logs/report.log"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
-    cp "$SWEEP_DIR/study/map_table.md" "$SWEEP_DIR/study/map_summary.json" "$SWEEP_DIR/study/map_failure.png" "$OUT/" 2>/dev/null
+    cp "$SWEEP_DIR/study/map_table.md" "$OUT/" 2>/dev/null  # the summary and figures: `pretrain report` here, from the packed runs (8 files come back at most)
     tail -n 40 "$SWEEP_DIR.logs/shard-0.log" > "$OUT/shard-0.log"
-    # the finished runs, to carry into the next call (the device tool returns files of <= 16 MiB each)
-    parent=$(dirname "$SWEEP_DIR") name=$(basename "$SWEEP_DIR")
-    (cd "$parent" && { ls "$name"/.pretrain-output.json "$name"/sweep.json "$name"/sweep.jsonl 2>/dev/null
-                       find "$name/runs" -name done 2>/dev/null | while read -r d; do
-                           find "$(dirname "$d")" -path '*/checkpoints' -prune -o -type f -print; done; } |
-        tar czf - -T -) | split -b 15M -d - "$OUT/warmup_map_runs.tgz."
+    # the finished runs, small (benchmarks/warmup_map_pack.py: early histograms only, xz), to carry into the next call
+    $PY benchmarks/warmup_map_pack.py "$SWEEP_DIR" "$OUT"
 fi
 [ "$status" = 0 ] && [ "$done_runs" = "$total" ] && exit 0
 [ "$status" = 0 ] && exit 3   # the report is written, the grid is not complete: run the script again

@@ -248,19 +248,30 @@ def test_literature_map_tiny_grid_end_to_end(tmp_path, gpt_corpus):
     for name in (*MAP_FIGURES, "histograms.png", "adam_variance.png", "lr.png"):
         assert (out / "study" / name).stat().st_size > 5_000
 
-    # The finished runs come back in $OUT (no checkpoints) and, unpacked elsewhere, are skipped by the next
-    # call: a GPU map fills up over several lent machines. One run removed from the copy runs again.
+    # The finished runs come back in $OUT, packed small (no checkpoints; histograms of the first quarter only) and,
+    # carried into the next call as SWEEP_DIR.packed/, are unpacked there and skipped: a GPU map fills up over
+    # several lent machines. One run removed from the copy runs again; the new pack holds all 12.
+    packed = sorted(tmp_path.glob("warmup_map_runs.tar.xz.*"))
+    assert packed and all(p.stat().st_size < 15 * 2**20 for p in packed)
     carried = tmp_path / "carried"
     carried.mkdir()
-    packed = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("warmup_map_runs.tgz.*")))
-    subprocess.run(["tar", "xzf", "-", "-C", str(carried)], input=packed, check=True)
+    subprocess.run(["tar", "xJf", "-", "-C", str(carried)], input=b"".join(p.read_bytes() for p in packed), check=True)
     assert not list(carried.rglob("checkpoints")) and len(list(carried.rglob("done"))) == 12
+    diag = [json.loads(line) for line in (carried / "map/runs/adam-none-lr1e-3-b98-post-L1-s0/metrics.jsonl").read_text().splitlines()
+            if '"diag"' in line]
+    assert [("grad_log10_counts" in r) for r in diag] == [True, False, False]  # steps 1, 2, 4 of 4: only step 1 kept
+    assert all("grad_norm" in r for r in diag)
     shutil.rmtree(carried / "map/runs/adam-none-lr1e-3-b98-post-L1-s0")
-    env["OUT"] = ""
+    (carried / "map.packed").mkdir()
+    subprocess.run(["tar", "cJf", str(carried / "map.packed/warmup_map_runs.tar.xz.00"), "-C", str(carried), "map"], check=True)
+    shutil.rmtree(carried / "map")
+    env["OUT"] = str(carried / "back")
+    (carried / "back").mkdir()
     proc = subprocess.run(["bash", str(REPO / "benchmarks/warmup_map_gpu.sh"), "--cpu-tiny", "--out", str(carried / "map")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "12 / 12 runs done (11 before this call), 1 in" in proc.stdout
+    assert "packed 12 finished runs" in proc.stdout
 
 
 def test_plateau_claims_say_which_cells_left_the_unigram_plateau(gpt_corpus):
