@@ -157,14 +157,17 @@ def _histogram_parts(values: torch.Tensor, bins: int) -> tuple[torch.Tensor, tor
 
 @torch.no_grad()
 def member_diagnostics(
-    opt: MemberAdam, grads: torch.Tensor, rows: list[int], *, update: list[int], bins: int = 64, chunk: int = 8
+    opt: MemberAdam, grads: torch.Tensor, rows: list[int], *, update: list[int], bins: int = 64,
+    chunk_elements: int = 1 << 24,
 ) -> list[dict[str, Any]]:
     """``log_diagnostics``' record (scalars and histograms) for each row in ``rows``, before this update.
 
     ``update``: each row's update number (the trainer's step, skipped steps included). Float64 sums on the device,
-    ``chunk`` rows at a time (bounded temporaries), read back with one ``tolist()``.
+    as many rows at a time as keep each of the ~15 float64 temporaries within ``chunk_elements`` (128 MiB), read
+    back with one ``tolist()``.
     """
     layout, w_all = opt.layout, opt.weights
+    chunk = max(1, chunk_elements // layout.columns)
     lrs = opt.lrs()
     norms_sq: list[torch.Tensor] = []
     pieces: list[torch.Tensor] = []
