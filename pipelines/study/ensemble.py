@@ -168,23 +168,33 @@ def run_ensemble(specs: list[Any], configs: list[RunConfig], *, threads: int = 0
     return _outcomes(specs, configs, members, error)
 
 
-def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -> None:
-    """Set up and run the ensemble, filling ``members`` as their run dirs open (closed again whatever happens)."""
-    from torch.func import functional_call, vmap
+@dataclass
+class _Parts:
+    """What the members share: data, the model they run through, their weights as rows and the optimizer."""
 
-    from monitoring import HealthMonitor, RunLogger
-    from monitoring.diagnostics import diagnostics_due
+    data: Any  # trainer.RunData of the first member (all members read the same corpus)
+    base: torch.nn.Module  # the architecture ``functional_call`` runs each row's weights through
+    layout: Any  # member_math.ColumnLayout
+    weights: torch.Tensor  # [N, P] fp32, requires grad
+    opt: Any  # member_math.MemberAdam
+    seeds: list[int]
+    sources: dict[int, tuple[Any, Any]]  # seed -> (train source, eval source)
+    streams: dict[int, Any]  # seed -> the train source's batch iterator
+    row_of_seed: torch.Tensor  # member -> index into ``seeds``
+    device: torch.device
+
+
+def _build(configs: list[RunConfig]) -> _Parts:
+    """Each member's model as its run would build it (seeded init), stacked into rows; a loader per seed."""
     from pipelines.engine import distributed as dist
     from pipelines.engine.check import run_schedule
-    from pipelines.engine.checkpoint import claim_run_dir
     from pipelines.engine.model_build import build_model
     from pipelines.engine.optim import no_weight_decay
     from pipelines.engine.trainer import build_sources, open_run_data
-    from pipelines.study.member_math import ColumnLayout, MemberAdam, MemberHyper, member_diagnostics
+    from pipelines.study.member_math import ColumnLayout, MemberAdam, MemberHyper
 
-    first = configs[0]
     env = dist.init_env()
-    data = open_run_data(first, env)
+    data = open_run_data(configs[0], env)
     models = [build_model(cfg, data.task)[0] for cfg in configs]  # each seeded with its run's train.seed
     device = torch.device(env.device, env.local_rank) if env.device == "cuda" else torch.device(env.device)
     base = models[0].to(device)
@@ -193,22 +203,26 @@ def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -
                           device)
     weights = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]).to(device)
     weights.requires_grad_(True)
-    del models[1:]
     hyper = [MemberHyper(rectified=MEMBER_OPTIMIZERS[c.optim.name], lr=c.optim.lr, beta1=c.optim.betas[0],
                          beta2=c.optim.betas[1], eps=c.optim.eps, weight_decay=c.optim.weight_decay,
                          grad_clip=c.optim.grad_clip, schedule=run_schedule(c, d_model=base.config.hidden_size))
              for c in configs]
-    opt = MemberAdam(weights, layout, hyper)
     seeds = sorted({c.train.seed for c in configs})
     sources = {s: build_sources(next(c for c in configs if c.train.seed == s), env, data, base) for s in seeds}
-    streams = {s: src.batches() for s, (src, _) in sources.items()}
-    eval_src = sources[seeds[0]][1]
-    row_of_seed = torch.tensor([seeds.index(c.train.seed) for c in configs], device=device)
+    return _Parts(data=data, base=base, layout=layout, weights=weights, opt=MemberAdam(weights, layout, hyper),
+                  seeds=seeds, sources=sources, streams={s: src.batches() for s, (src, _) in sources.items()},
+                  row_of_seed=torch.tensor([seeds.index(c.train.seed) for c in configs], device=device), device=device)
+
+
+def _open_members(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -> None:
+    """Each member's run dir (an interrupted ensemble's leftovers replaced), config.yaml, logger and health monitor."""
+    from monitoring import HealthMonitor, RunLogger
+    from pipelines.engine.checkpoint import claim_run_dir
 
     for spec, cfg in zip(specs, configs, strict=True):
         run_dir = Path(spec.run_dir)
         if (run_dir / MARKER).is_file():
-            discard(run_dir)  # an interrupted ensemble's leftovers (ours: the marker says so)
+            discard(run_dir)  # ours: the marker says so
         claim_run_dir(run_dir)
         atomic_write_text(run_dir / MARKER, json.dumps({"members": [s.name for s in specs]}) + "\n")
         save_config(cfg, run_dir / "config.yaml")
@@ -216,13 +230,60 @@ def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -
                            console=False)  # the ensemble prints one line for all its members
         members.append(_Member(spec, cfg, logger, HealthMonitor(cfg.logging, logger)))
 
-    def losses_of(params: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return functional_call(base, params, (ids,), {"labels": labels})["loss"]
+
+def _forward_backward(parts: _Parts, members: list[_Member], member_losses: Any) -> tuple[list[float], list[float], int]:
+    """Every member's loss on its seed's next batch, one backward for all; (losses, gradient norms, tokens a member)."""
+    by_seed = [next(parts.streams[s]) for s in parts.seeds]
+    ids = torch.stack([b["input_ids"] for b in by_seed]).to(parts.device)[parts.row_of_seed]
+    labels = torch.stack([b["labels"] for b in by_seed]).to(parts.device)[parts.row_of_seed]
+    parts.weights.grad = None
+    losses = member_losses(parts.layout.views(parts.weights), ids, labels)
+    live = torch.tensor([m.alive for m in members], device=parts.device)
+    torch.where(live, losses, 0.0).sum().backward()  # rows share no weight: each gets its own member's gradient
+    norms = torch.linalg.vector_norm(parts.weights.grad, dim=1)  # fp32, as clip_grad_norm_ takes it
+    read = torch.cat([losses.detach(), norms]).tolist()  # the step's one host read
+    return read[:len(members)], read[len(members):], parts.data.task.tokens(by_seed[0])
+
+
+def _after_step(parts: _Parts, members: list[_Member], step: int, loss: list[float], norm: list[float],
+                applied: list[bool], tokens: int, step_time: float) -> None:
+    """What the trainer does after an update, per running member: health check, train record, a health stop."""
+    t = members[0].cfg.train
+    lrs = parts.opt.lrs()
+    logging_step = step % t.log_every == 0 or step == 1
+    epochs = {s: src.state_dict().get("epoch", 0) for s, (src, _) in parts.sources.items()} if logging_step else {}
+    for i, m in enumerate(members):
+        if not m.alive:
+            continue
+        m.step = step
+        m.tokens += tokens if applied[i] else 0
+        grad_norm = norm[i] if math.isfinite(loss[i]) else None  # a skipped step reports none (skip_step)
+        verdict = m.health.check(step, loss[i], grad_norm)
+        if logging_step:
+            m.logger.log(step, {"loss": loss[i], "lr": lrs[i], "grad_norm": grad_norm, "tokens": m.tokens,
+                                "epoch": epochs[m.cfg.train.seed], "step_time": step_time,
+                                "tokens_per_s": tokens / step_time, "ensemble_size": len(members)})
+        if verdict == "stop":
+            m.alive, m.stopped = False, "health"
+            m.logger.event(step, "stop", f"Stopped at step {step}: non-finite loss or gradients "
+                           f"(logging.nan_policy={m.cfg.logging.nan_policy}); an ensemble member keeps no checkpoint.",
+                           failed_step=step, last_good_step=parts.opt.updates_done[i])
+
+
+def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -> None:
+    """Build the ensemble, open its members' run dirs (filling ``members``), then train: the trainer's loop for all."""
+    from torch.func import functional_call, vmap
+
+    from monitoring.diagnostics import diagnostics_due
+    from pipelines.study.member_math import member_diagnostics
+
+    parts = _build(configs)
+    _open_members(specs, configs, members)
 
     def outputs_of(params: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return functional_call(base, params, (ids,), {"labels": labels})
+        return functional_call(parts.base, params, (ids,), {"labels": labels})
 
-    member_losses = vmap(losses_of)
+    member_losses, member_outputs = vmap(lambda *a: outputs_of(*a)["loss"]), vmap(outputs_of)
     signalled: list[int] = []
     handlers = {}
     for sig in (signal.SIGTERM, signal.SIGUSR1):  # a pre-emption or the GPU script's time limit: stop at a step boundary
@@ -230,89 +291,62 @@ def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -
             handlers[sig] = signal.signal(sig, lambda signum, _frame: signalled.append(signum))
         except ValueError:  # not the main thread
             pass
-    t, log_every, n = first.train, first.train.log_every, len(members)
+    t, opt = configs[0].train, parts.opt
     try:
-        base.train()
+        parts.base.train()
         for step in range(1, t.max_steps + 1):
             if signalled:
                 for m in members:
                     m.stopped = m.stopped or "signal"
                 break
             tick = time.perf_counter()
-            by_seed = [next(streams[s]) for s in seeds]
-            ids = torch.stack([b["input_ids"] for b in by_seed]).to(device)[row_of_seed]
-            labels = torch.stack([b["labels"] for b in by_seed]).to(device)[row_of_seed]
-            batch_tokens = data.task.tokens(by_seed[0])
-            weights.grad = None
-            losses = member_losses(layout.views(weights), ids, labels)
-            live = torch.tensor([m.alive for m in members], device=device)
-            torch.where(live, losses, 0.0).sum().backward()
-            grads = weights.grad
-            norms = torch.linalg.vector_norm(grads, dim=1)  # fp32, as clip_grad_norm_ takes it
-            read = torch.cat([losses.detach(), norms]).tolist()  # the step's one host read
-            loss, norm = read[:n], read[n:]
-            alive = [i for i, m in enumerate(members) if m.alive]
-            due = [i for i in alive if math.isfinite(loss[i]) and diagnostics_due(step, members[i].cfg.logging.diagnostics_every)]
-            if due:
-                for i, record in zip(due, member_diagnostics(opt, grads, due, update=[step] * len(due)), strict=True):
+            loss, norm, tokens = _forward_backward(parts, members, member_losses)
+            due = [i for i, m in enumerate(members)
+                   if m.alive and math.isfinite(loss[i]) and diagnostics_due(step, m.cfg.logging.diagnostics_every)]
+            if due:  # before the update, as the trainer logs them
+                for i, record in zip(due, member_diagnostics(opt, parts.weights.grad, due, update=[step] * len(due)),
+                                     strict=True):
                     members[i].logger.log(step, record, split="diag")
-            apply = [m.alive and math.isfinite(loss[i]) and math.isfinite(norm[i]) for i, m in enumerate(members)]
-            opt.step(grads, apply, opt.clip_coefficients(norm))
+            applied = [m.alive and math.isfinite(loss[i]) and math.isfinite(norm[i]) for i, m in enumerate(members)]
+            opt.step(parts.weights.grad, applied, opt.clip_coefficients(norm))
             step_time = time.perf_counter() - tick
-            lrs = opt.lrs()
-            logging_step = step % log_every == 0 or step == 1
-            epochs = {s: src.state_dict().get("epoch", 0) for s, (src, _) in sources.items()} if logging_step else {}
-            for i in alive:
-                m = members[i]
-                m.step = step
-                m.tokens += batch_tokens if apply[i] else 0
-                grad_norm = norm[i] if math.isfinite(loss[i]) else None  # a skipped step reports none (skip_step)
-                verdict = m.health.check(step, loss[i], grad_norm)
-                if logging_step:
-                    m.logger.log(step, {"loss": loss[i], "lr": lrs[i], "grad_norm": grad_norm, "tokens": m.tokens,
-                                        "epoch": epochs[m.cfg.train.seed],
-                                        "step_time": step_time, "tokens_per_s": batch_tokens / step_time,
-                                        "ensemble_size": n})
-                if verdict == "stop":
-                    m.alive, m.stopped = False, "health"
-                    m.logger.event(step, "stop", f"Stopped at step {step}: non-finite loss or gradients "
-                                   f"(logging.nan_policy={m.cfg.logging.nan_policy}); an ensemble member keeps no "
-                                   f"checkpoint.", failed_step=step, last_good_step=opt.updates_done[i])
+            _after_step(parts, members, step, loss, norm, applied, tokens, step_time)
             if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
-                _evaluate(members, vmap(outputs_of), layout.views(weights), eval_src, data.task, base, device, step)
+                _evaluate(members, member_outputs, parts, step)
             if step % 50 == 0 or step == t.max_steps:
-                print(f"ensemble of {n}: step {step}/{t.max_steps}, {sum(m.alive for m in members)} running, "
-                      f"{step_time * 1000:.0f} ms/step", flush=True)
+                print(f"ensemble of {len(members)}: step {step}/{t.max_steps}, {sum(m.alive for m in members)} "
+                      f"running, {step_time * 1000:.0f} ms/step", flush=True)
         else:
-            _evaluate(members, vmap(outputs_of), layout.views(weights), eval_src, data.task, base, device, t.max_steps)
+            _evaluate(members, member_outputs, parts, t.max_steps)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
 
 @torch.no_grad()
-def _evaluate(members: list[_Member], outputs: Any, params: dict[str, torch.Tensor], source: Any, task: Any,
-              base: torch.nn.Module, device: torch.device, step: int) -> None:
+def _evaluate(members: list[_Member], member_outputs: Any, parts: _Parts, step: int) -> None:
     """The trainer's evaluation for every running member: the same ``train.eval_batches`` batches, summed by the
     task's ``eval_sums`` per member."""
     rows = [i for i, m in enumerate(members) if m.alive]
+    source = parts.sources[parts.seeds[0]][1]
     if source is None or not rows:
         return
     limit = members[0].cfg.train.eval_batches or None
     sums: list[dict[str, float]] = [{} for _ in rows]
-    base.eval()
+    params = {k: v[rows] for k, v in parts.layout.views(parts.weights).items()}
+    parts.base.eval()
     for batch, counted in source.evaluation_batches(limit=limit):
         if not counted:
             continue
-        on_device = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        out = outputs({k: v[rows] for k, v in params.items()}, on_device["input_ids"].expand(len(rows), -1, -1),
-                      on_device["labels"].expand(len(rows), -1, -1))
+        on_device = {k: (v.to(parts.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        out = member_outputs(params, on_device["input_ids"].expand(len(rows), -1, -1),
+                             on_device["labels"].expand(len(rows), -1, -1))
         for j in range(len(rows)):
-            for k, v in task.eval_sums({name: value[j] for name, value in out.items()}, on_device).items():
+            for k, v in parts.data.task.eval_sums({name: value[j] for name, value in out.items()}, on_device).items():
                 sums[j][k] = sums[j].get(k, 0.0) + v
-    base.train()
+    parts.base.train()
     for j, i in enumerate(rows):
-        members[i].logger.log(step, task.eval_metrics(sums[j]), split="eval")
+        members[i].logger.log(step, parts.data.task.eval_metrics(sums[j]), split="eval")
 
 
 def _outcomes(specs: list[Any], configs: list[RunConfig], members: list[_Member], error: str | None) -> list[dict[str, Any]]:
