@@ -196,15 +196,17 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
            "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
     if args.cpu_smoke:
-        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, int)}
+        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if name == "vit":
             ov["image_size"] = cfg.data.image_size
         cmd += ["--device", "cpu", "--precision", "fp32", "--seq-len", "64"] + (["--overrides", ",".join(f"{k}={v}" for k, v in ov.items())] if ov else [])
         cmd += ["--batch", "8"]
     else:
         cmd += ["--precision", "bf16", *BARE[name]] + (["--compile"] if cfg.model.compile else [])
-        # the recipe's model as its run builds it: image size, padded vocabulary (model.pad_vocab_multiple)
-        ov = {"image_size": cfg.data.image_size} if name == "vit" else {}
+        # the recipe's model as its run builds it: its overrides (dropout), image size, padded vocabulary
+        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if name == "vit":
+            ov["image_size"] = cfg.data.image_size
         if name != "vit" and cfg.model.pad_vocab_multiple != 1:
             ov["pad_vocab_multiple"] = cfg.model.pad_vocab_multiple
         if ov:

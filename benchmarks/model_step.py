@@ -63,6 +63,14 @@ def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: i
     return (time.perf_counter() - t0) / steps
 
 
+def _number(text: str) -> int | float:
+    """``"12"`` -> 12, ``"0.1"`` -> 0.1 (model overrides are sizes or rates)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2-small")
@@ -76,10 +84,11 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=0, help="the tokenizer's (default: GPT-2's for gpt, the config's else)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU)")
+    p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU, "
+                   "the recipe's hidden_dropout=0.0)")
     args = p.parse_args()
 
-    overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.overrides.split(",") if kv)}
+    overrides = {k: _number(v) for k, v in (kv.split("=") for kv in args.overrides.split(",") if kv)}
     dev, dtype = torch.device(args.device), torch.bfloat16 if args.precision == "bf16" else None
     torch.manual_seed(0)
     if args.vocab_size:
