@@ -128,6 +128,8 @@ class MemberAdam:
             b_coef.append(b)
             self.updates_done[i] = t
         w, m, v = self.weights, self.exp_avg, self.exp_avg_sq
+        if not all(apply):  # a skipped row's gradient may be NaN/Inf: 0 x NaN would reach its moments and weights
+            grads = torch.where(torch.tensor(apply, device=w.device)[:, None], grads, 0.0)
         g = grads if all(c == 1.0 for c in clip) else grads * _column(clip, w)
         if any(wd):
             g = g + _column(wd, w) * w * self.layout.decayed
@@ -169,7 +171,6 @@ def member_diagnostics(
     layout, w_all = opt.layout, opt.weights
     chunk = max(1, chunk_elements // layout.columns)
     lrs = opt.lrs()
-    norms_sq: list[torch.Tensor] = []
     pieces: list[torch.Tensor] = []
     idx = torch.tensor(rows, dtype=torch.long, device=w_all.device)
     for start in range(0, len(rows), chunk):
@@ -180,7 +181,6 @@ def member_diagnostics(
         g64, m, v, w = g.double(), opt.exp_avg.index_select(0, sel), opt.exp_avg_sq.index_select(0, sel), w_all.index_select(0, sel)
         groups = len(layout.groups)
         grad_sq = torch.zeros(len(sel), groups, dtype=torch.float64, device=g.device).index_add_(1, layout.group_index, g64 * g64)
-        norms_sq.append(grad_sq.sum(1))
         # Adam statistics of the state after ``done`` updates (rows with done = 0 have none; dropped on the host)
         t = [max(d, 1) for d in done]
         bc1 = _column([1.0 - h.beta1**ti for h, ti in zip(hyper, t, strict=True)], g64)
