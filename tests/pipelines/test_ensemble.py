@@ -112,6 +112,27 @@ def test_an_ensemble_logs_what_its_runs_log_one_at_a_time(both_ways):
         assert json.loads((Path(b.run_dir) / "done").read_text())["status"] in ("ok", "diverged")
 
 
+def test_skipped_steps_match_one_at_a_time(gpt_corpus, tmp_path):
+    """nan_policy=skip_step: a member whose steps go non-finite skips them (its weights, moments and schedule
+    stay) until max_consecutive_nan stops it, as its run alone does; the other member is untouched."""
+    over = ["run.logging.nan_policy=skip_step", "run.logging.max_consecutive_nan=3",
+            'keep=["adam-none-lr1e4-plain-s0", "adam-linear-lr3e-3-plain-s0"]']
+    runs = {}
+    for out, ensemble in (("skip1", 0), ("skip2", 2)):
+        sweep = load_sweep(write_sweep(tmp_path, gpt_corpus, out, ensemble=ensemble), over)
+        records = run_local(sweep)
+        runs[out] = [read_metrics_lines(Path(s.run_dir) / "metrics.jsonl") for s in expand(sweep)]
+        assert [r["status"] for r in records] == ["ok", "diverged"] or [r["status"] for r in records] == ["diverged", "ok"]
+    for a, b in zip(runs["skip1"], runs["skip2"], strict=True):
+        assert [(r["step"], r["event"]) for r in a if "event" in r] == [(r["step"], r["event"]) for r in b if "event" in r]
+        ta, tb = by_step(a, "train"), by_step(b, "train")
+        assert ta.keys() == tb.keys()
+        for step in ta:
+            for key in TRAIN_KEYS:
+                assert close(ta[step].get(key), tb[step].get(key), 2e-4), (step, key, ta[step].get(key), tb[step].get(key))
+    assert any(r.get("event") == "nan_skip" for run in runs["skip2"] for r in run)
+
+
 def test_an_ensemble_that_completed_is_skipped_and_a_partial_one_is_replaced(both_ways, capsys):
     _, _, _, batched = both_ways
     spec = expand(batched)[0]
