@@ -10,7 +10,8 @@ every record -- train and eval losses, events, every diagnostics scalar -- and t
 diagnostics records in the first quarter of the run only, with edges at 7 significant digits (they come from
 float32 values) and counts as integers; then tar + xz in chunks of ``--chunk-mb``. Each run goes with its config,
 ``done`` marker and sweep markers (``.pretrain-output.json``), never its checkpoints; sweep.json and sweep.jsonl too.
-Runs without a ``done`` marker stay behind (the next call reruns them).
+Runs without a ``done`` marker stay behind (the next call reruns them). Chunks are written under a temporary name
+and renamed; chunks of an earlier pack in OUT_DIR beyond this one's are removed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def pack(sweep_dir: Path, out_dir: Path, chunk_mb: int = 15) -> list[Path]:
     buffer = io.BytesIO()
     name = sweep_dir.name
     runs = sorted(d.parent for d in (sweep_dir / "runs").glob(f"*/{DONE}"))
+    if not runs:
+        return []
     with tarfile.open(fileobj=buffer, mode="w:xz", preset=9) as tar:
         for extra in (".pretrain-output.json", "sweep.json", "sweep.jsonl"):
             if (sweep_dir / extra).is_file():
@@ -74,14 +77,17 @@ def pack(sweep_dir: Path, out_dir: Path, chunk_mb: int = 15) -> list[Path]:
                 info.size, info.mtime = len(data), int(f.stat().st_mtime)
                 tar.addfile(info, io.BytesIO(data))
     blob, size = buffer.getvalue(), chunk_mb * 1024 * 1024
-    if not runs:
-        return []
+    from core.files import atomic_write_bytes, discard
+
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(0, len(blob), size):
         path = out_dir / f"{PREFIX}{i // size:02d}"
-        path.write_bytes(blob[i:i + size])
+        atomic_write_bytes(path, blob[i:i + size])
         paths.append(path)
+    for stale in sorted(out_dir.glob(f"{PREFIX}*")):  # an earlier, longer pack's last chunks would corrupt `cat *`
+        if stale not in paths:
+            discard(stale)
     print(f"packed {len(runs)} finished runs of {sweep_dir} into {len(paths)} file(s), {len(blob) / 2**20:.1f} MiB")
     return paths
 
