@@ -105,7 +105,8 @@ class SweepConfig:
     ensemble: int = option(
         0,
         help="--local: train up to this many grid points at once as one batched model (pipelines.study.ensemble: "
-        "runs that differ only in optimizer adam/radam, lr, betas, warmup and seed; no checkpoints); 0 or 1 = one at a time.",
+        "runs that differ only in optimizer adam/radam, lr, betas, eps, decay, clipping, schedule and seed; no "
+        "checkpoints); 0 or 1 = one at a time.",
     )
     fail_k: float = option(2.0, help="Report (warmup map): a run fails when its final loss is > k seed std above the best arm.")
     target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
@@ -406,12 +407,12 @@ def run_local(
     results: list[dict[str, Any]] = []
     if sweep.ensemble > 1 and sweep.num_processes == 1:
         results, specs = run_ensembles(sweep, specs, extra, force=force)
-        if any(r.get("stopped_by") == "signal" for r in results):
+        if any(_stopped_by_signal(r) for r in results):
             specs = []
     if sweep.jobs == 1:
         for spec in specs:
             results.append(run_one(sweep, spec, extra, force=force))
-            if results[-1].get("stopped_by") == "signal":  # SIGTERM/SIGUSR1 stopped (and saved) this run: stop the sweep
+            if _stopped_by_signal(results[-1]):  # SIGTERM/SIGUSR1 stopped (and saved) this run: stop the sweep
                 print(f"sweep stopped by a signal after run {spec.index}; run the same command again to resume it.",
                       flush=True)
                 break
@@ -428,6 +429,12 @@ def run_local(
     return results
 
 
+def _stopped_by_signal(record: dict[str, Any]) -> bool:
+    """This attempt was stopped by SIGTERM/SIGUSR1 (a skipped run's record may name the signal of an earlier,
+    since resumed attempt: that is no reason to stop)."""
+    return record.get("stopped_by") == "signal" and not record.get("skipped")
+
+
 def run_ensembles(
     sweep: SweepConfig, specs: list[RunSpec], extra: list[str] | tuple[str, ...] = (), *, force: bool = False
 ) -> tuple[list[dict[str, Any]], list[RunSpec]]:
@@ -437,17 +444,18 @@ def run_ensembles(
     from pipelines.study.ensemble import MARKER as ENSEMBLE_MARKER
     from pipelines.study.ensemble import EnsembleTooLarge, plan_ensembles, run_ensemble
 
-    todo = []
+    todo, results = [], []
     for spec in specs:
-        if _done_record(spec.run_dir) is not None:
-            if not force:
-                continue
+        done = _done_record(spec.run_dir)
+        if done is not None and not force:
+            results.append({**done, "skipped": True})
+            continue
+        if done is not None:
             discard(spec.run_dir)
         todo.append(spec)
     configs = [run_config(sweep, s, extra) for s in todo]
     groups, singles = plan_ensembles(todo, configs, sweep.ensemble)
     queue = [[(todo[i], configs[i]) for i in group] for group in groups]
-    results: list[dict[str, Any]] = []
     left = [todo[i] for i in singles]
     while queue:
         group = queue.pop(0)
@@ -472,7 +480,7 @@ def run_ensembles(
         counts = {s: sum(r["status"] == s for r in results[-len(group):]) for s in FINAL_STATUSES + ("failed", "interrupted")}
         print(f"=== ensemble of {len(group)} -> {', '.join(f'{k} {v}' for k, v in counts.items() if v)} "
               f"({time.time() - started:.1f}s)", flush=True)
-        if any(r.get("stopped_by") == "signal" for r in results):
+        if any(_stopped_by_signal(r) for r in results):
             print("sweep stopped by a signal; run the same command again to resume it.", flush=True)
             break
     for spec in left:  # an interrupted ensemble's run dir (its marker says so) is replaced, not resumed

@@ -282,3 +282,17 @@ def test_a_sweeps_threads_hold_in_its_in_process_runs(tmp_path, bert_corpus, mon
     assert [threads for _dtype, threads in throughput._cpu_peak_cache] == [1]
     assert not [w for w in recwarn if "OMP_NUM_THREADS" in str(w.message)]
     assert "OMP_NUM_THREADS" not in __import__("os").environ  # put back as it was
+
+
+def test_a_finished_run_once_stopped_by_a_signal_does_not_stop_the_next_sweep(gpt_corpus, tmp_path):
+    """A run pre-empted, resumed and finished keeps the signal in its record; skipping it later is no stop."""
+    from test_ensemble import write_sweep
+
+    sweep = load_sweep(write_sweep(tmp_path, gpt_corpus, "resumed"), ['keep=["adam-none-lr3e-3-plain"]'])
+    first, second = expand(sweep)
+    run_local(sweep)
+    done = json.loads((first.run_dir / "done").read_text())
+    (first.run_dir / "done").write_text(json.dumps({**done, "stopped_by": "signal"}) + "\n")
+    (second.run_dir / "done").unlink()
+    records = run_local(sweep)
+    assert [r.get("skipped", False) for r in records] == [True, False] and records[1]["status"] == "ok"
