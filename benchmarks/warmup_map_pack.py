@@ -51,7 +51,7 @@ def thin_metrics(text: str, max_steps: int) -> str:
 
 def pack(sweep_dir: Path, out_dir: Path, chunk_mb: int = 15) -> list[Path]:
     """Write the chunks; returns their paths (none when no run has finished)."""
-    from pipelines.study.sweep import DONE
+    from pipelines.study.attempts import DONE
 
     buffer = io.BytesIO()
     name = sweep_dir.name

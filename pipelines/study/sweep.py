@@ -52,6 +52,7 @@ from typing import Any
 from core.config import ConfigError, apply_overrides, deep_merge, from_dict, load_config, load_yaml, option, save_config
 from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
+from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
 
 __all__ = [
     "SweepConfig",
@@ -66,10 +67,7 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-DONE = "done"
-SWEEP_LOG = "sweep.jsonl"
 MANIFEST = "sweep.json"
-FINAL_STATUSES = ("ok", "diverged")
 
 
 @dataclass(kw_only=True)
@@ -217,64 +215,6 @@ def run_config(sweep: SweepConfig, spec: RunSpec, extra: list[str] | tuple[str, 
     return from_dict(RunConfig, data, source=f"sweep run {spec.name}")
 
 
-# ------------------------------------------------------------------------------------ status
-def _done_record(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        rec = json.loads((run_dir / DONE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return rec if isinstance(rec, dict) and rec.get("status") in FINAL_STATUSES else None
-
-
-def run_status(run_dir: str | os.PathLike, max_steps: int) -> dict[str, Any]:
-    """What a run dir says about its run: ``ok`` | ``diverged`` | ``interrupted`` | ``missing``, plus facts.
-
-    ``ok``: ``checkpoints/latest`` names ``step-{max_steps}``. ``diverged``: a ``nan_stop`` event (or
-    a non-finite last train loss) in metrics.jsonl. Otherwise ``interrupted`` (or ``missing``).
-    """
-    from monitoring.logger import read_metrics_lines
-    from pipelines.engine.checkpoint import step_dir_name
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return {"status": "missing"}
-    records = read_metrics_lines(run_dir / "metrics.jsonl")
-    events = [r for r in records if "event" in r]
-    train = [r for r in records if r.get("split") == "train" and "loss" in r]
-    last_loss = train[-1]["loss"] if train else None
-    finite = isinstance(last_loss, (int, float)) and last_loss == last_loss and abs(last_loss) != float("inf")
-    latest = run_dir / "checkpoints" / "latest"
-    final = latest.is_file() and latest.read_text(encoding="utf-8").strip() == step_dir_name(max_steps)
-    info = {
-        "last_step": train[-1]["step"] if train else 0,
-        "final_loss": last_loss if finite else None,
-        "events": len(events),
-        "nan_stop": any(e["event"] == "nan_stop" for e in events),
-        "stopped_by": next((e.get("reason") for e in reversed(events) if e["event"] == "stop"), None),
-    }
-    if info["nan_stop"] or (last_loss is not None and not finite):
-        return {"status": "diverged", **info}
-    if final:
-        return {"status": "ok", **info}
-    return {"status": "interrupted", **info}
-
-
-def _append_log(sweep_dir: Path, record: dict[str, Any]) -> None:
-    """One JSON line in SWEEP_DIR/sweep.jsonl, locked so concurrent array tasks never interleave."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record, default=str) + "\n"
-    with open(sweep_dir / SWEEP_LOG, "a", encoding="utf-8") as fh:
-        try:
-            import fcntl
-
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        except (ImportError, OSError):  # no flock (Windows, some network FS): one small append is still atomic
-            pass
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def write_manifest(sweep: SweepConfig, specs: list[RunSpec]) -> None:
     """SWEEP_DIR/sweep.json: the resolved sweep and its runs (what ``pipelines.study.analysis`` groups by)."""
     data = {
@@ -316,7 +256,7 @@ def run_one(
     else through ``pipelines.engine.distributed.launch`` with the resolved config.
     """
     sweep_dir = Path(sweep.out_dir)
-    done = _done_record(spec.run_dir)
+    done = done_record(spec.run_dir)
     if done is not None and not force:
         return {**done, "skipped": True}
     if done is not None:  # force: a clean rerun, not a resume from the final checkpoint
@@ -327,7 +267,7 @@ def run_one(
         cfg = run_config(sweep, spec, extra)
     except ConfigError as exc:
         record.update(status="failed", error=str(exc), wall_time_s=0.0, time=started)
-        _append_log(sweep_dir, record)
+        append_log(sweep_dir, record)
         return record
     print(f"=== sweep run {spec.index}: {spec.name}", flush=True)
     error, rc = None, 0
@@ -354,26 +294,14 @@ def run_one(
     status = run_status(spec.run_dir, cfg.train.max_steps)
     if error is not None and status["status"] not in ("ok", "diverged"):
         status["status"] = "failed"
-    record = _close_attempt(sweep, spec, started, status, rc=rc, error=error)
+    record = close_attempt(sweep.out_dir, spec, started, status, rc=rc, error=error)
     print(f"=== sweep run {spec.index}: {spec.name} -> {record['status']} ({record['wall_time_s']:.1f}s)", flush=True)
-    return record
-
-
-def _close_attempt(sweep: SweepConfig, spec: RunSpec, started: float, status: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """The attempt's record (``run_status`` facts + ``fields``): the ``done`` marker when final, a sweep.jsonl line."""
-    status = dict(status)
-    record = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes,
-              "status": status.pop("status"), "wall_time_s": round(time.time() - started, 3), "time": started,
-              "rc": 0, "error": None, **fields, **status}
-    if record["status"] in FINAL_STATUSES:
-        atomic_write_text(spec.run_dir / DONE, json.dumps(record, default=str) + "\n")
-    _append_log(Path(sweep.out_dir), record)
     return record
 
 
 def pending(sweep: SweepConfig) -> list[RunSpec]:
     """The grid points without a ``done`` marker."""
-    return [s for s in expand(sweep) if _done_record(s.run_dir) is None]
+    return [s for s in expand(sweep) if done_record(s.run_dir) is None]
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -446,7 +374,7 @@ def run_ensembles(
 
     todo, results = [], []
     for spec in specs:
-        done = _done_record(spec.run_dir)
+        done = done_record(spec.run_dir)
         if done is not None and not force:
             results.append({**done, "skipped": True})
             continue
@@ -476,7 +404,7 @@ def run_ensembles(
                 status["status"] = "ok" if outcome["finished"] else ("failed" if outcome["error"] else "interrupted")
             if outcome["stopped_by"] == "signal":
                 status["stopped_by"] = "signal"
-            results.append(_close_attempt(sweep, spec, started, status, error=outcome["error"], ensemble_size=len(group)))
+            results.append(close_attempt(sweep.out_dir, spec, started, status, error=outcome["error"], ensemble_size=len(group)))
         counts = {s: sum(r["status"] == s for r in results[-len(group):]) for s in FINAL_STATUSES + ("failed", "interrupted")}
         print(f"=== ensemble of {len(group)} -> {', '.join(f'{k} {v}' for k, v in counts.items() if v)} "
               f"({time.time() - started:.1f}s)", flush=True)
@@ -541,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = expand(sweep)
         if args.cmd == "list":
             for s in specs:
-                print(f"{s.index}\t{s.name}\t{'done' if _done_record(s.run_dir) else 'pending'}")
+                print(f"{s.index}\t{s.name}\t{'done' if done_record(s.run_dir) else 'pending'}")
             return 0
         if args.cmd == "local":
             shard = parse_shard(args.shard) if args.shard else None
