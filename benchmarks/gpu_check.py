@@ -22,7 +22,8 @@ once with ``distributed.engine=ddp``, each as ``torchrun --nproc_per_node 1 -m p
 data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last train record: tokens or
 images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
 steps, the first 20 of 40 with compilation and the loader's start-up left out). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
-compiled where the recipe compiles) gives each recipe's ceiling. Evaluation (``data.eval_split=none``) and
+compiled where the recipe compiles) gives each recipe's ceiling; for GPT-2 the same process also times issue
+#30's baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``), as the row "plain loop". Evaluation (``data.eval_split=none``) and
 periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
 the run's final checkpoint comes after the timed steps and counts in the wall time only.
 
@@ -195,8 +196,10 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     out = work / f"bare-{name}.json"
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
            "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
+    if name == "gpt":
+        cmd.append("--plain")  # issue #30's baseline, GPT-2 as a plain PyTorch loop writes it, in the same process
     if args.cpu_smoke:
-        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        ov = _scalar_overrides(cfg)
         if name == "vit":
             ov["image_size"] = cfg.data.image_size
         cmd += ["--device", "cpu", "--precision", "fp32", "--seq-len", "64"] + (["--overrides", ",".join(f"{k}={v}" for k, v in ov.items())] if ov else [])
@@ -204,7 +207,7 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     else:
         cmd += ["--precision", "bf16", *BARE[name]] + (["--compile"] if cfg.model.compile else [])
         # the recipe's model as its run builds it: its overrides (dropout), image size, padded vocabulary
-        ov = {k: v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        ov = _scalar_overrides(cfg)
         if name == "vit":
             ov["image_size"] = cfg.data.image_size
         if name != "vit" and cfg.model.pad_vocab_multiple != 1:
@@ -216,8 +219,15 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     if proc.returncode != 0:
         print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
         return {"error": f"rc {proc.returncode}", "wall_s": time.perf_counter() - t0}
-    row = json.loads(out.read_text())["rows"][-1]  # the compiled row where the recipe compiles
-    return {**row, "wall_s": time.perf_counter() - t0}
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    ours = rows["ours, compiled" if "ours, compiled" in rows else "ours"]  # the compiled row where the recipe compiles
+    plain = rows.get("plain, compiled", rows.get("plain"))
+    return {**ours, "wall_s": time.perf_counter() - t0, **({"plain": plain} if plain else {})}
+
+
+def _scalar_overrides(cfg) -> dict:
+    """The recipe's model overrides that ``model_step.py --overrides`` takes: sizes, rates and switches."""
+    return {k: str(v).lower() if isinstance(v, bool) else v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float))}
 
 
 def _vocab(corpus: Path) -> list[str]:
@@ -248,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
             _print_table(results, device, started)
         if not args.no_bare:
             results.append((name, "bare step", batch, bare_step(name, args, work, corpora / name)))
+            if "plain" in results[-1][3]:
+                results.append((name, "plain loop", batch, {**results[-1][3]["plain"], "wall_s": 0.0}))
             _print_table(results, device, started)
     if args.json:
         Path(args.json).write_text(json.dumps([{"recipe": n, "engine": e, "batch": b, **r} for n, e, b, r in results], indent=1))
@@ -263,7 +275,7 @@ def _print_table(results: list, device: str, started: str) -> None:
         if "error" in r:
             print(f"| {name} | {engine} | {batch} | {r['error']} | | | | | {r['wall_s']:.0f} |")
             continue
-        if engine == "bare step":
+        if engine in ("bare step", "plain loop"):
             rate, unit, mfu = r["rate"], r["unit"], r.get("mfu")
             wait, mem, ms = "-", "-", r["ms_per_step"]
         else:

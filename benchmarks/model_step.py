@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
+from benchmarks.plain_gpt import PlainGPT  # noqa: E402
 from monitoring.throughput import cpu_peak_flops, peak_flops_for  # noqa: E402
 
 
@@ -63,8 +64,29 @@ def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: i
     return (time.perf_counter() - t0) / steps
 
 
-def _number(text: str) -> int | float:
-    """``"12"`` -> 12, ``"0.1"`` -> 0.1 (model overrides are sizes or rates)."""
+def compiled_kernels(model: torch.nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype | None) -> int:
+    """How many kernels inductor generates for the model's forward and backward (matmuls and attention
+    are library calls, not counted): each is at least one pass over memory, so two models of the same
+    math that differ here differ in memory traffic. Compiles a fresh copy (the timed ones keep their cache)."""
+    import copy
+
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    metrics.reset()
+    first = next(iter(inputs.values()))
+    with torch.autocast(first.device.type, dtype=dtype, enabled=dtype is not None):
+        loss = torch.compile(copy.deepcopy(model))(**inputs)["loss"]
+    loss.backward()
+    count = metrics.generated_kernel_count
+    torch._dynamo.reset()
+    return count
+
+
+def _number(text: str) -> int | float | bool:
+    """``"12"`` -> 12, ``"0.1"`` -> 0.1, ``"false"`` -> False (model overrides are sizes, rates or switches)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     try:
         return int(text)
     except ValueError:
@@ -83,6 +105,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time ours under torch.compile")
     p.add_argument("--vocab-size", type=int, default=0, help="the tokenizer's (default: GPT-2's for gpt, the config's else)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
+    p.add_argument("--plain", action="store_true", help="also time issue #30's baseline, GPT-2 as a plain PyTorch "
+                   "loop writes it (benchmarks/plain_gpt.py; compiled with --compile), and print ours / plain")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU, "
                    "the recipe's hidden_dropout=0.0)")
@@ -119,6 +143,15 @@ def main() -> None:
         compiled = torch.compile(ours)
         rows.append(("ours, compiled", time_steps(compiled, inputs, args.steps, args.warmup, dtype)))
         print(f"compile + warm-up: {time.perf_counter() - t0 - args.steps * rows[-1][1]:.0f} s")
+    if args.plain and ours.family == "gpt":
+        torch.manual_seed(0)
+        plain = PlainGPT.like(ours.config).to(dev).train()
+        label = "plain, compiled" if args.compile else "plain"
+        if args.compile:
+            print(f"inductor kernels for one forward + backward: ours {compiled_kernels(ours, inputs, dtype)}, "
+                  f"plain {compiled_kernels(plain, inputs, dtype)}")
+        rows.append((label, time_steps(torch.compile(plain) if args.compile else plain, inputs, args.steps, args.warmup, dtype)))
+        del plain
     size = f"{args.batch} x {args.seq_len}" if per_sample > 1 else f"{args.batch} images"
     print(f"device: {name}, {args.precision}, peak {peak / 1e12:.1f} TFLOP/s; {args.model}, batch {size}")
     print(f"{'model':<15} {'ms/step':>8} {unit:>11} {'MFU':>6} {'vs HF':>6}")
@@ -129,6 +162,10 @@ def main() -> None:
         print(f"{label:<15} {sec * 1e3:>8.1f} {rate:>11,.0f} {flops * args.batch / sec / peak:>6.1%} {base / sec:>5.2f}x")
         out.append({"model": label, "ms_per_step": sec * 1e3, "rate": rate, "unit": unit,
                     "mfu": flops * args.batch / sec / peak if peak else None})
+    plain_row = next((sec for label, sec in rows if label.startswith("plain")), None)
+    if plain_row is not None:
+        ours_sec = dict(rows)["ours, compiled" if args.compile else "ours"]
+        print(f"ours{', compiled' if args.compile else ''} / plain loop: {plain_row / ours_sec:.3f}x the plain loop's tokens/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_flops": peak, "rows": out}, indent=1))
 

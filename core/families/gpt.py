@@ -29,6 +29,9 @@ class GPTConfig(TransformerConfig):
     # Training loss over chunks of this many positions, each chunk's logits recomputed in backward
     # (``models.gpt.chunked_lm_loss``): no [B*T, V] logits held; 0 = one cross-entropy over the batch.
     loss_chunk_tokens: int = 0
+    # A training forward with labels (grad enabled) also returns the logits. False returns the loss only: a
+    # compiled model's backward then takes no [B, T, V] zero gradient for logits the step never uses.
+    train_logits: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -81,21 +81,23 @@ def _identity_average_tensor(opt: Any) -> Callable[..., None]:
     return average_tensor
 
 
-def _grads_straight_to_partition(opt: Any) -> Callable[..., None]:
+def _grads_stay_where_autograd_put_them(opt: Any) -> Callable[..., None]:
     stock = opt.reduce_independent_p_g_buckets_and_remove_grads
 
     def reduce_independent_p_g_buckets_and_remove_grads(param: torch.Tensor, i: int) -> None:
-        """Per-parameter gradient hook: stock DeepSpeed copies the gradient into the IPG bucket, reduces
-        the bucket (an identity on one rank, above) and then copies it again into the partition's
-        contiguous gradient buffer (``copy_grads_in_partition``), in the order the hooks fired. On one
-        rank every parameter is in the partition, so the gradient goes to that buffer at once, in the
-        same order: the same buffer, one copy of all gradients fewer per step."""
-        if param.numel() == 0 or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
+        """Per-parameter gradient hook. Stock DeepSpeed copies the gradient into the IPG bucket, reduces
+        the bucket over the data-parallel ranks (an identity on one rank, above), copies it again into
+        the partition's contiguous buffer and points ``param.grad`` there; the epilogue then lists those
+        views and ``step`` flattens them into the fp32 partition's gradient. On one rank no other rank's
+        gradient ever joins it, so the gradient autograd produced is already what the epilogue lists:
+        it stays where it is (marked reduced, as stock marks it), and ``step`` flattens the same values
+        in the same order. Two copies of every gradient fewer per step, and the hook's Python."""
+        if (param.numel() == 0 or not getattr(param, "ds_grad_is_ready", True) or param.grad is None
+                or not param.grad.is_contiguous()):
             return stock(param, i)
         param_id = opt.get_param_id(param)
         if opt.params_already_reduced[param_id]:
             return stock(param, i)  # stock raises its own message for a gradient computed twice
-        opt.copy_grads_in_partition(param, i)
         opt.params_already_reduced[param_id] = True
 
     return reduce_independent_p_g_buckets_and_remove_grads
@@ -177,8 +179,8 @@ class Patch:
 
 PATCHES: dict[str, Patch] = {
     "identity_ipg_reduction": Patch("average_tensor", _identity_average_tensor),
-    "grads_straight_to_partition": Patch("reduce_independent_p_g_buckets_and_remove_grads", _grads_straight_to_partition,
-                                         lambda opt: opt.contiguous_gradients),
+    "grads_stay_in_place": Patch("reduce_independent_p_g_buckets_and_remove_grads", _grads_stay_where_autograd_put_them,
+                                 lambda opt: opt.contiguous_gradients),
     "foreach_grad_norm": Patch("get_grad_norm_direct", _foreach_grad_norm),
     "overflow_from_the_norm": Patch("has_overflow", _overflow_from_the_norm,
                                     lambda opt: opt.check_grad_overflow and opt.compute_grad_norm),
@@ -189,7 +191,7 @@ PATCHES: dict[str, Patch] = {
 _NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size", "has_moe_layers", "model_parallel_rank",
           "mpu", "cpu_offload", "zenflow", "overlap_comm", "_offload_gradient_safety_enabled", "use_grad_accum_attribute",
           "_use_compact_grad_partition_buffer", "bit16_groups", "contiguous_gradients", "compute_grad_norm",
-          "check_grad_overflow", "get_param_id", "params_already_reduced", "copy_grads_in_partition", "device", "clip_grad", "loss_scale")
+          "check_grad_overflow", "get_param_id", "params_already_reduced", "device", "clip_grad", "loss_scale")
 
 
 def one_rank_fast_path_(ds_engine: Any) -> list[str]:

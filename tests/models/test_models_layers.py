@@ -267,3 +267,46 @@ def test_chunked_lm_loss_equals_the_one_shot_loss_and_holds_no_full_logits():
     assert saved_plain - saved_chunked >= full_logits, (saved_plain, saved_chunked)
     chunked.eval()  # evaluation still gets the logits (accuracy)
     assert chunked(ids, labels=labels)["logits"].shape == (4, 16, 500)
+
+
+def _backward_inputs(model, inputs) -> list[tuple[int, ...]]:
+    """Shapes of the gradients a compiled model's backward receives for its outputs (AOTAutograd's tangents)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    tangents: list[tuple[int, ...]] = []
+
+    def backend(gm, example_inputs):
+        def backward_compiler(graph, _):
+            tangents.extend(tuple(n.meta["val"].shape) for n in graph.graph.nodes
+                            if n.op == "placeholder" and n.name.startswith("tangents"))
+            return graph.forward
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: g.forward, bw_compiler=backward_compiler)
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(**inputs)["loss"].backward()
+    torch._dynamo.reset()
+    return tangents
+
+
+def test_gpt_training_step_without_logits_computes_the_same_and_gives_backward_no_logits_gradient():
+    """``train_logits=False`` (the GPU GPT recipes): a training forward with labels returns the loss only, the
+    same loss and gradients bitwise; compiled, its backward no longer takes a [B, T, V] zero gradient for the
+    unused logits (it did: the memory pass this removes). Evaluation still returns the logits."""
+    overrides = dict(TINY_TEXT, vocab_size=500, pad_vocab_multiple=64, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    full = models.create("gpt-tiny", **overrides)
+    lean = models.create("gpt-tiny", **overrides, train_logits=False)
+    lean.load_state_dict(full.state_dict())
+    ids = torch.randint(0, 500, (4, 16))
+    a, b = full(ids, labels=ids), lean(ids, labels=ids)
+    assert set(b) == {"loss"} and torch.equal(a["loss"], b["loss"])
+    a["loss"].backward()
+    b["loss"].backward()
+    got = dict(lean.named_parameters())
+    assert all(torch.equal(got[n].grad, p.grad) for n, p in full.named_parameters())
+    logits_shape = (4, 16, 500)
+    assert logits_shape in _backward_inputs(full, {"input_ids": ids, "labels": ids})
+    assert logits_shape not in _backward_inputs(lean, {"input_ids": ids, "labels": ids})
+    with torch.no_grad():
+        assert lean(ids, labels=ids)["logits"].shape == logits_shape  # evaluation
+    assert lean.eval()(ids, labels=ids)["logits"].shape == logits_shape

@@ -15,7 +15,7 @@ import models
 from pipelines.engine.config import OptimConfig
 from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 
-ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_straight_to_partition", "foreach_grad_norm",
+ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "foreach_grad_norm",
        "overflow_from_the_norm", "clip_without_host_reads"]
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
