@@ -41,15 +41,20 @@ def make_batch(model: torch.nn.Module, batch: int, seq_len: int, dev: torch.devi
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
     if model.family == "gpt":
         return {"input_ids": ids, "labels": ids}, 1.0
-    masked = torch.rand(batch, seq_len, device=dev) < 0.15
+    masked = torch.rand(batch, seq_len) < 0.15  # drawn on the host, as the loader masks (objectives.MLMNSPTask)
     return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
-            "labels": torch.where(masked, ids, -100), "next_sentence_label": torch.randint(0, 2, (batch,), device=dev)}, 0.15
+            "labels": torch.where(masked.to(dev), ids, -100), "masked_positions": masked.flatten().nonzero()[:, 0].to(dev),
+            "next_sentence_label": torch.randint(0, 2, (batch,), device=dev)}, 0.15
 
 
-def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, warmup: int, dtype: torch.dtype | None) -> float:
-    """Seconds per step (forward, backward, AdamW) after `warmup` untimed steps."""
+def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, warmup: int, dtype: torch.dtype | None,
+               clip: float = 0.0, reads: bool = False) -> float:
+    """Seconds per step (forward, backward, AdamW) after `warmup` untimed steps. ``clip``: gradient-norm
+    clipping as the recipes clip; ``reads``: the two host reads the trainer makes in a step, where it makes
+    them (the loss after the forward: ``Trainer._reduce_metrics``; the clipped norm: ``DDPEngine.step``)."""
     first = next(iter(inputs.values()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=first.is_cuda)
+    params = list(model.parameters())
     sync = torch.cuda.synchronize if first.is_cuda else (lambda: None)
     for i in range(warmup + steps):
         if i == warmup:
@@ -57,7 +62,13 @@ def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: i
             t0 = time.perf_counter()
         with torch.autocast(first.device.type, dtype=dtype, enabled=dtype is not None):
             loss = model(**inputs)["loss"]
+        if reads:
+            loss.detach().to(torch.float64).reshape(1).tolist()
         loss.backward()
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if reads:
+                float(norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
     sync()
@@ -107,6 +118,8 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
     p.add_argument("--plain", action="store_true", help="also time issue #30's baseline, GPT-2 as a plain PyTorch "
                    "loop writes it (benchmarks/plain_gpt.py; compiled with --compile), and print ours / plain")
+    p.add_argument("--trainer-reads", action="store_true", help="also time ours (compiled with --compile) with the "
+                   "recipes' clipping, and with clipping and the trainer's two host reads per step")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU, "
                    "the recipe's hidden_dropout=0.0)")
@@ -143,6 +156,11 @@ def main() -> None:
         compiled = torch.compile(ours)
         rows.append(("ours, compiled", time_steps(compiled, inputs, args.steps, args.warmup, dtype)))
         print(f"compile + warm-up: {time.perf_counter() - t0 - args.steps * rows[-1][1]:.0f} s")
+    if args.trainer_reads:  # what a run's step adds on the device's side: clipping, then the trainer's two reads
+        timed = compiled if args.compile else ours
+        rows.append(("ours, clipped", time_steps(timed, inputs, args.steps, args.warmup, dtype, clip=1.0)))
+        rows.append(("ours, clipped + 2 reads", time_steps(timed, inputs, args.steps, args.warmup, dtype, clip=1.0,
+                                                           reads=True)))
     if args.plain and ours.family == "gpt":
         torch.manual_seed(0)
         plain = PlainGPT.like(ours.config).to(dev).train()
@@ -154,12 +172,12 @@ def main() -> None:
         del plain
     size = f"{args.batch} x {args.seq_len}" if per_sample > 1 else f"{args.batch} images"
     print(f"device: {name}, {args.precision}, peak {peak / 1e12:.1f} TFLOP/s; {args.model}, batch {size}")
-    print(f"{'model':<15} {'ms/step':>8} {unit:>11} {'MFU':>6} {'vs HF':>6}")
+    print(f"{'model':<24} {'ms/step':>8} {unit:>11} {'MFU':>6} {'vs HF':>6}")
     base = rows[1][1] if not args.no_hf else rows[0][1]
     out = []
     for label, sec in rows:
         rate = args.batch * per_sample / sec
-        print(f"{label:<15} {sec * 1e3:>8.1f} {rate:>11,.0f} {flops * args.batch / sec / peak:>6.1%} {base / sec:>5.2f}x")
+        print(f"{label:<24} {sec * 1e3:>8.1f} {rate:>11,.0f} {flops * args.batch / sec / peak:>6.1%} {base / sec:>5.2f}x")
         out.append({"model": label, "ms_per_step": sec * 1e3, "rate": rate, "unit": unit,
                     "mfu": flops * args.batch / sec / peak if peak else None})
     plain_row = next((sec for label, sec in rows if label.startswith("plain")), None)

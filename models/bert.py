@@ -136,7 +136,8 @@ class BertForPreTraining(nn.Module):
         self.bert.set_activation_checkpointing(enabled, layers)
 
     def forward(
-        self, input_ids, attention_mask=None, token_type_ids=None, labels=None, next_sentence_label=None
+        self, input_ids, attention_mask=None, token_type_ids=None, labels=None, next_sentence_label=None,
+        masked_positions=None,
     ) -> dict[str, torch.Tensor]:
         out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         hidden = out["last_hidden_state"]
@@ -149,10 +150,18 @@ class BertForPreTraining(nn.Module):
             # Sparse MLM head (as in NVIDIA's BERT recipe): the vocabulary projection, the largest
             # matmul of small BERTs, runs only at the ~15 % masked positions. The loss equals the
             # dense head's; `masked_prediction_logits` rows follow `labels != -100` in row-major order.
-            selected = labels != -100
-            masked_logits = self.mlm(hidden[selected])[:, :V]
+            # `masked_positions` (those positions as flat indices into [B*T], made by the loader on the host)
+            # selects the same rows without a boolean mask: a mask's row count is known only on the device,
+            # so `hidden[labels != -100]` reads it back (a host sync) and breaks a compiled graph in three.
+            if masked_positions is None:
+                selected = labels != -100
+                masked_hidden, masked_labels = hidden[selected], labels[selected]
+            else:
+                masked_hidden = hidden.flatten(0, 1).index_select(0, masked_positions)
+                masked_labels = labels.flatten().index_select(0, masked_positions)
+            masked_logits = self.mlm(masked_hidden)[:, :V]
             result["masked_prediction_logits"] = masked_logits
-            result["mlm_loss"] = masked_mean_cross_entropy(masked_logits, labels[selected])
+            result["mlm_loss"] = masked_mean_cross_entropy(masked_logits, masked_labels)
             losses.append(result["mlm_loss"])
         if next_sentence_label is not None:
             result["nsp_loss"] = F.cross_entropy(result["seq_relationship_logits"].float(), next_sentence_label.view(-1))

@@ -33,7 +33,7 @@ import torch
 from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.distributed import DistEnv, deepspeed_config
-from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
+from pipelines.engine.one_rank import host_grad_norm, one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
@@ -267,7 +267,7 @@ class DeepSpeedEngine(Engine):
     def step(self) -> dict[str, Any]:
         """DeepSpeed's ZeRO and bf16/fp16 optimizers drop a step with non-finite gradients (their
         overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None."""
-        norm = self.model.get_global_grad_norm()
+        norm = host_grad_norm(self.model)  # read before the update on one rank (one_rank.py), else DeepSpeed's
         skipped = not self.model.was_step_applied()
         if skipped and self.fp16:
             norm = None

@@ -120,7 +120,7 @@ class MLMNSPTask(Task):
     """BERT: dynamic masking (15 % of non-special tokens; 80 % [MASK] / 10 % random / 10 % kept) + NSP."""
 
     name = "mlm_nsp"
-    input_names = ("input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label")
+    input_names = ("input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label", "masked_positions")
 
     def __init__(self, manifest: Any, *, seed: int, probability: float = 0.15, whole_word: bool = False):
         sp = manifest.special_tokens
@@ -178,11 +178,14 @@ class MLMNSPTask(Task):
             types.append(np.r_[np.zeros(s["len_a"] + 2, np.int64), np.ones(s["len_b"] + 1, np.int64)])
         longest = max(len(x) for x in ids)
         length = min(-(-longest // 8) * 8, max(self.seq_len, longest))
+        padded_labels = _pad(labels, length, -100)
         return {
             "input_ids": _pad(ids, length, self.pad_id),
             "attention_mask": _pad([np.ones(len(x), np.int64) for x in ids], length, 0),
             "token_type_ids": _pad(types, length, 0),
-            "labels": _pad(labels, length, -100),
+            "labels": padded_labels,
+            # the sparse MLM head's rows, counted here on the host (models/bert.py: no device read, no graph break)
+            "masked_positions": torch.from_numpy(np.flatnonzero(padded_labels.numpy().reshape(-1) != -100)),
             "next_sentence_label": torch.tensor([s["next_sentence_label"] for s in samples], dtype=torch.long),
             "keys": [s["key"] for s in samples],
             "num_bad": sum(1 for s in samples if s.get("bad")),

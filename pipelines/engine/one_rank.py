@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "PATCHES", "one_rank_fast_path_", "skip_one_rank_allreduce_", "unwrap_one_rank_ddp"]
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "host_grad_norm", "one_rank_fast_path_", "skip_one_rank_allreduce_",
+           "unwrap_one_rank_ddp"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
 TESTED_DEEPSPEED = ("0.19",)
@@ -168,6 +169,41 @@ def _clip_without_host_reads(opt: Any) -> Callable[..., None]:
     return unscale_and_clip_grads
 
 
+#: Where ``_norm_read_before_the_update`` leaves the step's norm on the optimizer: (host value, loss scale).
+HOST_NORM = "pretrain_host_grad_norm"
+
+
+def _norm_read_before_the_update(opt: Any) -> Callable[..., Any]:
+    stock = type(opt).scaled_global_norm.__get__(opt)
+
+    def scaled_global_norm(norm_type: int = 2) -> Any:
+        """DeepSpeed's norm, unchanged, and its value read to the host here, once. Stock ``step`` reads the
+        norm's validity right after this (``is_invalid_grad_norm``: the device has drained by then
+        anyway), and our engine read its value again after the update (``get_global_grad_norm``), a second
+        drain that left the host's work between steps unhidden behind the update's kernels. Read here, the
+        engine takes the value (``host_grad_norm``) without a sync after the update."""
+        norm = stock(norm_type)
+        setattr(opt, HOST_NORM, (float(norm), opt.loss_scale) if torch.is_tensor(norm) else None)
+        return norm
+
+    return scaled_global_norm
+
+
+def host_grad_norm(ds_engine: Any) -> Any:
+    """The last step's gradient norm as ``get_global_grad_norm()`` gives it, as a host float without a device
+    read when ``_norm_read_before_the_update`` has it: stock sets the norm to scaled norm / loss scale, which
+    at a loss scale of 1 (fp32, bf16) is the scaled norm's value exactly; an overflow's norm (a float) and
+    anything else come from DeepSpeed as they are."""
+    norm = ds_engine.get_global_grad_norm()
+    opt = getattr(ds_engine, "optimizer", None)
+    read, scale = getattr(opt, HOST_NORM, None) or (None, None)
+    if read is not None:
+        setattr(opt, HOST_NORM, None)  # one step's value, used once
+        if torch.is_tensor(norm) and scale == 1.0:
+            return read
+    return norm
+
+
 @dataclass(frozen=True)
 class Patch:
     """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check."""
@@ -185,6 +221,7 @@ PATCHES: dict[str, Patch] = {
     "overflow_from_the_norm": Patch("has_overflow", _overflow_from_the_norm,
                                     lambda opt: opt.check_grad_overflow and opt.compute_grad_norm),
     "clip_without_host_reads": Patch("unscale_and_clip_grads", _clip_without_host_reads),
+    "norm_read_before_the_update": Patch("scaled_global_norm", _norm_read_before_the_update),
 }
 
 #: Attributes of DeepSpeedZeroOptimizer the patches read (besides the methods they replace).

@@ -184,6 +184,15 @@ class _Parts:
     device: torch.device
 
 
+def member_rows(models: list[torch.nn.Module], device: torch.device) -> torch.Tensor:
+    """Each model's parameters flattened into one row of a ``[members, params]`` tensor on ``device``.
+
+    Read where the models were built (the host), without moving any of them: ``Module.to`` works in place,
+    so moving the first model before this read mixed devices in one ``cat`` (the first GPU map, 2026-11-27).
+    """
+    return torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]).to(device)
+
+
 def _build(configs: list[RunConfig]) -> _Parts:
     """Each member's model as its run would build it (seeded init), stacked into rows; a loader per seed."""
     from pipelines.engine import distributed as dist
@@ -197,12 +206,11 @@ def _build(configs: list[RunConfig]) -> _Parts:
     data = open_run_data(configs[0], env)
     models = [build_model(cfg, data.task)[0] for cfg in configs]  # each seeded with its run's train.seed
     device = torch.device(env.device, env.local_rank) if env.device == "cuda" else torch.device(env.device)
-    base = models[0].to(device)
+    weights = member_rows(models, device).requires_grad_(True)
+    base = models[0].to(device)  # in place: the rows above are read first
     named = list(base.named_parameters())
     layout = ColumnLayout([n for n, _ in named], [p.shape for _, p in named], [no_weight_decay(n, p) for n, p in named],
                           device)
-    weights = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]).to(device)
-    weights.requires_grad_(True)
     hyper = [MemberHyper(rectified=MEMBER_OPTIMIZERS[c.optim.name], lr=c.optim.lr, beta1=c.optim.betas[0],
                          beta2=c.optim.betas[1], eps=c.optim.eps, weight_decay=c.optim.weight_decay,
                          grad_clip=c.optim.grad_clip, schedule=run_schedule(c, d_model=base.config.hidden_size))

@@ -192,7 +192,53 @@ def _training_inputs(name: str) -> dict:
     labels = torch.full_like(ids, -100)
     labels[:, 1:4] = ids[:, 1:4]
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
-            "next_sentence_label": torch.tensor([0, 1])}
+            "next_sentence_label": torch.tensor([0, 1]), "masked_positions": (labels.flatten() != -100).nonzero()[:, 0]}
+
+
+def test_bert_masked_positions_select_the_boolean_masks_rows_without_a_graph_break():
+    """The loader's host-side ``masked_positions`` give the sparse MLM head the rows ``labels != -100`` gives,
+    bitwise (loss, logits, every gradient), and compiled, the training forward is one graph: the boolean mask
+    broke it in three around a device read of the row count (a host sync on a GPU)."""
+    with_positions = _training_inputs("bert-tiny")
+    without = {k: v for k, v in with_positions.items() if k != "masked_positions"}
+    model = models.create("bert-tiny", **TINY_TEXT, hidden_dropout=0.0, attention_dropout=0.0)
+    results = []
+    for inputs in (with_positions, without):
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out["loss"].backward()
+        results.append((out["loss"], out["masked_prediction_logits"], [p.grad.clone() for p in model.parameters()]))
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+    explained = torch._dynamo.explain(model)(**with_positions)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch._dynamo.explain(model)(**without).graph_break_count > 0  # what the positions avoid
+
+
+DEVICE_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique", "aten::_unique2"}
+
+
+def _device_reads(model: torch.nn.Module, inputs: dict) -> dict[str, int]:
+    """Operators of a training forward + backward that copy a value the host needs back from the device
+    (a host sync on a GPU: ``.item()``, a boolean mask's row count), counted on the CPU by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(**inputs)["loss"].backward()
+    names = [e.name for e in prof.events()]
+    return {n: names.count(n) for n in DEVICE_READS if n in names}
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt-tiny", "vit-tiny"])
+def test_a_training_forward_and_backward_read_nothing_back_from_the_device(name):
+    """On a GPU such a read makes the host wait for the device mid-step; the trainer makes its own reads
+    once a step (tests/pipelines/test_host_syncs.py), the models none."""
+    inputs = _training_inputs(name)
+    if name.startswith("gpt"):
+        inputs = {"input_ids": inputs["input_ids"], "labels": inputs["input_ids"]}
+    model = models.create(name, **(TINY_VIT if name.startswith("vit") else TINY_TEXT))
+    assert _device_reads(model, inputs) == {}
+    if name.startswith("bert"):  # the boolean mask the loader's masked_positions replace
+        assert _device_reads(model, {k: v for k, v in inputs.items() if k != "masked_positions"}).get("aten::nonzero")
 
 
 @pytest.mark.slow

@@ -46,3 +46,23 @@ def test_a_run_that_ends_inside_the_window_writes_what_it_profiled(tmp_path):
 def test_off_writes_nothing(tmp_path):
     _steps(StepProfiler(tmp_path, "", rank=0, device_type="cpu"), n=3)
     assert not (tmp_path / "profile").exists()
+
+
+def test_device_busy_is_the_union_of_device_spans_not_a_sum():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from monitoring.profiler import device_busy_us
+
+    def event(start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [event(0, 10, DeviceType.CPU),  # the host op that launched the kernels: never device time
+              event(0, 4), event(2, 6),  # two streams overlapping: 0-6
+              event(3, 5),  # inside: nothing more
+              event(10, 12), event(12, 13),  # back to back
+              event(0, 40, annotation=True)]  # an annotation spanning gaps: left out
+    assert device_busy_us(events) == 6 + 3
+    assert device_busy_us([event(0, 10, DeviceType.CPU)]) == 0.0

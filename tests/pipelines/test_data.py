@@ -9,6 +9,7 @@ from pathlib import Path
 import corpus_fixtures as cf
 import numpy as np
 import pytest
+import torch
 
 from core.corpus import DataError, load_manifest
 from pipelines.engine import objectives as tasks
@@ -217,6 +218,19 @@ def test_whole_word_masking_masks_all_pieces(tmp_path):
         for i in range(1, len(ids) - 1):
             if ids[i] in (vocab["##s"], vocab["##ing"]):
                 assert sel[i] == sel[i - 1]
+
+
+def test_mlm_batches_carry_the_masked_positions_the_labels_mark(tmp_path):
+    """The sparse MLM head's rows, as flat indices into the padded [B, T] batch (models/bert.py)."""
+    root = cf.make_bert_corpus(tmp_path / "c", train_sizes=(8,), val_sizes=(8,))
+    m = load_manifest(root)
+    task = tasks.MLMNSPTask(m, seed=0)
+    samples = [data.decode_sample("bert_pairs", k, p) for _, k, p in data.read_samples(m, m.shards("train"), 0, 8)]
+    batch = task.collate(samples, epoch=0, train=True)
+    flat = batch["labels"].reshape(-1)
+    assert batch["masked_positions"].dtype == torch.int64 and len(batch["masked_positions"]) > 0
+    assert torch.equal(batch["masked_positions"], (flat != -100).nonzero()[:, 0])
+    assert "masked_positions" in task.model_inputs(batch)
 
 
 def test_image_transforms_and_mixup(tmp_path):

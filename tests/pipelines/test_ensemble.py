@@ -213,3 +213,18 @@ def test_member_adam_is_torch_adam_and_radam_row_by_row():
     for (a, b, _), row in zip(refs, weights, strict=True):
         assert torch.allclose(torch.cat([a.detach().reshape(-1), b.detach()]), row, rtol=1e-5, atol=1e-7)
     assert opt.updates_done == [12, 12, 11]
+
+
+def test_member_rows_reads_every_model_where_it_was_built_and_moves_none():
+    """The first GPU map failed here: moving the first model to the GPU before the read mixed devices."""
+    from pipelines.study.ensemble import member_rows
+
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)))
+    rows = member_rows(models, torch.device("meta"))  # any device other than the one the models live on
+    assert rows.device.type == "meta" and rows.shape == (3, 3 * 4 + 4 + 4 + 4)
+    assert all(p.device.type == "cpu" for m in models for p in m.parameters())
+    on_host = member_rows(models, torch.device("cpu"))
+    assert torch.equal(on_host[1], torch.cat([p.detach().reshape(-1) for p in models[1].parameters()]))

@@ -16,7 +16,7 @@ from pipelines.engine.config import OptimConfig
 from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 
 ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "foreach_grad_norm",
-       "overflow_from_the_norm", "clip_without_host_reads"]
+       "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update"]
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
@@ -32,7 +32,7 @@ def one_thread():
 def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | None = None):
     """Weights, reported norms and skipped steps after ``STEPS`` clipped optimizer steps of a tiny GPT
     (``ACCUM`` micro-batches each; step ``NAN_STEP`` gets a NaN gradient, as ``skip_step`` makes one)."""
-    from pipelines.engine.one_rank import one_rank_fast_path_
+    from pipelines.engine.one_rank import host_grad_norm, one_rank_fast_path_
 
     cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.05)  # small: every step clips
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | Non
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-        norms.append(engine.get_global_grad_norm())
+        norms.append(host_grad_norm(engine))  # as DeepSpeedEngine.step reads it: the value read before the update
         skipped.append(not engine.was_step_applied())
     weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return weights, norms, skipped, installed
