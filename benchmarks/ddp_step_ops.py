@@ -45,6 +45,7 @@ def main() -> int:
     from pipelines.engine import distributed as dist
     from pipelines.engine import engines
     from pipelines.engine.config import RunConfig
+    from pipelines.engine.host_reads import HostCopy, loss_or_nan
     from pipelines.engine.optim import build_optimizer
 
     if args.device == "cpu":
@@ -74,11 +75,16 @@ def main() -> int:
         bare_opt.step()
         bare_opt.zero_grad(set_to_none=True)
 
-    def engine_step() -> None:  # what Trainer._train_step asks of the engine
+    late: list[HostCopy] = []
+
+    def engine_step() -> None:  # what Trainer._train_step asks of the engine between log steps
         loss = engine(**batch)["loss"]
-        loss.detach().to(torch.float64).reshape(1).tolist()  # the step's agreement read
-        engine.backward(loss)
-        engine.step()
+        agreed = loss.detach().to(torch.float64).reshape(1)  # the step's agreement (one rank: no collective)
+        engine.backward(loss_or_nan(loss, agreed[0]))
+        engine.step()  # its outcome is read when the next step() settles it
+        if late:
+            late.pop().tolist()  # the previous step's agreement, read a step late
+        late.append(HostCopy(agreed))
 
     found = {}
     for name, step in (("ddp engine", engine_step), ("bare", bare_step)):  # the engine compiles first; the bare step

@@ -2,8 +2,8 @@
 
 The bare step is forward + backward + ``optimizer.step()`` + ``zero_grad`` of the model with the
 optimizer ``build_optimizer`` makes, on one batch kept in memory. The engine step is what
-``Trainer._train_step`` asks of the engine for the same batch: ``engine(**batch)``, the loss read of
-the step's agreement, ``engine.backward``, ``engine.step()`` (clipping, the overflow check, the LR
+``Trainer._train_step`` asks of the engine for the same batch between log steps: ``engine(**batch)``, the
+step's agreement (read a step late), ``engine.backward``, ``engine.step()`` (clipping, the overflow check, the LR
 scheduler; DeepSpeed: its gradient hooks, buckets, flat fp32 partitions and their copies). No loader,
 no logging: ``logging_overhead.py`` and ``loader_throughput.py`` time those.
 
@@ -49,6 +49,7 @@ def child(args: argparse.Namespace) -> dict:
     from pipelines.engine import distributed as dist
     from pipelines.engine import engines
     from pipelines.engine.config import RunConfig
+    from pipelines.engine.host_reads import HostCopy, loss_or_nan
     from pipelines.engine.optim import build_optimizer
 
     engine_name, stage = ENGINES[args.child]
@@ -87,11 +88,16 @@ def child(args: argparse.Namespace) -> dict:
         bare_opt.step()
         bare_opt.zero_grad(set_to_none=True)
 
-    def engine_step(engine) -> None:
+    late: dict[int, HostCopy] = {}
+
+    def engine_step(engine) -> None:  # Trainer._train_step between log steps: its reads come a step late
         loss = engine(**batch)["loss"]
-        loss.detach().to(torch.float64).reshape(1).tolist()  # the step's agreement read (Trainer._reduce_metrics)
-        engine.backward(loss)
-        engine.step()
+        agreed = loss.detach().to(torch.float64).reshape(1)  # the step's agreement (one rank: no collective)
+        engine.backward(loss_or_nan(loss, agreed[0]))
+        engine.step()  # its outcome is read when the next step() settles it
+        if id(engine) in late:
+            late.pop(id(engine)).tolist()  # the previous step's agreement
+        late[id(engine)] = HostCopy(agreed)
 
     steps = {name: (bare_step if name == "bare" else (lambda e=e: engine_step(e))) for name, e in sides.items()}
 

@@ -49,11 +49,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_ROWS = 25
 RECIPES = ("gpt", "bert", "vit")
-ENGINES = ("deepspeed", "ddp")  # the default rows; --engines also takes zero0, zero1, zero3, zero2-stock
+ENGINES = ("deepspeed", "ddp")  # the default rows; --engines also takes any other ENGINE_OVERRIDES name
 ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0": ["distributed.zero_stage=0"],
                     "zero1": ["distributed.zero_stage=1"], "zero3": ["distributed.zero_stage=3", "model.compile=false"],
                     # ZeRO-2 without the one-rank fast path (pipelines/engine/one_rank.py): its before/after in one run
-                    "zero2-stock": ["distributed.one_rank_fast_path=false"]}
+                    "zero2-stock": ["distributed.one_rank_fast_path=false"],
+                    # every step's values read at once (as before reading them a step late): that change's before/after
+                    "zero2-read-now": ["train.read_late=false"], "ddp-read-now": ["distributed.engine=ddp", "train.read_late=false"]}
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
 GPU = {

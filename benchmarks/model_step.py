@@ -50,8 +50,8 @@ def make_batch(model: torch.nn.Module, batch: int, seq_len: int, dev: torch.devi
 def time_steps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], steps: int, warmup: int, dtype: torch.dtype | None,
                clip: float = 0.0, reads: bool = False) -> float:
     """Seconds per step (forward, backward, AdamW) after `warmup` untimed steps. ``clip``: gradient-norm
-    clipping as the recipes clip; ``reads``: the two host reads the trainer makes in a step, where it makes
-    them (the loss after the forward: ``Trainer._reduce_metrics``; the clipped norm: ``DDPEngine.step``)."""
+    clipping as the recipes clip; ``reads``: the two host reads the trainer made in every step until it read
+    them a step late (the loss after the forward, the clipped norm before the update): what they cost."""
     first = next(iter(inputs.values()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=first.is_cuda)
     params = list(model.parameters())

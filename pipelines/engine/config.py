@@ -116,8 +116,12 @@ class OptimConfig:
     weight_decay: float = option(0.01, help="Weight decay; never applied to biases and norm weights.")
     decoupled_weight_decay: bool = option(False, help="RAdam: decoupled (AdamW-style) weight decay.")
     grad_clip: float = option(1.0, help="Clip the global gradient norm to this value; 0 disables.")
+    kernel: str = option("auto", help="adam / adamw: auto (torch's fused kernel on CUDA, its default elsewhere) | fused | "
+                                      "default. Fused skips a bad step on the device: the host reads the step a step later.")
 
     def __post_init__(self) -> None:
+        if self.kernel not in ("auto", "fused", "default"):
+            raise ConfigError(f"optim.kernel must be auto, fused or default, got {self.kernel!r}.")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}.")
         if self.lr <= 0:
@@ -166,6 +170,8 @@ class TrainConfig:
     overwrite: bool = option(False, help="With resume=never in a run dir that has checkpoints: delete them and start "
                                          "over (refused otherwise).")
     log_every: int = option(10, help="Log metrics every N steps.")
+    read_late: bool = option(True, help="Between log steps, read a step's loss and gradient norm once the next step is "
+                                        "queued, so the host never waits for the device; false: at once, every step.")
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps"):

@@ -7,8 +7,11 @@ dynamic loss scaling (``torch.amp.GradScaler``) for fp16. ``DeepSpeedEngine`` ha
 clipping, loss scaling and ZeRO partitioning to DeepSpeed. ``build_engine`` creates the
 ``Accelerator`` for either and returns the matching class: the loop never asks which it has.
 
-Every ``step()`` returns ``{"grad_norm", "lr", "skipped"}`` (+ ``loss_scale`` under fp16): a step
-whose gradients are non-finite is not applied.
+Every ``step()`` returns a ``StepOutcome``: ``{"grad_norm", "lr", "skipped"}`` (+ ``loss_scale`` under fp16),
+now or a step later (``host_reads``); a step whose gradients are non-finite is not applied. An engine with
+``loss_check_on_device`` needs no host read of the loss before its update: the loop multiplies the last
+backward's loss by NaN when the ranks' loss is non-finite, and the engine skips that step on the
+gradients' non-finite norm.
 
 Both also answer what diagnostics ask (``monitoring.diagnostics.DiagnosticsEngine``): full per-parameter
 gradients, optimizer state and weights, the optimizer's groups and facts, and the clipping factor,
@@ -32,8 +35,16 @@ import torch
 
 from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
+from pipelines.engine.deepspeed_reads import deepspeed_getters
 from pipelines.engine.distributed import DistEnv, deepspeed_config
-from pipelines.engine.one_rank import host_grad_norm, one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
+from pipelines.engine.host_reads import HostCopy, StepOutcome
+from pipelines.engine.one_rank import (
+    device_step,
+    host_grad_norm,
+    one_rank_fast_path_,
+    skip_one_rank_allreduce_,
+    unwrap_one_rank_ddp,
+)
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
 
@@ -46,6 +57,9 @@ class Engine:
     deepspeed = False  # which engine (read by checkpoints, never branched on here)
     reads_are_collective = False  # parameter_reads() are collectives: every rank must call (ZeRO)
     grads_before_step = True  # gradients exist between backward() and step() (not when backward steps)
+    # NaN gradients at the accumulation boundary skip the update with nothing else changed (weights,
+    # optimizer state, LR, loss scale): the loop may then fold a non-finite loss into them (module docstring)
+    loss_check_on_device = False
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, cfg: RunConfig):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
@@ -57,6 +71,7 @@ class Engine:
         self.fp16 = cfg.train.precision == "fp16"
         self.optimizer_facts = OPTIMIZERS.lookup(cfg.optim.name)  # the registered entry: adam_update, ...
         self._micro = 0
+        self._unsettled: tuple[HostCopy, StepOutcome] | None = None  # a step skipped or not on the device
 
     # -- the same for both engines
     def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
@@ -70,6 +85,29 @@ class Engine:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def settle(self) -> None:
+        """Read the norm the last ``step()`` left on the device when the update's skip was decided there (an
+        invalid norm: skipped): step the LR schedule if the update was applied, and resolve the outcome."""
+        if self._unsettled is None:
+            return
+        (norm_copy, outcome), self._unsettled = self._unsettled, None
+        (norm,) = norm_copy.tolist()
+        skipped = not math.isfinite(norm)
+        if skipped:
+            self._count_skipped()
+        else:
+            self.scheduler.step()
+        outcome.resolve({"grad_norm": norm, "lr": self.lr(), "skipped": skipped})
+
+    def _read_later(self, norm: HostCopy) -> StepOutcome:
+        """This step's outcome, resolved by ``settle`` from ``norm`` (the next step settles it first)."""
+        outcome = StepOutcome(settle=self.settle)
+        self._unsettled = (norm, outcome)
+        return outcome
+
+    def _count_skipped(self) -> None:
+        """Count a step skipped on the device where the engine keeps such a count."""
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """``t`` summed (or maxed) over ranks, on ``t``'s device; the collective runs on the engine's device
@@ -123,11 +161,11 @@ class Engine:
         """One micro-batch's backward (the last one of an optimizer step reduces the gradients)."""
         raise NotImplementedError
 
-    def step(self) -> dict[str, Any]:
-        """Finish the optimizer step after ``grad_accum`` backwards; returns grad_norm, lr, skipped."""
+    def step(self) -> StepOutcome:
+        """Finish the optimizer step after ``grad_accum`` backwards; its outcome: grad_norm, lr, skipped."""
         raise NotImplementedError
 
-    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+    def skip_step(self, boundary_loss: torch.Tensor) -> StepOutcome:
         """End this optimizer step without an update (every rank calls it; a non-finite loss was seen):
         weights, optimizer state and LR stay as they were, accumulated gradients are dropped."""
         raise NotImplementedError
@@ -151,6 +189,10 @@ class DDPEngine(Engine):
         # Dynamic loss scaling (Micikevicius et al. 2018): start at 2^16, halve on overflow, double after
         # 2000 clean steps -- torch's defaults, DeepSpeed's fp16 section uses the same start.
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0**16) if self.fp16 else None
+        # a NaN loss would lower the fp16 loss scale through the scaler's overflow path: the loop reads it first
+        self.loss_check_on_device = self.scaler is None
+        # torch's fused Adam(W) takes GradScaler's ``found_inf`` flag and skips the update on the device
+        self.device_skip = self.scaler is None and getattr(self._torch_optimizer(), "_step_supports_amp_scaling", False)
 
     def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
         if self.autocast is not None:
@@ -185,15 +227,18 @@ class DDPEngine(Engine):
             with self.model.no_sync():
                 self.accelerator.backward(loss)
 
-    def step(self) -> dict[str, Any]:
+    def step(self) -> StepOutcome:
         """Clip and step; a non-finite gradient norm (identical on every rank: the gradients are
         all-reduced) skips the update. Under fp16 the scaler unscales first and, on an overflow,
         lowers the scale: routine, so the norm is reported as None, not as a health alarm."""
+        self.settle()  # the previous step's LR schedule step, before this update uses the LR
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        norm = float(norm)  # the step's one host read here: the update waits on it anyway
+        if self.device_skip:
+            return self._step_on_the_device(norm)
+        norm = float(norm)  # the step's one host read here: the update waits on it
         skipped = not math.isfinite(norm)
         out: dict[str, Any] = {}
         if self.scaler is not None:
@@ -207,14 +252,30 @@ class DDPEngine(Engine):
         if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out}
+        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out})
 
-    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+    def _step_on_the_device(self, norm: torch.Tensor) -> StepOutcome:
+        """The update with the skip decided on the device: the fused kernel reads ``found_inf`` (1 when the
+        norm is non-finite) and leaves weights, moments and its step count as they were -- what a skipped
+        step does, without the host waiting for the norm. ``settle`` reads the norm later (the next
+        ``step()``, or whoever asks the outcome) and steps the LR schedule if the update was applied."""
+        optimizer = self._torch_optimizer()
+        optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del optimizer.found_inf
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._read_later(HostCopy(norm.detach().reshape(1).to(torch.float64)))
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> StepOutcome:
+        self.settle()
         self._micro += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": None, "lr": self.lr(), "skipped": True}
+        return StepOutcome({"grad_norm": None, "lr": self.lr(), "skipped": True})
 
     def save(self, path: Path) -> None:
+        self.settle()  # the LR schedule's position includes the last step
         if self.rank == 0:
             (path / "engine").mkdir(parents=True, exist_ok=True)
             torch.save(self.module.state_dict(), path / "engine" / "model.pt")
@@ -250,6 +311,12 @@ class DeepSpeedEngine(Engine):
         self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
         # identities on a world of one, removed (one_rank.py); distributed.one_rank_fast_path=false: stock DeepSpeed
         self.one_rank_patches = one_rank_fast_path_(model) if cfg.distributed.one_rank_fast_path else []
+        # ZeRO-1/2 drop a step with non-finite gradients in their overflow check (bf16: unless the user's
+        # JSON turned it off); fp16 would also lower its loss scale on a NaN loss: the loop reads it first
+        zero_opt = getattr(model, "optimizer", None)
+        self.loss_check_on_device = bool(
+            not self.fp16 and self.zero_stage in (1, 2) and getattr(zero_opt, "compute_grad_norm", False)
+            and (getattr(zero_opt, "dtype", None) != torch.bfloat16 or getattr(zero_opt, "check_grad_overflow", False)))
 
     def optimizer_param_groups(self) -> list[dict[str, Any]]:
         zero_opt = getattr(self.model, "optimizer", None)
@@ -260,13 +327,18 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed scales by 1/accum and applies the update at the accumulation boundary itself."""
+        self.settle()  # the previous step's LR schedule step, before an update uses the LR
         self._micro += 1
         self.model.backward(loss)
         self.model.step()
 
-    def step(self) -> dict[str, Any]:
+    def step(self) -> StepOutcome:
         """DeepSpeed's ZeRO and bf16/fp16 optimizers drop a step with non-finite gradients (their
-        overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None."""
+        overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None. On one
+        rank with the fused optimizer the check is on the device (``one_rank``): the norm is read later."""
+        pending = device_step(self.model)
+        if pending is not None:
+            return self._read_later(pending)
         norm = host_grad_norm(self.model)  # read before the update on one rank (one_rank.py), else DeepSpeed's
         skipped = not self.model.was_step_applied()
         if skipped and self.fp16:
@@ -279,13 +351,17 @@ class DeepSpeedEngine(Engine):
             if isinstance(scale, (int, float)):
                 out["loss_scale"] = float(scale)
         # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
-        return {"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out}
+        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out})
 
-    def skip_step(self, boundary_loss: torch.Tensor) -> dict[str, Any]:
+    def _count_skipped(self) -> None:
+        self.model.skipped_steps += 1  # DeepSpeed's own count, as its overflow path keeps it
+
+    def skip_step(self, boundary_loss: torch.Tensor) -> StepOutcome:
         """ZeRO / bf16 / fp16 optimizers keep accumulated gradients in their own partitioned buffers,
         so the step is handed to their overflow path (the one fp16 loss scaling uses): a NaN gradient
         at the accumulation boundary makes them clear every buffer, count a skipped step and leave
         parameters and moments alone. ZeRO-0 fp32 has plain gradients on the parameters."""
+        self.settle()
         if self.model.zero_optimization() or self.model.bfloat16_enabled() or self.fp16:
             self.backward(boundary_loss * float("nan"))
             if self.model.was_step_applied():  # only if the user's JSON turned DeepSpeed's overflow check off
@@ -298,9 +374,10 @@ class DeepSpeedEngine(Engine):
             self.model.micro_steps += 1
             self.model.global_steps += 1
             self.model.skipped_steps += 1
-        return {"grad_norm": None, "lr": self.lr(), "skipped": True}
+        return StepOutcome({"grad_norm": None, "lr": self.lr(), "skipped": True})
 
     def save(self, path: Path) -> None:
+        self.settle()
         self.model.save_checkpoint(str(path), tag="engine", save_latest=False)
         if self.world_free:
             save_world_free(self, path)
@@ -330,51 +407,6 @@ class DeepSpeedEngine(Engine):
         if loaded is None:
             raise CheckpointError(f"DeepSpeed found no engine state under {path / 'engine'}; the checkpoint is incomplete.")
         self._load_scheduler(path)
-
-
-def deepspeed_getters(
-    zero_optimizer: Any = None, state_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-) -> dict[str, Any]:
-    """``{"get_grad", "get_state", "get_param"}`` for ZeRO-partitioned parameters (DeepSpeed's safe_get_full_* API).
-
-    Use as ``collect_diagnostics(engine.module.named_parameters(), engine.optimizer, step=..., lr=...,
-    **deepspeed_getters(engine.optimizer))``; ``get_grad`` also fits ``gradient_histogram``.
-
-    Pass the engine's ZeRO optimizer to work around a DeepSpeed 0.19 ZeRO-1/2 gap: it links each
-    parameter to its optimizer-state fragment once, right after the *first* param group's first
-    step, before later groups have state, so parameters of the no-decay group never get
-    ``exp_avg``/``exp_avg_sq`` through ``safe_get_full_optimizer_state``. We relink (cheap views)
-    when the optimizer exposes that hook. A key still missing is left out (the parameter is skipped).
-    Parameters DeepSpeed does not partition (ZeRO stage 0) are read from ``zero_optimizer.state``.
-    """
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
-
-    relink = getattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if relink is not None and hasattr(zero_optimizer, "_hp_optimizer_states_linked"):
-        inner = getattr(zero_optimizer, "optimizer", None)
-        if inner is not None and len(inner.state) >= len(inner.param_groups):  # every group has stepped
-            zero_optimizer._hp_optimizer_states_linked = False
-            relink()
-
-    def get_state(p: torch.Tensor) -> dict[str, Any] | None:
-        if getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id"):  # not partitioned (ZeRO-0)
-            inner_state = getattr(zero_optimizer, "state", None)
-            return inner_state.get(p) if inner_state is not None else None
-        state = {}
-        for key in state_keys:
-            try:
-                value = safe_get_full_optimizer_state(p, key)
-            except (ValueError, KeyError, TypeError):  # no state yet, or not linked
-                value = None
-            if value is not None:
-                state[key] = value
-        return state or None
-
-    def get_param(p: torch.Tensor) -> torch.Tensor:
-        full = safe_get_full_fp32_param(p)
-        return full if full is not None else p
-
-    return {"get_grad": safe_get_full_grad, "get_state": get_state, "get_param": get_param}
 
 
 def _drop_accelerate_deepspeed_env() -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "PATCHES", "host_grad_norm", "one_rank_fast_path_", "skip_one_rank_allreduce_",
-           "unwrap_one_rank_ddp"]
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "device_step", "host_grad_norm", "one_rank_fast_path_",
+           "skip_one_rank_allreduce_", "unwrap_one_rank_ddp"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
 TESTED_DEEPSPEED = ("0.19",)
@@ -204,6 +204,83 @@ def host_grad_norm(ds_engine: Any) -> Any:
     return norm
 
 
+#: Where ``_update_skipped_on_the_device`` leaves the step's norm for a later read: a ``HostCopy`` of [norm].
+DEVICE_STEP = "pretrain_device_step"
+
+
+def _update_skipped_on_the_device(opt: Any) -> Callable[..., None]:
+    from deepspeed.runtime.utils import all_gather_dp_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    from pipelines.engine.host_reads import HostCopy
+
+    stock = type(opt).step.__get__(opt)
+
+    def step(closure: Any = None) -> None:
+        """The ZeRO step with the overflow decided on the device. Stock DeepSpeed reads the norm's validity
+        to the host (``is_invalid_grad_norm``) and branches: on an overflow it drops the gradients and
+        returns; else, per group, it flattens the gradients into the fp32 partition's gradient, unscales
+        and clips, steps the optimizer, and copies the partition into the bit16 weights. Here the same
+        operations run in the same order on every step, and the branch is the fused optimizer's
+        ``found_inf`` (1 when the norm is invalid): weights, moments and step count stay as they were and
+        the unchanged partition is copied back -- the skipped step's result, without the host waiting. The
+        norm is read a step later (``device_step``). Loss scale 1 (fp32, bf16): nothing to rescale."""
+        if any(opt._get_preflattened_grad_partition(i) is not None for i in range(len(opt.bit16_groups))):
+            return stock(closure)  # DeepCompile's own flat partitions: the stock path knows them
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID
+        opt.overflow = False  # what DeepSpeed's engine reads (was_step_applied): the engine asks device_step instead
+        norm = opt.scaled_global_norm()
+        invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed's norm helpers report inf/NaN as -1
+        found_inf = invalid.to(torch.float32)
+        opt._global_grad_norm = norm / opt.loss_scale
+        for i in range(len(opt.bit16_groups)):
+            opt.free_grad_in_param_list(opt.params_not_in_partition[i])
+            flat = opt.flatten_dense_tensors_aligned(opt.averaged_gradients[i], int(opt.partition_size[i]))  # one rank: the last
+            grad = flat.to(opt.single_partition_of_fp32_groups[i].dtype)
+            del flat
+            opt.single_partition_of_fp32_groups[i].grad = grad
+            opt.free_grad_in_param_list(opt.params_in_partition[i])
+            opt._release_preflattened_grad_buffers(i)
+            opt.averaged_gradients[i] = None
+            opt.all_grad_tensors[i] = None
+            opt.unscale_and_clip_grads([grad], norm)
+            opt.optimizer.found_inf = found_inf
+            try:
+                opt._optimizer_step(i)
+            finally:
+                del opt.optimizer.found_inf
+            opt.single_partition_of_fp32_groups[i].grad = None
+            del grad
+            opt.parallel_partitioned_bit16_groups[i][0].data.copy_(opt.single_partition_of_fp32_groups[i].data)
+        all_gather_dp_groups(groups_flat=opt.bit16_groups_flat, partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                             dp_process_group=opt.real_dp_process_group, start_alignment_factor=opt.nccl_start_alignment_factor,
+                             allgather_bucket_size=opt.allgather_bucket_size)
+        for i in range(len(opt.bit16_groups)):
+            opt._update_model_bit16_weights(i)
+        reported = torch.where(invalid, torch.full_like(norm, float("inf")), opt._global_grad_norm)  # stock: inf on overflow
+        setattr(opt, DEVICE_STEP, HostCopy(reported.detach().to(torch.float64).reshape(1)))
+
+    return step
+
+
+def device_step(ds_engine: Any) -> Any:
+    """The ``HostCopy`` of the last step's norm when ``_update_skipped_on_the_device`` ran it (inf: the step was
+    skipped), taken once; None otherwise (the stock step: ``was_step_applied`` and ``host_grad_norm``)."""
+    opt = getattr(ds_engine, "optimizer", None)
+    pending = getattr(opt, DEVICE_STEP, None)
+    if pending is not None:
+        setattr(opt, DEVICE_STEP, None)
+    return pending
+
+
+def _skips_on_the_device(opt: Any) -> bool:
+    """The inner optimizer takes ``found_inf`` (torch's fused Adam: ``optim.kernel``), the loss scale is 1, the norm
+    is computed and stock would skip on an invalid one (fp32; bf16 with ``check_grad_overflow``)."""
+    return (getattr(opt.optimizer, "_step_supports_amp_scaling", False) and opt.loss_scale == 1.0
+            and not opt.dynamic_loss_scale and opt.compute_grad_norm and opt.torch_autocast_gradscaler is None
+            and (opt.dtype != torch.bfloat16 or opt.check_grad_overflow))
+
+
 @dataclass(frozen=True)
 class Patch:
     """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check."""
@@ -221,14 +298,21 @@ PATCHES: dict[str, Patch] = {
     "overflow_from_the_norm": Patch("has_overflow", _overflow_from_the_norm,
                                     lambda opt: opt.check_grad_overflow and opt.compute_grad_norm),
     "clip_without_host_reads": Patch("unscale_and_clip_grads", _clip_without_host_reads),
-    "norm_read_before_the_update": Patch("scaled_global_norm", _norm_read_before_the_update),
+    "norm_read_before_the_update": Patch("scaled_global_norm", _norm_read_before_the_update,
+                                         lambda opt: not _skips_on_the_device(opt)),
+    "update_skipped_on_the_device": Patch("step", _update_skipped_on_the_device, _skips_on_the_device),
 }
 
 #: Attributes of DeepSpeedZeroOptimizer the patches read (besides the methods they replace).
 _NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size", "has_moe_layers", "model_parallel_rank",
           "mpu", "cpu_offload", "zenflow", "overlap_comm", "_offload_gradient_safety_enabled", "use_grad_accum_attribute",
           "_use_compact_grad_partition_buffer", "bit16_groups", "contiguous_gradients", "compute_grad_norm",
-          "check_grad_overflow", "get_param_id", "params_already_reduced", "device", "clip_grad", "loss_scale")
+          "check_grad_overflow", "get_param_id", "params_already_reduced", "device", "clip_grad", "loss_scale",
+          "dynamic_loss_scale", "torch_autocast_gradscaler", "dtype", "optimizer", "averaged_gradients", "all_grad_tensors",
+          "params_in_partition", "params_not_in_partition", "partition_size", "single_partition_of_fp32_groups",
+          "parallel_partitioned_bit16_groups", "bit16_groups_flat", "nccl_start_alignment_factor", "allgather_bucket_size",
+          "flatten_dense_tensors_aligned", "free_grad_in_param_list", "_release_preflattened_grad_buffers",
+          "_get_preflattened_grad_partition", "_optimizer_step", "_update_model_bit16_weights", "micro_step_id")
 
 
 def one_rank_fast_path_(ds_engine: Any) -> list[str]:

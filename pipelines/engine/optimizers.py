@@ -25,12 +25,15 @@ def _cpu_adam(groups: list[dict], cfg: Any, *, adamw_mode: bool) -> Optimizer:
     return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, adamw_mode=adamw_mode)
 
 
-def _fused_on(device: str) -> dict[str, bool]:
-    """torch's fused Adam(W) kernel on CUDA: one launch per parameter group and dtype instead of the
-    foreach path's several (its step counters stay on the device: no host read), the same update
-    rule; also as DeepSpeed's client optimizer, where it steps the fp32 master partitions. CPU runs
-    keep torch's default path (the CPU parity tests compare them bit for bit)."""
-    return {"fused": True} if str(device).startswith("cuda") else {}
+def _fused_on(device: str, kernel: str = "auto") -> dict[str, bool]:
+    """torch's fused Adam(W) kernel on CUDA (``optim.kernel=auto``): one launch per parameter group and
+    dtype instead of the foreach path's several (its step counters stay on the device: no host read),
+    the same update rule, and a skip decided on the device (``found_inf``: ``DDPEngine``); also as
+    DeepSpeed's client optimizer, where it steps the fp32 master partitions. CPU runs keep torch's
+    default path unless ``optim.kernel=fused`` (the CPU parity tests compare them bit for bit)."""
+    if kernel == "auto":
+        return {"fused": True} if str(device).startswith("cuda") else {}
+    return {"fused": kernel == "fused"}
 
 
 @register_optimizer("adam", adam_update=True, deepspeed_cpu_kernel=True)
@@ -40,7 +43,7 @@ def _adam(groups: list[dict], cfg: Any, offload: bool, device: str) -> Optimizer
         return _cpu_adam(groups, cfg, adamw_mode=False)
     import torch
 
-    return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device))
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device, cfg.kernel))
 
 
 @register_optimizer("adamw", adam_update=True, deepspeed_cpu_kernel=True)
@@ -50,7 +53,7 @@ def _adamw(groups: list[dict], cfg: Any, offload: bool, device: str) -> Optimize
         return _cpu_adam(groups, cfg, adamw_mode=True)
     import torch
 
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_fused_on(device, cfg.kernel))
 
 
 @register_optimizer("radam", adam_update=True, has_rectification=True)

@@ -10,6 +10,14 @@ them to ``Trainer``. Fine-tuning builds its own model/task/sources and reuses ``
 Every rank does the same number of steps on the same number of batches; one small all-reduce per
 step carries the loss, token count and the stop flags (signal, wall time), so all ranks stop and
 checkpoint at the same step boundary.
+
+The host reads a step's values (the all-reduced loss, the gradient norm, whether the update was
+applied) one step late where the engine allows it (``Engine.loss_check_on_device``): it queues step
+n+1 before it reads step n, so the device never waits for the host between steps. Steps that act
+on their values -- log, evaluation, checkpoint and diagnostics steps, the last step, every step under
+``max_tokens`` or ``logging.sample_keys`` -- read them at once (``_reads_now``). A stop that a late
+read finds (a signal, the time budget, a health stop) takes effect after the step already queued,
+the same step on every rank. ``train.read_late=false`` reads every step at once.
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ from typing import Any
 
 import torch
 
-from core import families
 from core.config import ConfigError, save_config, to_dict
 from core.corpus_kinds import corpus_kind
 from pipelines.engine import checkpoint as ckpt
@@ -34,9 +41,11 @@ from pipelines.engine import distributed as dist
 from pipelines.engine import engines
 from pipelines.engine.config import RunConfig
 from pipelines.engine.hooks import RunHooks
+from pipelines.engine.host_reads import HostCopy, StepOutcome, loss_or_nan
 from pipelines.engine.model_build import build_model
+from pipelines.engine.run_data import RunData, build_sources, open_run_data
 
-__all__ = ["Trainer", "train", "build_model", "RunData", "open_run_data", "build_sources"]  # build_model: pipelines.engine.model_build
+__all__ = ["Trainer", "train", "build_model", "RunData", "open_run_data", "build_sources"]  # re-exported: model_build, run_data
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +65,38 @@ class _RunState:
 
 @dataclasses.dataclass
 class _StepResult:
-    """One optimizer step as the later steps of ``fit`` see it."""
+    """One optimizer step as the later steps of ``fit`` see it (once its host values are read)."""
 
+    number: int  # the step's 1-based number
     loss: float  # mean over ranks (non-finite: the step was skipped)
-    agg: dict[str, Any]  # the all-reduced sums and stop flags (``_reduce_metrics``)
+    agg: dict[str, Any]  # the all-reduced sums and stop flags (``_agreement``)
     result: dict[str, Any]  # ``Engine.step`` / ``skip_step``: grad_norm, lr, skipped (+ loss_scale)
     rates: dict[str, float]  # throughput / MFU / data wait of this step
+
+
+@dataclasses.dataclass
+class _QueuedStep:
+    """An optimizer step whose work is queued on the device; ``read`` gets its host values."""
+
+    number: int
+    agreement: HostCopy | list[float]  # summed over ranks: loss, tokens, bad samples, signal, time up
+    outcome: StepOutcome
+    peer_wait: float
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)  # filled when the step ends (the same dict)
+    read_result: _StepResult | None = None
+
+    def read(self, world_size: int) -> _StepResult:
+        """The host values (waits for the device to finish this step, if it has not)."""
+        if self.read_result is None:
+            values = self.agreement if isinstance(self.agreement, list) else self.agreement.tolist()
+            loss, tokens, bad, signal_sum, time_up = values
+            agg = {"loss": loss / world_size, "tokens": int(tokens), "bad": int(bad), "signal": signal_sum > 0,
+                   "time_up": time_up > 0}
+            result = self.outcome.get()
+            if not math.isfinite(agg["loss"]):  # its gradients were NaN by construction, not measured: no norm
+                result = {**result, "grad_norm": None}
+            self.read_result = _StepResult(self.number, agg["loss"], agg, result, self.rates)
+        return self.read_result
 
 
 class Trainer:
@@ -97,6 +132,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.step = self.tokens = 0
         self.last_good_step = 0  # the newest step whose update was applied (or the resumed step)
+        self.health_stop_step: int | None = None  # the step whose values stopped the run (health)
         self.start_loss: float | None = None
         self.last_eval: dict[str, float] = {}
         self._signal: int | None = None
@@ -107,14 +143,13 @@ class Trainer:
         run = self._start()
         batches = self.train_data.batches()
         self.engine.train()
-        stop_reason, last_saved = None, None
+        stop_reason, last_saved, queued = None, None, []
         while self.step < self.cfg.train.max_steps:
+            read_now = self._reads_now(self.step + 1, run)
             run.profiler.before(self.step + 1)
-            step = self._train_step(batches, run)
+            queued.append(self._train_step(batches, run, read_now))
             run.profiler.after(self.step)
-            verdict = self._check_health(step, run)
-            self._log_step(step, run)
-            stop_reason = self._stop_reason(step, verdict)
+            stop_reason = self._finish_steps(queued, run, keep_newest=not read_now)
             stop_reason = self._maybe_eval(stop_reason, run)
             last_saved, finished = self._maybe_checkpoint(stop_reason, run, last_saved)
             if finished:
@@ -172,11 +207,30 @@ class Trainer:
         return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), profiler=profiler,
                          resume=resume, started=time.time())
 
-    def _train_step(self, batches: Any, run: _RunState) -> _StepResult:
+    def _reads_now(self, number: int, run: _RunState) -> bool:
+        """Whether step ``number`` reads its host values before the next step is queued: a step that acts on
+        them (module docstring). The rule is the same on every rank; a run of one rank also reads at once
+        when a signal or its time budget is in, so that it stops at that step."""
+        from monitoring.diagnostics import diagnostics_due
+
+        t, lg = self.cfg.train, self.cfg.logging
+
+        def every(n: int) -> bool:
+            return n > 0 and number % n == 0
+
+        one_rank = self.engine.world_size == 1
+        return (not (t.read_late and self.engine.loss_check_on_device)
+                or number == 1 or number >= t.max_steps or every(t.log_every) or every(t.eval_every)
+                or every(t.checkpoint_every) or diagnostics_due(number, lg.diagnostics_every)
+                or (not one_rank and every(lg.skew_every)) or t.max_tokens > 0 or run.trace is not None
+                or (one_rank and (self._signal is not None or self._time_up(run))))
+
+    def _train_step(self, batches: Any, run: _RunState, read_now: bool) -> _QueuedStep:
         """One optimizer step: ``grad_accum`` micro-batches forward (backward all but the last), the
-        cross-rank agreement, then the update -- unless some rank's loss is NaN/Inf (the mean is then
-        non-finite on every rank) and the step is skipped."""
-        from monitoring.diagnostics import log_diagnostics
+        cross-rank agreement, the last backward and the update -- skipped if some rank's loss is NaN/Inf
+        (the mean is then non-finite on every rank) or the gradients are. ``read_now``: read the step's
+        host values before it ends (else ``fit`` reads them once the next step is queued)."""
+        from monitoring.diagnostics import diagnostics_due, log_diagnostics
 
         t, engine = self.cfg.train, self.engine
         run.meter.start_step()
@@ -195,53 +249,82 @@ class Trainer:
             if i < len(micro) - 1:
                 engine.backward(boundary_loss)
         local_loss = loss_sum / t.grad_accum_steps
-        agg, peer_wait = self._reduce_metrics(local_loss, tokens, bad, run)
-        loss = agg["loss"]
-        if math.isfinite(loss):
-            engine.backward(boundary_loss)  # the accumulation boundary: gradients are reduced here
-            log_diagnostics(run.logger, engine, step=self.step + 1, cfg=self.cfg)  # gradients exist until engine.step()
-            result = engine.step()  # skipped if the gradient norm is non-finite
-        else:
-            result = engine.skip_step(boundary_loss)  # weights, optimizer state and LR stay as they were
-        self.step += 1
-        if not result["skipped"]:
-            self.tokens += agg["tokens"]
-            self.last_good_step = self.step
-        if self.start_loss is None and math.isfinite(loss):
-            self.start_loss = loss
-        self.last_loss = loss
-        rates = run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens, peer_wait,
-                                   flops=flops or None)
+        number, arrived = self.step + 1, time.perf_counter()
+        agreed = self._agreement(local_loss, tokens, bad, run)
+        if engine.loss_check_on_device:  # the loss joins the gradients: x1.0 (bitwise the same) or x NaN (skipped)
+            peer_wait = time.perf_counter() - arrived  # gloo blocks in the collective; on a GPU nothing waits here
+            engine.backward(loss_or_nan(boundary_loss, agreed[0]))
+            agreement: HostCopy | list[float] = HostCopy(agreed)
+            if diagnostics_due(number, self.cfg.logging.diagnostics_every) and math.isfinite(agreement.tolist()[0]):
+                log_diagnostics(run.logger, engine, step=number, cfg=self.cfg)  # gradients exist until engine.step()
+            outcome = engine.step()
+        else:  # the loss decides whether the backward and the update run: read it now
+            agreement = agreed.tolist()
+            peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived (and the device)
+            if math.isfinite(agreement[0]):
+                engine.backward(boundary_loss)  # the accumulation boundary: gradients are reduced here
+                log_diagnostics(run.logger, engine, step=number, cfg=self.cfg)
+                outcome = engine.step()  # skipped if the gradient norm is non-finite
+            else:
+                outcome = engine.skip_step(boundary_loss)  # weights, optimizer state and LR stay as they were
+        self.step = number
+        queued = _QueuedStep(number, agreement, outcome, peer_wait)
+        if read_now:  # the wait for the device belongs to this step's time
+            queued.read(engine.world_size)
+        queued.rates.update(run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens,
+                                               peer_wait, flops=flops or None))
         if run.trace is not None:  # logging.sample_keys: this rank's samples and own loss, one more host read
             run.trace.write(json.dumps({"step": self.step, "loss": local_loss.item(), "keys": keys, "pid": os.getpid()}) + "\n")
             run.trace.flush()
-        return _StepResult(loss=loss, agg=agg, result=result, rates=rates)
+        return queued
 
-    def _reduce_metrics(self, local_loss: torch.Tensor, tokens: int, bad: int, run: _RunState) -> tuple[dict[str, Any], float]:
-        """One small all-reduce before the update: mean loss, global tokens, bad samples and the stop flags
-        (signal, wall time), so every rank takes the same decisions. Returns (sums, seconds waited for peers).
+    def _agreement(self, local_loss: torch.Tensor, tokens: int, bad: int, run: _RunState) -> torch.Tensor:
+        """The step's one small all-reduce, on the loss's device: loss, tokens, bad samples and the stop
+        flags (signal, wall time) summed over ranks, so every rank takes the same decisions from them.
+        Its values are read by ``_QueuedStep.read`` (tests/pipelines/test_host_syncs.py counts the reads)."""
+        host = torch.tensor([float(tokens), float(bad), float(self._signal or 0), float(self._time_up(run))],
+                            dtype=torch.float64)
+        return self.engine.all_reduce(torch.cat([local_loss.reshape(1), host.to(local_loss.device, non_blocking=True)]), "sum")
 
-        This is the step's one host read of device values (the loss decides whether the update is
-        applied): the loss stays on its device, the host counters join it there, one ``tolist()`` reads
-        the sums back (tests/pipelines/test_host_syncs.py counts the reads per step)."""
+    def _time_up(self, run: _RunState) -> bool:
         t = self.cfg.train
-        time_up = t.max_time_minutes > 0 and (time.time() - run.started) / 60 >= t.max_time_minutes
-        arrived = time.perf_counter()
-        host = torch.tensor([float(tokens), float(bad), float(self._signal or 0), float(time_up)], dtype=torch.float64)
-        agreed = self.engine.all_reduce(torch.cat([local_loss.reshape(1), host.to(local_loss.device, non_blocking=True)]), "sum")
-        loss, tokens_sum, bad_sum, signal_sum, time_up_sum = agreed.tolist()
-        peer_wait = time.perf_counter() - arrived  # blocked until the slowest rank arrived (and the device, on a GPU)
-        return {"loss": loss / self.engine.world_size, "tokens": int(tokens_sum), "bad": int(bad_sum),
-                "signal": signal_sum > 0, "time_up": time_up_sum > 0}, peer_wait
+        return t.max_time_minutes > 0 and (time.time() - run.started) / 60 >= t.max_time_minutes
+
+    def _finish_steps(self, queued: list[_QueuedStep], run: _RunState, *, keep_newest: bool) -> str | None:
+        """Read the queued steps in order -- all, or all but the newest -- and act on each: counters,
+        health, logs, stop flags. A stop found in an older step finishes the newest too (it has run)."""
+        stop_reason = None
+        while queued and (len(queued) > 1 or not keep_newest or stop_reason is not None):
+            stop_reason = self._finish(queued.pop(0).read(self.engine.world_size), run, stopping=stop_reason is not None) \
+                or stop_reason
+        return stop_reason
+
+    def _finish(self, step: _StepResult, run: _RunState, *, stopping: bool) -> str | None:
+        """Count a read step; unless the run is already stopping, check its health, log it and return why
+        to stop after it, if at all."""
+        if not step.result["skipped"]:
+            self.tokens += step.agg["tokens"]
+            self.last_good_step = step.number
+        if self.start_loss is None and math.isfinite(step.loss):
+            self.start_loss = step.loss
+        self.last_loss = step.loss
+        if stopping:
+            return None
+        verdict = self._check_health(step, run)
+        self._log_step(step, run)
+        stop_reason = self._stop_reason(step, verdict)
+        if stop_reason == "health":
+            self.health_stop_step = step.number
+        return stop_reason
 
     def _check_health(self, step: _StepResult, run: _RunState) -> str | None:
         """Bad samples, NaN/Inf and spikes, data starvation; the verdict is the same on every rank (its
         inputs are the all-reduced loss and the global gradient norm)."""
         if step.agg["bad"] > 0:
-            run.logger.event(self.step, "bad_samples",
+            run.logger.event(step.number, "bad_samples",
                              f"{step.agg['bad']} bad samples replaced this step (see worker logs for shard/key).")
-        verdict = run.health.check(self.step, step.loss, step.result["grad_norm"])
-        run.health.observe_data_wait(self.step, step.rates.get("data_wait_share", 0.0))
+        verdict = run.health.check(step.number, step.loss, step.result["grad_norm"])
+        run.health.observe_data_wait(step.number, step.rates.get("data_wait_share", 0.0))
         return verdict
 
     def _log_step(self, step: _StepResult, run: _RunState) -> None:
@@ -249,16 +332,16 @@ class Trainer:
         slowest by busy time: step time less the wait for the others), train metrics every ``log_every``."""
         from monitoring import step_time_skew
 
-        cfg, engine = self.cfg, self.engine
-        if engine.world_size > 1 and cfg.logging.skew_every and self.step % cfg.logging.skew_every == 0:
+        cfg, engine, number = self.cfg, self.engine, step.number
+        if engine.world_size > 1 and cfg.logging.skew_every and number % cfg.logging.skew_every == 0:
             skew = step_time_skew(step.rates["busy_time"], engine.gather)
-            run.logger.log(self.step, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
-        if self.step % cfg.train.log_every == 0 or self.step == 1:
+            run.logger.log(number, {k: v for k, v in skew.items() if k != "step_times"}, split="ranks")
+        if number % cfg.train.log_every == 0 or number == 1:
             extra = {"loss_scale": step.result["loss_scale"]} if "loss_scale" in step.result else {}
             data = self.train_data.state_dict()
             # a mixture: samples each corpus has given so far (global: the mixture is over global sample slots)
             extra.update({f"samples/{name}": n for name, n in data.get("consumed", {}).items()})
-            run.logger.log(self.step, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
+            run.logger.log(number, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
                                        "tokens": self.tokens, "epoch": data.get("epoch", 0),
                                        **extra, **step.rates})
 
@@ -286,7 +369,7 @@ class Trainer:
         """Checkpoint periodically and before an early stop; returns (newest checkpoint, leave the loop)."""
         t, logger = self.cfg.train, run.logger
         if stop_reason == "health":
-            failed_at = self.step
+            failed_at = self.health_stop_step or self.step
             last_saved = self._save_last_good(run.health, run.meter, last_saved)
             logger.event(failed_at, "stop", f"Stopped at step {failed_at}: non-finite loss or gradients "
                          f"(logging.nan_policy={self.cfg.logging.nan_policy}). {last_saved} holds the last good state "
@@ -402,67 +485,6 @@ class Trainer:
         where = self.run_dir / where  # an absolute path stays as it is
         where.mkdir(parents=True, exist_ok=True)
         return open(where / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
-
-
-@dataclasses.dataclass
-class RunData:
-    """What a pretraining run reads, opened and checked before any model exists (``open_run_data``)."""
-
-    task: Any
-    manifest: Any  # the first corpus: the task, the eval split and the release's tokenizer come from it
-    corpus: Any  # the manifest, or [(name, weight, manifest)] for a mixture
-    info: dict[str, Any]  # the checkpoint's ``data_info``
-
-
-def open_run_data(cfg: RunConfig, env: dist.DistEnv) -> RunData:
-    """Load and verify the corpus (or mixture) of ``cfg`` and build its task."""
-    from pipelines.engine import objectives as tasks
-    from pipelines.loading import loader as data_mod
-    from pipelines.loading.blend import check_blendable
-
-    dist.validate(cfg, env)
-    if cfg.train.task not in families.pretraining_tasks():
-        raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports "
-                          f"{', '.join(families.pretraining_tasks())}.")
-    kind = families.family_of_model(cfg.model.name).corpus_kind  # what the model's family reads (its spec says)
-    d = cfg.data
-    specs = [(c.name, c.weight, c.path, c.url_prefix or d.url_prefix) for c in d.corpora] or [("", 1.0, d.corpus, d.url_prefix)]
-    manifests = [data_mod.load_manifest(path, kind=kind, url_prefix=prefix) for _, _, path, prefix in specs]
-    check_blendable(manifests, [name or str(m.root) for (name, *_), m in zip(specs, manifests, strict=True)])
-    manifest = manifests[0]
-    for i, m in enumerate(manifests):
-        data_mod.verify_shards(m, ["train"] + ([d.eval_split] if i == 0 and d.eval_split in m.splits else []),
-                               checksums=d.verify_checksums, rank=env.rank, world=env.world_size)
-    corpus = [(name, weight, m) for (name, weight, _, _), m in zip(specs, manifests, strict=True)] if d.corpora else manifest
-    mixture = [{"name": n, "weight": w, "path": str(m.root)} for (n, w, _, _), m in zip(specs, manifests, strict=True)]
-    info = {"corpus": str(manifest.root), "corpora": mixture if d.corpora else [], "kind": manifest.kind,
-            "seq_len": manifest.seq_len, "class_map": manifest.class_map,
-            "splits": {k: v.get("samples") for k, v in manifest.raw.get("splits", {}).items()},
-            "tokens": {k: v.get("tokens") for k, v in manifest.raw.get("splits", {}).items()},
-            "tokenizer": manifest.raw.get("tokenizer", {})}
-    return RunData(task=tasks.build_task(cfg, manifest), manifest=manifest, corpus=corpus, info=info)
-
-
-def build_sources(cfg: RunConfig, env: dist.DistEnv, data: RunData, model: torch.nn.Module) -> tuple[Any, Any]:
-    """The train source (shuffled with ``train.seed``) and the eval source (None without the split) of a run."""
-    from pipelines.loading import loader as data_mod
-
-    d, manifest = cfg.data, data.manifest
-    common = dict(rank=env.rank, world=env.world_size, num_workers=d.num_workers,
-                  prefetch_factor=d.prefetch_factor, on_bad_sample=d.on_bad_sample, pin_memory=env.device == "cuda",
-                  max_bad_share=d.max_bad_share, verify_checksums=d.verify_checksums,
-                  start_method=d.worker_start_method,
-                  limits=data_mod.SampleLimits.of_model(model, manifest.kind))  # a sample the model cannot take is a bad sample
-    train_src = data_mod.StreamingSource(data.corpus, "train", data.task.collate, micro_batch_size=d.micro_batch_size,
-                                         grad_accum=cfg.train.grad_accum_steps, seed=cfg.train.seed, shuffle=True,
-                                         shuffle_buffer=d.shuffle_buffer, train=True, **common)
-    eval_src = None
-    if d.eval_split in manifest.splits:
-        total = sum(s.samples for s in manifest.shards(d.eval_split))
-        eval_mb = max(1, min(d.micro_batch_size, total // env.world_size))
-        eval_src = data_mod.StreamingSource(manifest, d.eval_split, data.task.collate, micro_batch_size=eval_mb,
-                                            shuffle=False, train=False, seed=cfg.train.seed, **common)
-    return train_src, eval_src
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

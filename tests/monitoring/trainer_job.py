@@ -146,6 +146,8 @@ def build_config(spec: dict[str, Any]) -> RunConfig:
     lg.skew_every, lg.prometheus_port = spec.get("skew_every", 50), spec.get("prometheus_port", 0)
     lg.starvation_share = spec.get("starvation_share", lg.starvation_share)
     t.precision = spec.get("precision", t.precision)
+    cfg.optim.kernel = spec.get("kernel", cfg.optim.kernel)
+    t.read_late = spec.get("read_late", t.read_late)
     return cfg
 
 

@@ -94,9 +94,9 @@ def install() -> None:
 
     orig_step = trainer.Trainer._train_step
 
-    def train_step(self, batches, run):
+    def train_step(self, batches, run, *args, **kwargs):
         state["step"] = self.step + 1
-        return orig_step(self, batches, run)
+        return orig_step(self, batches, run, *args, **kwargs)
 
     orig_eval = trainer.Trainer.evaluate
 

@@ -1,13 +1,16 @@
-"""Host syncs per training step: a step that is not a log step reads device values back once.
+"""Host syncs per training step: a step that is not a log step waits for nothing of its own.
 
 On a GPU every read of a tensor's value (``.item()``, ``float()``, ``.tolist()``, ``.cpu()``) and every
 collective makes the host wait for the device, so the host cannot queue the next step's work while
 the device runs this one. A real run of ``python -m pipelines.pretrain`` (``sync_trace_job.py``)
-counts the calls our code makes per step; the steps between log steps must make only the step's
-agreement (``Trainer._reduce_metrics``: the loss decides whether the update is applied) and the
-engine's gradient-norm read (whether the gradients are finite). Calls torch or DeepSpeed make inside
-their own code are theirs (DeepSpeed's overflow check, torch's CPU optimizer step counters) and are
-not held against us here. Periodic work (log, skew, eval, checkpoint steps) is outside the hot path.
+counts the calls our code makes per step. Between log steps the trainer reads a step's values -- the
+agreement (``Trainer._agreement``: loss, tokens, stop flags) and, with the fused optimizer, the
+gradient norm -- one step late, through ``HostCopy`` (``pipelines/engine/host_reads.py``): those
+reads appear in the *next* step and wait only for the step before it, long done on the device. What
+remains of a step's own reads is the engine's gradient-norm read where the update still waits for it
+(torch's default Adam; DeepSpeed's overflow check). Calls torch or DeepSpeed make inside their own code
+are theirs (DeepSpeed's overflow check, torch's CPU optimizer step counters) and are not held against
+us here. Periodic work (log, skew, eval, checkpoint steps) is outside the hot path.
 """
 
 from __future__ import annotations
@@ -24,16 +27,25 @@ from pipelines.engine.distributed import free_port
 
 JOB = Path(__file__).with_name("sync_trace_job.py")
 STEPS, LOG_EVERY = 7, 3
-HOT_PATH = {  # what our code may read per non-log step, per engine (world of 1; 2 ranks add the agreement's all_reduce)
-    "ddp": {"Tensor.tolist @ pipelines/engine/trainer.py:_reduce_metrics": 1,
-            "Tensor.__float__ @ pipelines/engine/engines.py:step": 1},
-    "deepspeed": {"Tensor.tolist @ pipelines/engine/trainer.py:_reduce_metrics": 1,
-                  "Tensor.__float__ @ pipelines/engine/engines.py:step": 1},
+LATE = "Tensor.tolist @ pipelines/engine/host_reads.py:tolist"  # a value of the step before, read one step late
+ENGINE_NORM = "Tensor.__float__ @ pipelines/engine/engines.py:step"
+OWN_READS = {  # what a non-log step reads of its own (world of 1; 2 ranks add the agreement's all_reduce)
+    "ddp": {ENGINE_NORM: 1},  # torch's default Adam: the update waits for the norm
+    "ddp_fused": {},  # optim.kernel=fused: the skip is decided on the device, the norm read a step late
+    # one rank: the norm is read before the update, where DeepSpeed's overflow check waits for the device anyway
+    # (pipelines/engine/one_rank.py), and the engine's step after the update reads nothing
+    "deepspeed": {"Tensor.__float__ @ pipelines/engine/one_rank.py:scaled_global_norm": 1},
+    "deepspeed_fused": {},  # one rank, optim.kernel=fused: the ZeRO step's skip is decided on the device too
+    "deepspeed_stock": {ENGINE_NORM: 1},
 }
-# One rank: the norm is read before the update, where DeepSpeed's overflow check waits for the device anyway
-# (pipelines/engine/one_rank.py), and the engine's step after the update reads nothing.
-ONE_RANK_DEEPSPEED = {"Tensor.tolist @ pipelines/engine/trainer.py:_reduce_metrics": 1,
-                      "Tensor.__float__ @ pipelines/engine/one_rank.py:scaled_global_norm": 1}
+LATE_READS = {"ddp": {LATE: 1}, "ddp_fused": {LATE: 2}, "deepspeed": {LATE: 1}, "deepspeed_fused": {LATE: 2},
+              "deepspeed_stock": {LATE: 1}}
+
+
+def _expected(kind: str, step: int, extra: dict[str, int] | None = None) -> dict[str, int]:
+    """A non-log step's reads: its own, plus the previous step's values when that step was not read at once."""
+    previous_deferred = step - 1 >= 2 and (step - 1) % LOG_EVERY != 0
+    return {**OWN_READS[kind], **(extra or {}), **(LATE_READS[kind] if previous_deferred else {})}
 
 
 def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int, extra: tuple[str, ...] = ()) -> list[dict]:
@@ -58,19 +70,22 @@ def _non_log_steps() -> list[str]:
     return [str(s) for s in range(2, STEPS) if s % LOG_EVERY]  # step 1 logs too; the last step ends the run
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
-def test_one_process_non_log_steps_read_the_device_once_plus_the_grad_norm(engine, gpt_corpus, tmp_path):
-    (trace,) = _traced_run(tmp_path, gpt_corpus, engine, processes=1)
+@pytest.mark.parametrize("kind", ["ddp", "ddp_fused", "deepspeed", "deepspeed_fused"])
+def test_one_process_non_log_steps_wait_only_where_the_update_needs_the_norm(kind, gpt_corpus, tmp_path):
+    engine, extra = kind.split("_")[0], ("optim.kernel=fused",) if kind.endswith("fused") else ()
+    (trace,) = _traced_run(tmp_path, gpt_corpus, engine, processes=1, extra=extra)
+    assert any(LATE in trace["steps"].get(step, {}) for step in _non_log_steps())  # some step was read late
     for step in _non_log_steps():
-        expected = ONE_RANK_DEEPSPEED if engine == "deepspeed" else HOT_PATH[engine]
-        assert _ours(trace["steps"][step]) == expected, f"step {step}: {trace['steps'][step]}"
+        assert _ours(trace["steps"].get(step, {})) == _expected(kind, int(step)), f"step {step}: {trace['steps'][step]}"
         if engine == "deepspeed":  # DeepSpeed's own, on one rank (pipelines.engine.one_rank): no collective, and of
-            # its reads only the overflow decision on the norm (torch's Adam reads its CPU step counters: no sync)
-            library = {site: n for site, n in trace["steps"][step].items() if "<library>" in site}
+            # its reads only the overflow decision on the norm (torch's Adam reads its CPU step counters: no sync),
+            # which the fused optimizer takes on the device
+            library = {site: n for site, n in trace["steps"].get(step, {}).items() if "<library>" in site}
             assert not [site for site in library if site.startswith("dist.")], library
-            assert library.get("Tensor.__bool__ @ <library> via pipelines/engine/engines.py:backward") == 1, library
+            overflow_reads = library.get("Tensor.__bool__ @ <library> via pipelines/engine/engines.py:backward", 0)
+            assert overflow_reads == (0 if kind.endswith("fused") else 1), library
     # the log steps read more (that is where the metrics are reduced), and the trace sees them
-    assert set(trace["steps"]) >= {str(s) for s in range(1, STEPS + 1)}
+    assert set(trace["steps"]) >= {str(s) for s in range(1, STEPS + 1) if s == 1 or s % LOG_EVERY == 0 or s == STEPS}
 
 
 def test_stock_deepspeed_on_request_makes_its_own_collectives(gpt_corpus, tmp_path):
@@ -78,13 +93,14 @@ def test_stock_deepspeed_on_request_makes_its_own_collectives(gpt_corpus, tmp_pa
     before row): its collectives over the world of one are back on every step."""
     (trace,) = _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=1, extra=("distributed.one_rank_fast_path=false",))
     for step in _non_log_steps():
-        assert _ours(trace["steps"][step]) == HOT_PATH["deepspeed"], f"step {step}: {trace['steps'][step]}"
-        assert [site for site in trace["steps"][step] if site.startswith("dist.") and "<library>" in site], trace["steps"][step]
+        assert _ours(trace["steps"].get(step, {})) == _expected("deepspeed_stock", int(step)), f"step {step}: {trace['steps'][step]}"
+        assert [site for site in trace["steps"].get(step, {}) if site.startswith("dist.") and "<library>" in site], trace["steps"].get(step, {})
 
 
 @pytest.mark.slow
 def test_two_ranks_add_only_the_agreement_collective(gpt_corpus, tmp_path):
-    expected = {**HOT_PATH["deepspeed"], "dist.all_reduce @ pipelines/engine/engines.py:all_reduce": 1}
+    agreement = {"dist.all_reduce @ pipelines/engine/engines.py:all_reduce": 1}
     for trace in _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=2):
         for step in _non_log_steps():
-            assert _ours(trace["steps"][step]) == expected, f"step {step}: {trace['steps'][step]}"
+            expected = _expected("deepspeed_stock", int(step), agreement)  # stock: the patches are for one rank
+            assert _ours(trace["steps"].get(step, {})) == expected, f"step {step}: {trace['steps'][step]}"

@@ -29,12 +29,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | None = None):
+def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | None = None, kernel: str = "default"):
     """Weights, reported norms and skipped steps after ``STEPS`` clipped optimizer steps of a tiny GPT
-    (``ACCUM`` micro-batches each; step ``NAN_STEP`` gets a NaN gradient, as ``skip_step`` makes one)."""
-    from pipelines.engine.one_rank import host_grad_norm, one_rank_fast_path_
+    (``ACCUM`` micro-batches each; step ``NAN_STEP`` gets a NaN gradient, as the trainer makes one).
+    ``kernel="fused"``: torch's fused AdamW, with which one rank decides the skip on the device."""
+    from pipelines.engine.one_rank import device_step, host_grad_norm, one_rank_fast_path_
 
-    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.05)  # small: every step clips
+    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.05, kernel=kernel)  # small: every step clips
     torch.manual_seed(0)
     model = models.create("gpt-tiny", vocab_size=64)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM,
@@ -54,8 +55,14 @@ def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | Non
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-        norms.append(host_grad_norm(engine))  # as DeepSpeedEngine.step reads it: the value read before the update
-        skipped.append(not engine.was_step_applied())
+        pending = device_step(engine)  # as DeepSpeedEngine.step reads them: a step later, or before the update
+        if pending is not None:
+            (norm,) = pending.tolist()
+            norms.append(norm)
+            skipped.append(not math.isfinite(norm))
+        else:
+            norms.append(host_grad_norm(engine))
+            skipped.append(not engine.was_step_applied())
     weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return weights, norms, skipped, installed
 
@@ -75,6 +82,17 @@ def test_one_rank_zero_is_stock_deepspeed_bitwise(ds_world, stage, precision):
     assert stock[3] == []
     # bf16 checks for overflow before the norm (check_grad_overflow); fp32 does not, so there is no pass to drop
     assert patched[3] == [n for n in ALL[1:] if precision == "bf16" or n != "overflow_from_the_norm"]
+    _same(stock, patched)
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(2, "fp32"), (2, "bf16")])
+def test_one_rank_zero_with_the_fused_optimizer_skips_on_the_device_as_stock_skips(ds_world, stage, precision):
+    """The fused AdamW takes the skip as a device flag: the step reads nothing, and computes stock's weights,
+    norms and skipped step bitwise (the NaN step leaves weights and moments as they were)."""
+    stock = _train(ds_world, stage, precision, stock=True, kernel="fused")
+    patched = _train(ds_world, stage, precision, stock=False, kernel="fused")
+    on_device = [n for n in ALL[1:] if n != "norm_read_before_the_update"] + ["update_skipped_on_the_device"]
+    assert patched[3] == [n for n in on_device if precision == "bf16" or n != "overflow_from_the_norm"]
     _same(stock, patched)
 
 
