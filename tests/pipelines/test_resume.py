@@ -187,3 +187,33 @@ def test_resume_on_another_world_size_continues_the_global_sample_sequence(gpt_c
     ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref_dir / "run/metrics.jsonl").read_text().splitlines())
                   if r.get("split") == "train" and "loss" in r}
     assert all(abs(losses[s] - ref_losses[s]) < 1e-4 * ref_losses[s] for s in range(1, 7)), (losses, ref_losses)
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "ddp"])
+def test_a_run_read_a_step_late_resumes_exactly_with_the_gpu_recipes_optimizer_path(engine, gpt_corpus, tmp_path):
+    """The GPU recipes' step on one process -- torch's fused AdamW, its skip decided on the device (DDP, and
+    DeepSpeed ZeRO-2's one-rank step), bf16, each step's values read once the next is queued -- stopped at a
+    checkpoint and resumed: the losses logged after the resume and the final evaluation are bitwise those of
+    a run that never stopped (the checkpoint falls inside the warmup: the LR schedule's position must be exact).
+    The LR is constant after warmup, so the stopped run's shorter max_steps changes nothing but where it stops."""
+    def overrides(run_dir: Path, steps: int) -> list[str]:
+        return [f"data.corpus={gpt_corpus}", f"train.run_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=4",
+                f"distributed.engine={engine}", "distributed.zero_stage=2", "train.precision=bf16", "optim.kernel=fused",
+                "optim.grad_clip=0.05", "data.micro_batch_size=4", "data.num_workers=1", "train.deterministic=true",
+                "train.eval_every=0", "train.eval_batches=2", "train.log_every=3", "schedule.warmup_steps=6",
+                "schedule.decay=constant", "optim.lr=3e-3", "logging.tensorboard=false"]
+
+    def logged(run_dir: Path) -> dict[tuple[int, str], float]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {(r["step"], r["split"]): r["loss"] for r in rows if r.get("split") in ("train", "eval") and "loss" in r}
+
+    config = "configs/train/gpt_tiny_cpu.yaml"
+    ref_summary = summary_of(run_pretrain(config, overrides(tmp_path / "ref", 8)))
+    summary_of(run_pretrain(config, overrides(tmp_path / "cut", 4)))  # its last step, 4, is checkpointed
+    resumed = summary_of(run_pretrain(config, overrides(tmp_path / "cut", 8)))
+    assert resumed["resumed_from"].endswith("step-00000004") and resumed["steps"] == 8
+    assert resumed["tokens"] == ref_summary["tokens"] and resumed["end_loss"] == ref_summary["end_loss"]
+    ref, got = logged(tmp_path / "ref"), logged(tmp_path / "cut")
+    after = {k: v for k, v in ref.items() if k[0] > 4}
+    assert set(after) == {(6, "train"), (8, "eval")}  # steps 5 and 7 were read a step late
+    assert {k: got[k] for k in after} == after
