@@ -288,7 +288,7 @@ def test_checkpoint_bytes_are_a_real_deepspeed_checkpoints(ds_world, tmp_path, s
     engine.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ours = types.SimpleNamespace(model=engine, module=engine.module, rank=0, world_size=1, world_free=True,
-                                 scheduler=sched, _save_scheduler=lambda path: None)
+                                 scheduler=sched, _save_scheduler=lambda path: None, settle=lambda: None)
     DeepSpeedEngine.save(ours, tmp_path)
 
     want = P.checkpoint_bytes(param_count(model_shape("gpt-tiny", overrides)), engine="deepspeed", precision="fp32",
