@@ -16,8 +16,8 @@ applied) one step late where the engine allows it (``Engine.loss_check_on_device
 n+1 before it reads step n, so the device never waits for the host between steps. Steps that act
 on their values -- log, evaluation, checkpoint and diagnostics steps, the last step, every step under
 ``max_tokens`` or ``logging.sample_keys`` -- read them at once (``_reads_now``). A stop that a late
-read finds (a signal, the time budget, a health stop) takes effect after the step already queued,
-the same step on every rank. ``train.read_late=false`` reads every step at once.
+read finds (signal, time budget, health) takes effect after the step already queued, the same step
+on every rank. ``train.read_late=false`` reads every step at once.
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ class _QueuedStep:
     def read(self, world_size: int) -> _StepResult:
         """The host values (waits for the device to finish this step, if it has not)."""
         if self.read_result is None:
-            values = self.agreement if isinstance(self.agreement, list) else self.agreement.tolist()
-            loss, tokens, bad, signal_sum, time_up = values
+            loss, tokens, bad, signal_sum, time_up = self.agreement if isinstance(self.agreement, list) else self.agreement.tolist()
             agg = {"loss": loss / world_size, "tokens": int(tokens), "bad": int(bad), "signal": signal_sum > 0,
                    "time_up": time_up > 0}
             result = self.outcome.get()
@@ -169,8 +168,7 @@ class Trainer:
             "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
             "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
             "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
-            "stopped_by": stop_reason, "resumed_from": str(run.resume) if run.resume else None,
-            "world_size": self.engine.world_size,
+            "stopped_by": stop_reason, "resumed_from": str(run.resume) if run.resume else None, "world_size": self.engine.world_size,
         }
 
     # ------------------------------------------------------------------------------------- fit's steps
@@ -287,8 +285,7 @@ class Trainer:
         return self.engine.all_reduce(torch.cat([local_loss.reshape(1), host.to(local_loss.device, non_blocking=True)]), "sum")
 
     def _time_up(self, run: _RunState) -> bool:
-        t = self.cfg.train
-        return t.max_time_minutes > 0 and (time.time() - run.started) / 60 >= t.max_time_minutes
+        return 0 < self.cfg.train.max_time_minutes <= (time.time() - run.started) / 60
 
     def _finish_steps(self, queued: list[_QueuedStep], run: _RunState, *, keep_newest: bool) -> str | None:
         """Read the queued steps in order -- all, or all but the newest -- and act on each: counters,
