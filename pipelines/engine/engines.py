@@ -37,7 +37,7 @@ from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.deepspeed_reads import deepspeed_getters
 from pipelines.engine.distributed import DistEnv, deepspeed_config
-from pipelines.engine.host_reads import HostCopy, StepOutcome
+from pipelines.engine.host_reads import HostCopy, StepOutcome, skipped_if
 from pipelines.engine.one_rank import (
     device_step,
     host_grad_norm,
@@ -259,12 +259,8 @@ class DDPEngine(Engine):
         norm is non-finite) and leaves weights, moments and its step count as they were -- what a skipped
         step does, without the host waiting for the norm. ``settle`` reads the norm later (the next
         ``step()``, or whoever asks the outcome) and steps the LR schedule if the update was applied."""
-        optimizer = self._torch_optimizer()
-        optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
-        try:
+        with skipped_if(self._torch_optimizer(), ~torch.isfinite(norm)):
             self.optimizer.step()
-        finally:
-            del optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
         return self._read_later(HostCopy(norm.detach().reshape(1).to(torch.float64)))
 

@@ -11,13 +11,14 @@ step's result read that way (``Engine.step``).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["HostCopy", "StepOutcome", "loss_or_nan"]
+__all__ = ["HostCopy", "StepOutcome", "loss_or_nan", "skipped_if"]
 
 
 def loss_or_nan(loss: torch.Tensor, agreed_loss: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,18 @@ def loss_or_nan(loss: torch.Tensor, agreed_loss: torch.Tensor) -> torch.Tensor:
     it is not: the last backward then makes every gradient NaN, and the engine skips the update on their
     norm -- the loss never has to be read before the update (``Engine.loss_check_on_device``)."""
     return loss * torch.where(torch.isfinite(agreed_loss), 1.0, math.nan).to(loss.dtype)
+
+
+@contextlib.contextmanager
+def skipped_if(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> Iterator[None]:
+    """Steps of ``optimizer`` inside are skipped where ``bad`` (a device bool) is true, without a host read:
+    torch's fused Adam(W) reads GradScaler's ``found_inf`` flag and leaves weights, moments and its step
+    count as they were (``_step_supports_amp_scaling`` says an optimizer takes it)."""
+    optimizer.found_inf = bad.to(torch.float32)
+    try:
+        yield
+    finally:
+        del optimizer.found_inf
 
 
 class HostCopy:

@@ -212,7 +212,7 @@ def _update_skipped_on_the_device(opt: Any) -> Callable[..., None]:
     from deepspeed.runtime.utils import all_gather_dp_groups
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-    from pipelines.engine.host_reads import HostCopy
+    from pipelines.engine.host_reads import HostCopy, skipped_if
 
     stock = type(opt).step.__get__(opt)
 
@@ -231,7 +231,6 @@ def _update_skipped_on_the_device(opt: Any) -> Callable[..., None]:
         opt.overflow = False  # what DeepSpeed's engine reads (was_step_applied): the engine asks device_step instead
         norm = opt.scaled_global_norm()
         invalid = ~torch.isfinite(norm) | (norm < 0)  # DeepSpeed's norm helpers report inf/NaN as -1
-        found_inf = invalid.to(torch.float32)
         opt._global_grad_norm = norm / opt.loss_scale
         for i in range(len(opt.bit16_groups)):
             opt.free_grad_in_param_list(opt.params_not_in_partition[i])
@@ -244,11 +243,8 @@ def _update_skipped_on_the_device(opt: Any) -> Callable[..., None]:
             opt.averaged_gradients[i] = None
             opt.all_grad_tensors[i] = None
             opt.unscale_and_clip_grads([grad], norm)
-            opt.optimizer.found_inf = found_inf
-            try:
+            with skipped_if(opt.optimizer, invalid):
                 opt._optimizer_step(i)
-            finally:
-                del opt.optimizer.found_inf
             opt.single_partition_of_fp32_groups[i].grad = None
             del grad
             opt.parallel_partitioned_bit16_groups[i][0].data.copy_(opt.single_partition_of_fp32_groups[i].data)
