@@ -11,6 +11,11 @@ remains of a step's own reads is the engine's gradient-norm read where the updat
 (torch's default Adam; DeepSpeed's overflow check). Calls torch or DeepSpeed make inside their own code
 are theirs (DeepSpeed's overflow check, torch's CPU optimizer step counters) and are not held against
 us here. Periodic work (log, skew, eval, checkpoint steps) is outside the hot path.
+
+Below Python, the trace also counts the operators whose result the host must wait for (``nonzero``, a
+boolean-mask index, ``masked_select``, a scalar read in C++): a sync that no Python read shows, as BERT's
+MLM head had (``hidden[labels != -100]``). The GPU recipes' three models -- GPT, BERT (MLM + NSP) and
+ViT -- are traced as their recipes run them, DeepSpeed ZeRO-2 with the fused AdamW.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def _expected(kind: str, step: int, extra: dict[str, int] | None = None) -> dict
     return {**OWN_READS[kind], **(extra or {}), **(LATE_READS[kind] if previous_deferred else {})}
 
 
-def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int, extra: tuple[str, ...] = ()) -> list[dict]:
+def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int, extra: tuple[str, ...] = (),
+                config: str = "configs/train/gpt_tiny_cpu.yaml") -> list[dict]:
     overrides = [f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", f"train.max_steps={STEPS}",
                  f"train.log_every={LOG_EVERY}", f"logging.skew_every={LOG_EVERY}", "train.eval_every=0",
                  "train.eval_batches=1", "train.checkpoint_every=0", "data.num_workers=0", "data.micro_batch_size=4",
@@ -56,7 +62,7 @@ def _traced_run(tmp_path: Path, corpus: Path, engine: str, processes: int, extra
     out = tmp_path / "syncs.json"
     launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                       str(processes), "--master_port", str(free_port())]
-    proc = subprocess.run([*launch, str(JOB), str(out), "configs/train/gpt_tiny_cpu.yaml", *overrides], cwd=REPO,
+    proc = subprocess.run([*launch, str(JOB), str(out), config, *overrides], cwd=REPO,
                           env=job_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return [json.loads(out.with_suffix(f".rank-{r}.json").read_text()) for r in range(processes)]
@@ -86,6 +92,52 @@ def test_one_process_non_log_steps_wait_only_where_the_update_needs_the_norm(kin
             assert overflow_reads == (0 if kind.endswith("fused") else 1), library
     # the log steps read more (that is where the metrics are reduced), and the trace sees them
     assert set(trace["steps"]) >= {str(s) for s in range(1, STEPS + 1) if s == 1 or s % LOG_EVERY == 0 or s == STEPS}
+
+
+@pytest.mark.parametrize("recipe", ["bert", "vit"])
+def test_bert_and_vit_steps_under_zero2_wait_for_nothing(recipe, bert_corpus, image_corpus, tmp_path):
+    """The shipped GPU recipes' other two models: between log steps the ZeRO-2 step with the fused AdamW reads
+    nothing of its own, and neither the model, the objective nor DeepSpeed runs an operator that waits for the
+    device (the MLM head gathers its rows by the loader's ``masked_positions``; the ViT input is cropped and
+    normalised without a data-dependent shape)."""
+    corpus, config = (bert_corpus, "bert_tiny_cpu") if recipe == "bert" else (image_corpus, "vit_tiny_cpu")
+    (trace,) = _traced_run(tmp_path, corpus, "deepspeed", processes=1, extra=("optim.kernel=fused",),
+                           config=f"configs/train/{config}.yaml")
+    assert any(LATE in trace["steps"].get(step, {}) for step in _non_log_steps())
+    for step in _non_log_steps():
+        reads = trace["steps"].get(step, {})
+        assert _ours(reads) == _expected("deepspeed_fused", int(step)), f"step {step}: {reads}"
+        assert not [site for site in reads if site.startswith("aten.")], f"step {step}: {reads}"
+
+
+def test_the_trace_sees_a_boolean_mask_in_the_forward(tmp_path):
+    """What the trace would have caught: BERT's MLM head selecting its rows with ``labels != -100`` (the path
+    without ``masked_positions``) runs ``aten.index`` on a boolean mask in ``models/bert.py``; the loader's
+    positions run none."""
+    import torch
+
+    import models
+
+    sys.path.insert(0, str(JOB.parent))
+    import sync_trace_job as trace
+
+    model = models.create("bert-tiny", vocab_size=64)
+    ids = torch.randint(5, 64, (2, 16))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    positions = torch.nonzero(labels.reshape(-1) != -100).reshape(-1)  # the loader's, made before the trace
+    trace.counts.clear()
+    trace.state["step"] = 1
+    try:
+        with trace.DataDependentOps():
+            model(input_ids=ids, labels=labels, masked_positions=positions)
+            gathered = dict(trace.counts.get(1, {}))
+            model(input_ids=ids, labels=labels)
+            masked = dict(trace.counts.get(1, {}))
+    finally:
+        trace.state["step"] = 0
+    assert gathered == {}, gathered
+    assert masked == {"aten.index.Tensor @ models/bert.py:forward": 2}, masked
 
 
 def test_stock_deepspeed_on_request_makes_its_own_collectives(gpt_corpus, tmp_path):
