@@ -204,6 +204,33 @@ def host_grad_norm(ds_engine: Any) -> Any:
     return norm
 
 
+def _bit16_views_kept(opt: Any) -> Callable[..., None]:
+    stock = opt._update_model_bit16_weights
+
+    def _update_model_bit16_weights(group_index: int) -> None:
+        """After every step DeepSpeed points each parameter at its slice of the group's flat bit16 buffer again
+        (a narrow, a view and two ``.data`` assignments per parameter; its comment: "we probably don't need
+        this? just to be safe"). On one rank the step writes that buffer in place, so the parameters are those
+        slices already and the assignments change nothing: they are done only for a group where some
+        parameter does not start at its slice (a buffer moved or replaced since), as stock does them."""
+        flat = opt.bit16_groups_flat[group_index]
+        base, size = flat.data_ptr(), flat.element_size()
+        for p, meta, offset in zip(opt.round_robin_bit16_groups[group_index], opt.round_robin_bit16_meta[group_index],
+                                   opt.round_robin_bit16_offsets[group_index], strict=True):
+            if p.data_ptr() != base + offset * size or p.shape != meta.shape:
+                return stock(group_index)
+        return None
+
+    return _update_model_bit16_weights
+
+
+def _same_parameters_reordered(opt: Any) -> bool:
+    """The round-robin lists hold the groups' own parameter objects (the second loop of the stock method assigns
+    each parameter its own data then)."""
+    return all({id(p) for p in rr} == {id(p) for p in g} for rr, g in zip(opt.round_robin_bit16_groups, opt.bit16_groups,
+                                                                          strict=True))
+
+
 #: Where ``_update_skipped_on_the_device`` leaves the step's norm for a later read: a ``HostCopy`` of [norm].
 DEVICE_STEP = "pretrain_device_step"
 
@@ -297,6 +324,7 @@ PATCHES: dict[str, Patch] = {
     "norm_read_before_the_update": Patch("scaled_global_norm", _norm_read_before_the_update,
                                          lambda opt: not _skips_on_the_device(opt)),
     "update_skipped_on_the_device": Patch("step", _update_skipped_on_the_device, _skips_on_the_device),
+    "bit16_views_kept": Patch("_update_model_bit16_weights", _bit16_views_kept, _same_parameters_reordered),
 }
 
 #: Attributes of DeepSpeedZeroOptimizer the patches read (besides the methods they replace).
@@ -308,7 +336,8 @@ _NEEDS = ("dp_process_group", "real_dp_process_group", "sequence_parallel_size",
           "params_in_partition", "params_not_in_partition", "partition_size", "single_partition_of_fp32_groups",
           "parallel_partitioned_bit16_groups", "bit16_groups_flat", "nccl_start_alignment_factor", "allgather_bucket_size",
           "flatten_dense_tensors_aligned", "free_grad_in_param_list", "_release_preflattened_grad_buffers",
-          "_get_preflattened_grad_partition", "_optimizer_step", "_update_model_bit16_weights", "micro_step_id")
+          "_get_preflattened_grad_partition", "_optimizer_step", "_update_model_bit16_weights", "micro_step_id",
+          "round_robin_bit16_groups", "round_robin_bit16_meta", "round_robin_bit16_offsets")
 
 
 def one_rank_fast_path_(ds_engine: Any) -> list[str]:

@@ -16,7 +16,7 @@ from pipelines.engine.config import OptimConfig
 from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 
 ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "foreach_grad_norm",
-       "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update"]
+       "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept"]
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
@@ -91,9 +91,40 @@ def test_one_rank_zero_with_the_fused_optimizer_skips_on_the_device_as_stock_ski
     norms and skipped step bitwise (the NaN step leaves weights and moments as they were)."""
     stock = _train(ds_world, stage, precision, stock=True, kernel="fused")
     patched = _train(ds_world, stage, precision, stock=False, kernel="fused")
-    on_device = [n for n in ALL[1:] if n != "norm_read_before_the_update"] + ["update_skipped_on_the_device"]
+    on_device = [n for n in ALL[1:] if n != "norm_read_before_the_update"]
+    on_device.insert(on_device.index("bit16_views_kept"), "update_skipped_on_the_device")
     assert patched[3] == [n for n in on_device if precision == "bf16" or n != "overflow_from_the_norm"]
     _same(stock, patched)
+
+
+def test_a_parameter_moved_off_its_slice_is_pointed_back_after_the_step(ds_world):
+    """``bit16_views_kept`` skips DeepSpeed's per-step re-pointing only while every parameter still views its
+    slice of the flat buffer; a parameter given other storage is pointed back, as stock does, and trains on."""
+    from pipelines.engine.one_rank import one_rank_fast_path_
+
+    cfg = OptimConfig(name="adamw", lr=1e-2, kernel="default")
+    torch.manual_seed(0)
+    model = models.create("gpt-tiny", vocab_size=64)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "overlap_comm": False},
+                 **deepspeed_optimizer_fields(cfg)}
+    engine, *_ = ds_world.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+    assert "bit16_views_kept" in one_rank_fast_path_(engine)
+    opt, ids = engine.optimizer, torch.randint(0, 64, (2, 8))
+
+    def on_their_slices() -> bool:
+        return all(p.data_ptr() == flat.data_ptr() + off * flat.element_size()
+                   for flat, group, offsets in zip(opt.bit16_groups_flat, opt.round_robin_bit16_groups,
+                                                   opt.round_robin_bit16_offsets, strict=True)
+                   for p, off in zip(group, offsets, strict=True))
+
+    moved = opt.bit16_groups[0][0]
+    moved.data = moved.data.clone()  # e.g. a weight assigned new storage between steps
+    assert not on_their_slices()
+    before = moved.detach().clone()
+    engine.backward(engine(input_ids=ids, labels=ids)["loss"])
+    engine.step()
+    assert on_their_slices()
+    assert not torch.equal(moved.detach(), before)  # the update reached it through the flat buffer
 
 
 def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
