@@ -23,7 +23,13 @@ alternating blocks: the before/after of the one-process fast path as one more ra
 ``--clock cpu`` times this process's CPU time instead of the wall clock: with one thread, what the
 other jobs of a busy machine disturb least (they still share its caches).
 
+``--narrow W`` builds the model at width W (``W // 32`` heads, d_ff 4W) with all its layers and parameter
+tensors (GPT-2 small: 148, BERT-base: 158), on a short batch: the arithmetic all but vanishes and a step's
+time is the host's own -- Python, dispatch, hooks, per-tensor loops -- which on a GPU must hide under
+the device's step (GPT-2 small ~35 ms, BERT-base at 45 % MFU ~6 ms on an H100) or bound it.
+
     python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2] [--stock] [--clock cpu]
+    python benchmarks/engine_overhead.py --model bert-base --narrow 64 --batch 2 --seq-len 32 --engines ddp,zero2 --stock
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ def child(args: argparse.Namespace) -> dict:
                        f"data.micro_batch_size={args.batch}", "optim.grad_clip=1.0"], cls=RunConfig)
     env = dist.init_env()
     torch.manual_seed(0)
-    model = models.create(args.model, vocab_size=args.vocab)
+    narrow = ({"hidden_size": args.narrow, "num_heads": max(1, args.narrow // 32), "intermediate_size": 4 * args.narrow}
+              if args.narrow else {})
+    model = models.create(args.model, vocab_size=args.vocab, **narrow)
     bare = copy.deepcopy(model)
     bare_opt = build_optimizer(bare, cfg.optim, offload=False, device=env.device)
     stock_model = copy.deepcopy(model) if args.stock else None
@@ -81,8 +89,7 @@ def child(args: argparse.Namespace) -> dict:
             stock_cfg, env, stock_model, build_optimizer(stock_model, cfg.optim, offload=False, device=env.device),
             lambda step: 1.0)
         sides["stock"].train()
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = make_batch(args, torch)
 
     def bare_step() -> None:
         loss = bare(**batch)["loss"]
@@ -126,6 +133,20 @@ def child(args: argparse.Namespace) -> dict:
     return result
 
 
+def make_batch(args: argparse.Namespace, torch) -> dict:
+    """One batch for the model: causal LM (labels = inputs), or BERT's MLM + NSP with 15 % of the positions
+    masked and gathered by ``masked_positions``, as the loader makes them."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, args.vocab, (args.batch, args.seq_len), generator=g)
+    if not args.model.startswith("bert"):
+        return {"input_ids": ids, "labels": ids}
+    masked = torch.rand(ids.shape, generator=g) < 0.15
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
+            "labels": labels, "masked_positions": torch.nonzero(masked.reshape(-1)).reshape(-1),
+            "next_sentence_label": torch.randint(0, 2, (args.batch,), generator=g)}
+
+
 def paired(ratios: list[float]) -> str:
     """The median of the per-round ratios - 1, with their interquartile range."""
     q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -138,6 +159,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--narrow", type=int, default=0, metavar="W",
+                   help="build the model at width W with all its layers: a step's time is the host's own")
     p.add_argument("--block", type=int, default=5, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=12, help="rounds of alternating bare / engine blocks")
     p.add_argument("--threads", type=int, default=1)
@@ -153,7 +176,7 @@ def main() -> int:
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
-    print(f"{args.model}, batch {args.batch} x {args.seq_len}, fp32, CPU, {args.threads} thread(s); "
+    print(f"{args.model}{f' at width {args.narrow}' if args.narrow else ''}, batch {args.batch} x {args.seq_len}, fp32, CPU, {args.threads} thread(s); "
           f"{args.rounds} rounds of alternating blocks of {args.block} steps, {args.clock} clock; "
           "overhead: median per-round ratio - 1 [interquartile range]")
     print(f"{'engine':<8} {'bare ms':>9} {'engine ms':>10} {'overhead':>24}"
@@ -161,7 +184,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     for name in args.engines.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--model", args.model, "--vocab", str(args.vocab), "--batch",
-               str(args.batch), "--seq-len", str(args.seq_len), "--block", str(args.block), "--rounds", str(args.rounds),
+               str(args.batch), "--seq-len", str(args.seq_len), "--narrow", str(args.narrow), "--block", str(args.block), "--rounds", str(args.rounds),
                "--threads", str(args.threads), "--clock", args.clock, *(["--stock"] if args.stock else [])]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
