@@ -217,7 +217,7 @@ def _bit16_views_kept(opt: Any) -> Callable[..., None]:
         base, size = flat.data_ptr(), flat.element_size()
         for p, meta, offset in zip(opt.round_robin_bit16_groups[group_index], opt.round_robin_bit16_meta[group_index],
                                    opt.round_robin_bit16_offsets[group_index], strict=True):
-            if p.data_ptr() != base + offset * size or p.shape != meta.shape:
+            if p.data_ptr() != base + offset * size or p.shape != meta.shape or not p.is_contiguous():
                 return stock(group_index)
         return None
 
