@@ -89,7 +89,7 @@ def child(args: argparse.Namespace) -> dict:
             stock_cfg, env, stock_model, build_optimizer(stock_model, cfg.optim, offload=False, device=env.device),
             lambda step: 1.0)
         sides["stock"].train()
-    batch = make_batch(args, torch)
+    batch = make_batch(args)
 
     def bare_step() -> None:
         loss = bare(**batch)["loss"]
@@ -133,9 +133,11 @@ def child(args: argparse.Namespace) -> dict:
     return result
 
 
-def make_batch(args: argparse.Namespace, torch) -> dict:
+def make_batch(args: argparse.Namespace) -> dict:
     """One batch for the model: causal LM (labels = inputs), or BERT's MLM + NSP with 15 % of the positions
     masked and gathered by ``masked_positions``, as the loader makes them."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, args.vocab, (args.batch, args.seq_len), generator=g)
     if not args.model.startswith("bert"):
@@ -170,6 +172,8 @@ def main() -> int:
     p.add_argument("--stock", action="store_true", help="also time the engine with distributed.one_rank_fast_path=false in the same blocks")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 2:
+        p.error("--rounds must be at least 2: the overhead is a median and interquartile range over rounds")
     import torch
 
     torch.set_num_threads(args.threads)
