@@ -1,4 +1,4 @@
-"""Operator counts per step: the DDP engine's step against the bare compiled step, in the GPU recipe's settings.
+"""Operator counts per step: an engine's step (DDP, DeepSpeed ZeRO-1/2) against the bare compiled step, in the GPU recipe's settings.
 
 Issue #30: on one H100 the GPT-2 recipe under ``distributed.engine=ddp`` took 69 ms a step against the
 bare compiled step's 38 ms. Counts, unlike times, carry from one device to another, so this runs both
@@ -6,9 +6,11 @@ steps through the real code -- ``engines.build_engine`` as ``pipelines.pretrain`
 recipe's ``torch.compile``, bf16 autocast over fp32 weights, no dropout, padded vocabulary, clip 1.0 --
 and prints, per step: aten operators, dtype casts, host reads (``aten::_local_scalar_dense``), the
 compiled regions run, dynamo's graphs / graph breaks / recompiles, and each operator the engine runs
-more often than the bare step.
+more often than the bare step -- on a GPU also the kernel launches and ``cudaStreamSynchronize`` calls, so
+what a host-bound gap between an engine and the bare step is made of. ``--engine zero2`` (or zero1)
+counts DeepSpeed's one-rank step, with the recipe's fused AdamW.
 
-    python benchmarks/ddp_step_ops.py [--device cpu|cuda] [--model gpt-tiny] [--batch 2] [--seq-len 64]
+    python benchmarks/ddp_step_ops.py [--device cpu|cuda] [--engine ddp|zero1|zero2] [--model gpt-tiny] [--batch 2] [--seq-len 64]
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+ENGINES = {"ddp": ["distributed.engine=ddp"], "zero1": ["distributed.engine=deepspeed", "distributed.zero_stage=1"],
+           "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"]}
 ROWS = ("aten::_to_copy", "aten::copy_", "aten::_local_scalar_dense", "CompiledFunction", "CompiledFunctionBackward",
-        "aten::_foreach_norm", "Optimizer.step#AdamW.step")
+        "aten::_foreach_norm", "Optimizer.step#AdamW.step", "cudaLaunchKernel", "cudaStreamSynchronize", "cudaEventSynchronize")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--engine", default="ddp", choices=sorted(ENGINES))
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--vocab", type=int, default=500, help="not a multiple of 64: the recipe's padding applies")
     p.add_argument("--batch", type=int, default=2)
@@ -52,7 +57,7 @@ def main() -> int:
         os.environ["ACCELERATE_USE_CPU"] = "true"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist.free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     cfg = load_config(REPO / "configs/train/gpt_tiny_cpu.yaml",
-                      ["distributed.engine=ddp", "train.precision=bf16", "model.compile=true", "optim.grad_clip=1.0",
+                      [*ENGINES[args.engine], "train.precision=bf16", "model.compile=true", "optim.grad_clip=1.0", "optim.kernel=fused",
                        f"data.micro_batch_size={args.batch}"], cls=RunConfig)
     env = dist.init_env()
     dev = torch.device(env.device)
@@ -87,7 +92,8 @@ def main() -> int:
         late.append(HostCopy(agreed))
 
     found = {}
-    for name, step in (("ddp engine", engine_step), ("bare", bare_step)):  # the engine compiles first; the bare step
+    label = f"{args.engine} engine"
+    for name, step in ((label, engine_step), ("bare", bare_step)):  # the engine compiles first; the bare step
         # then reuses its graph when the two are the same (dynamo guards on the module type and its inputs)
         counters.clear()
         for _ in range(3):
@@ -102,8 +108,8 @@ def main() -> int:
         print(f"{name}: {sum(v for k, v in ops.items() if k.startswith('aten::'))} aten ops/step; "
               + ", ".join(f"{k} {ops.get(k, 0)}" for k in ROWS)
               + f"; dynamo frames {dyn[0]}, new graphs {dyn[1]}, graph breaks {dyn[2]}, recompiles {dyn[3]}")
-    more = {k: found["ddp engine"][k] - found["bare"].get(k, 0) for k in found["ddp engine"]}
-    print("ddp engine - bare, per step:", ", ".join(f"{k} {v:+d}" for k, v in sorted(more.items(), key=lambda kv: -kv[1]) if v))
+    more = {k: found[label][k] - found["bare"].get(k, 0) for k in found[label]}
+    print(f"{label} - bare, per step:", ", ".join(f"{k} {v:+d}" for k, v in sorted(more.items(), key=lambda kv: -kv[1]) if v))
     print(f"weights {next(engine.module.parameters()).dtype} (bare {next(bare.parameters()).dtype}); engine module "
           f"{type(engine.model).__name__} around {type(engine.module).__name__}; optimizer "
           f"{type(engine._torch_optimizer()).__name__} fused={engine._torch_optimizer().defaults.get('fused')}")

@@ -55,7 +55,13 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
                     # ZeRO-2 without the one-rank fast path (pipelines/engine/one_rank.py): its before/after in one run
                     "zero2-stock": ["distributed.one_rank_fast_path=false"],
                     # every step's values read at once (as before reading them a step late): that change's before/after
-                    "zero2-read-now": ["train.read_late=false"], "ddp-read-now": ["distributed.engine=ddp", "train.read_late=false"]}
+                    "zero2-read-now": ["train.read_late=false"], "ddp-read-now": ["distributed.engine=ddp", "train.read_late=false"],
+                    # BERT batches as long as their longest pair, masked rows as drawn (before data.fixed_shapes)
+                    "ddp-dynamic": ["distributed.engine=ddp", "data.fixed_shapes=false"],
+                    "zero2-dynamic": ["data.fixed_shapes=false"],
+                    # torch.compile replaying CUDA graphs: the host's launches per step go, if the engine allows it
+                    "ddp-cudagraphs": ["distributed.engine=ddp", "model.compile_mode=reduce-overhead"],
+                    "zero2-cudagraphs": ["model.compile_mode=reduce-overhead"]}
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
 GPU = {

@@ -65,6 +65,9 @@ class DataConfig:
                            "which can deadlock a worker of a multi-threaded trainer (see pipelines/loading/workers.py).")
     mlm_probability: float = option(0.15, help="Share of non-special tokens selected for MLM (BERT: 0.15).")
     whole_word_masking: bool = option(False, help="Mask all WordPiece pieces of a selected word together.")
+    fixed_shapes: bool = option(False, help="BERT: pad every batch to the corpus's seq_len and its masked rows to "
+                                            "ceil(seq_len x mlm_probability) per sequence, so a compiled model sees one "
+                                            "shape (one static graph, no recompiles; CUDA graphs possible).")
     image_size: int = option(224, help="Training crop size for image tasks.")
     mixup_alpha: float = option(0.0, help="Mixup Beta(alpha, alpha) for image tasks; 0 disables.")
     on_bad_sample: Literal["skip", "fail"] = option("skip", help="What to do with an undecodable sample.")
@@ -93,6 +96,8 @@ class ModelConfig:
     overrides: dict[str, Any] = option({}, help="Fields of the model's own config to change, e.g. {num_layers: 4}.")
     activation_checkpointing: bool = option(False, help="Recompute block activations in backward to save memory.")
     compile: bool = option(False, help="Wrap the model with torch.compile.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = option(
+        "default", help="torch.compile's mode; reduce-overhead replays CUDA graphs (wants data.fixed_shapes for BERT).")
     pad_vocab_multiple: int = option(1, help="Text models: round the embedding / LM-head rows up to a multiple of this "
                                              "(64: aligned GPU matmuls). The padded rows are zero, never scored and "
                                              "never exported: a release's vocabulary is the tokenizer's.")

@@ -415,6 +415,12 @@ def _drop_accelerate_deepspeed_env() -> None:
 
 
 #: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.
+def compile_kwargs(cfg: Any) -> dict[str, Any]:
+    """``torch.compile``'s arguments: the configured mode; with ``data.fixed_shapes`` never a dynamic graph
+    (a rare other shape, such as an epoch's short last batch, gets its own static one)."""
+    return {"mode": cfg.model.compile_mode, "dynamic": False if cfg.data.fixed_shapes else None}
+
+
 _DS_OP_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
 
 
@@ -464,13 +470,13 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
         engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
         if cfg.model.compile:
-            model.compile()
+            model.compile(compile_kwargs=compile_kwargs(cfg))
         return engine
     # DDP: mixed precision is ours (DDPEngine's autocast + GradScaler), not accelerate's
     with _joining_quietly():
         acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
     if cfg.model.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, **compile_kwargs(cfg))
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
     if d.one_rank_fast_path:
         model = unwrap_one_rank_ddp(acc, model)

@@ -122,13 +122,16 @@ class MLMNSPTask(Task):
     name = "mlm_nsp"
     input_names = ("input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label", "masked_positions")
 
-    def __init__(self, manifest: Any, *, seed: int, probability: float = 0.15, whole_word: bool = False):
+    def __init__(self, manifest: Any, *, seed: int, probability: float = 0.15, whole_word: bool = False,
+                 fixed_shapes: bool = False):
         sp = manifest.special_tokens
         if "mask_token" not in sp:
             raise ConfigError(f"{manifest.root}/manifest.json lists no mask_token among the tokenizer's special tokens; mlm_nsp needs [MASK].")
         self.seed, self.p, self.whole_word = seed, probability, whole_word
         self.mask_id, self.pad_id = sp["mask_token"], sp.get("pad_token", 0)
         self.vocab_size, self.seq_len = manifest.vocab_size, manifest.seq_len
+        # data.fixed_shapes: BERT's max_predictions_per_seq (20 at 128 tokens and 15 %) masked-row slots per sequence
+        self.fixed_shapes, self.slots_per_seq = fixed_shapes, math.ceil(self.seq_len * probability)
         self.special = np.zeros(max(self.vocab_size, max(sp.values()) + 1), dtype=bool)
         self.special[list(sp.values())] = True
         self.continuation = None
@@ -178,18 +181,32 @@ class MLMNSPTask(Task):
             types.append(np.r_[np.zeros(s["len_a"] + 2, np.int64), np.ones(s["len_b"] + 1, np.int64)])
         longest = max(len(x) for x in ids)
         length = min(-(-longest // 8) * 8, max(self.seq_len, longest))
+        if self.fixed_shapes:
+            length = max(self.seq_len, longest)
         padded_labels = _pad(labels, length, -100)
         return {
             "input_ids": _pad(ids, length, self.pad_id),
             "attention_mask": _pad([np.ones(len(x), np.int64) for x in ids], length, 0),
             "token_type_ids": _pad(types, length, 0),
             "labels": padded_labels,
-            # the sparse MLM head's rows, counted here on the host (models/bert.py: no device read, no graph break)
-            "masked_positions": torch.from_numpy(np.flatnonzero(padded_labels.numpy().reshape(-1) != -100)),
+            "masked_positions": self._masked_positions(padded_labels.numpy().reshape(-1), len(samples)),
             "next_sentence_label": torch.tensor([s["next_sentence_label"] for s in samples], dtype=torch.long),
             "keys": [s["key"] for s in samples],
             "num_bad": sum(1 for s in samples if s.get("bad")),
         }
+
+    def _masked_positions(self, flat_labels: np.ndarray, rows: int) -> torch.Tensor:
+        """The sparse MLM head's rows as flat indices, counted here on the host (models/bert.py: no device
+        read, no graph break). With ``fixed_shapes`` padded to ``slots_per_seq`` per sequence (a multiple of
+        that when whole-word masking picks more) by repeating a position whose label is -100: the head
+        scores it, the loss ignores it, its gradient is zero."""
+        positions = np.flatnonzero(flat_labels != -100)
+        if self.fixed_shapes:
+            slots = rows * self.slots_per_seq
+            slots *= max(1, -(-len(positions) // slots))
+            unlabelled = int(np.argmax(flat_labels == -100))  # [CLS] of the first row: special tokens are never masked
+            positions = np.concatenate([positions, np.full(slots - len(positions), unlabelled, dtype=positions.dtype)])
+        return torch.from_numpy(positions)
 
     def tokens(self, batch):
         return int(batch["attention_mask"].sum())
@@ -199,14 +216,14 @@ class MLMNSPTask(Task):
         return {"seq_len": self.seq_len, "mlm_fraction": self.p}
 
     def eval_sums(self, out, batch):
-        labels = batch["labels"]
-        sel = labels != -100
-        n_mlm = float(sel.sum())
-        pred = out["masked_prediction_logits"].argmax(-1)  # rows follow labels[sel] (sparse MLM head)
+        row_labels = batch["labels"].reshape(-1)[batch["masked_positions"]]  # the sparse MLM head's rows, in order
+        scored = row_labels != -100  # all of them unless data.fixed_shapes padded the rows
+        n_mlm = float(scored.sum())
+        pred = out["masked_prediction_logits"].argmax(-1)
         nsp_pred = out["seq_relationship_logits"].argmax(-1)
         n_nsp = float(batch["next_sentence_label"].numel())
         return {
-            "mlm_correct": float((pred == labels[sel]).sum()), "mlm_count": n_mlm,
+            "mlm_correct": float(((pred == row_labels) & scored).sum()), "mlm_count": n_mlm,
             "mlm_loss_sum": float(out["mlm_loss"]) * n_mlm,
             "nsp_correct": float((nsp_pred == batch["next_sentence_label"].view(-1)).sum()), "nsp_count": n_nsp,
             "nsp_loss_sum": float(out["nsp_loss"]) * n_nsp,
@@ -404,7 +421,8 @@ class ImageClsTask(Task):
 
 
 def _mlm_nsp(cfg, manifest):
-    return MLMNSPTask(manifest, seed=cfg.train.seed, probability=cfg.data.mlm_probability, whole_word=cfg.data.whole_word_masking)
+    return MLMNSPTask(manifest, seed=cfg.train.seed, probability=cfg.data.mlm_probability, whole_word=cfg.data.whole_word_masking,
+                      fixed_shapes=cfg.data.fixed_shapes)
 
 
 def _causal_lm(cfg, manifest):
