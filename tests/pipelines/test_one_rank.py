@@ -16,7 +16,8 @@ from pipelines.engine.config import OptimConfig
 from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 
 ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "foreach_grad_norm",
-       "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept"]
+       "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept",
+       "hook_count_left_to_the_callback"]
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
@@ -125,6 +126,44 @@ def test_a_parameter_moved_off_its_slice_is_pointed_back_after_the_step(ds_world
     engine.step()
     assert on_their_slices()
     assert not torch.equal(moved.detach(), before)  # the update reached it through the flat buffer
+
+
+def _epilogues(ds_world, stock: bool) -> list[bool]:
+    """Three ZeRO-2 steps; for each epilogue run, whether every parameter's gradient hook had fired before it."""
+    from pipelines.engine.one_rank import one_rank_fast_path_
+
+    cfg = OptimConfig(name="adamw", lr=1e-2, kernel="default")
+    torch.manual_seed(0)
+    model = models.create("gpt-tiny", vocab_size=64)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "overlap_comm": False},
+                 **deepspeed_optimizer_fields(cfg)}
+    engine, *_ = ds_world.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+    if not stock:
+        assert "hook_count_left_to_the_callback" in one_rank_fast_path_(engine)
+    opt, epilogues = engine.optimizer, []
+    epilogue, hooks = opt.independent_gradient_partition_epilogue, len([p for p in model.parameters() if p.requires_grad])
+    opt.independent_gradient_partition_epilogue = lambda: epilogues.append(opt._hooks_fired_this_backward == hooks) or epilogue()
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 8))
+        engine.backward(engine(input_ids=ids, labels=ids)["loss"])
+        engine.step()
+    return epilogues
+
+
+def test_the_epilogue_runs_once_a_backward_without_counting_the_used_parameters(ds_world, monkeypatch):
+    """``hook_count_left_to_the_callback``: stock DeepSpeed walks every parameter's autograd node at the first
+    gradient hook of each backward; inside ``engine.backward`` the epilogue is the graph task's callback, so
+    the one-rank path skips the walk, and the epilogue still runs exactly once per backward, after the last
+    gradient hook (the bitwise tests above check the weights)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    walks = []
+    count = stage_1_and_2.count_used_parameters_in_backward
+    monkeypatch.setattr(stage_1_and_2, "count_used_parameters_in_backward", lambda params: walks.append(1) or count(params))
+    for stock in (True, False):
+        walks.clear()
+        assert _epilogues(ds_world, stock) == [True] * 3
+        assert len(walks) == (3 if stock else 0)
 
 
 def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
