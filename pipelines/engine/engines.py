@@ -414,13 +414,13 @@ def _drop_accelerate_deepspeed_env() -> None:
             del os.environ[k]
 
 
-#: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.
 def compile_kwargs(cfg: Any) -> dict[str, Any]:
     """``torch.compile``'s arguments: the configured mode; with ``data.fixed_shapes`` never a dynamic graph
     (a rare other shape, such as an epoch's short last batch, gets its own static one)."""
     return {"mode": cfg.model.compile_mode, "dynamic": False if cfg.data.fixed_shapes else None}
 
 
+#: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.
 _DS_OP_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
 
 
