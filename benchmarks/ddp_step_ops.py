@@ -6,7 +6,7 @@ steps through the real code -- ``engines.build_engine`` as ``pipelines.pretrain`
 recipe's ``torch.compile``, bf16 autocast over fp32 weights, no dropout, padded vocabulary, clip 1.0 --
 and prints, per step: aten operators, dtype casts, host reads (``aten::_local_scalar_dense``), the
 compiled regions run, dynamo's graphs / graph breaks / recompiles, and each operator the engine runs
-more often than the bare step -- on a GPU also the kernel launches and ``cudaStreamSynchronize`` calls, so
+more often than the bare step -- on a GPU also the kernel launches, copies and synchronize calls, so
 what a host-bound gap between an engine and the bare step is made of. ``--engine zero2`` (or zero1)
 counts DeepSpeed's one-rank step, with the recipe's fused AdamW.
 
@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 ENGINES = {"ddp": ["distributed.engine=ddp"], "zero1": ["distributed.engine=deepspeed", "distributed.zero_stage=1"],
            "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"]}
 ROWS = ("aten::_to_copy", "aten::copy_", "aten::_local_scalar_dense", "CompiledFunction", "CompiledFunctionBackward",
-        "aten::_foreach_norm", "Optimizer.step#AdamW.step", "cudaLaunchKernel", "cudaStreamSynchronize", "cudaEventSynchronize")
+        "aten::_foreach_norm", "Optimizer.step#AdamW.step", "cudaLaunchKernel", "cudaStreamSynchronize", "cudaEventSynchronize",
+        "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
 def main() -> int:
@@ -110,9 +111,11 @@ def main() -> int:
               + f"; dynamo frames {dyn[0]}, new graphs {dyn[1]}, graph breaks {dyn[2]}, recompiles {dyn[3]}")
     more = {k: found[label][k] - found["bare"].get(k, 0) for k in found[label]}
     print(f"{label} - bare, per step:", ", ".join(f"{k} {v:+d}" for k, v in sorted(more.items(), key=lambda kv: -kv[1]) if v))
+    # the torch optimizer that steps: DDP's own, or the one DeepSpeed's ZeRO optimizer steps its fp32 partitions with
+    inner = engine._torch_optimizer() if isinstance(engine, engines.DDPEngine) else engine.model.optimizer.optimizer
     print(f"weights {next(engine.module.parameters()).dtype} (bare {next(bare.parameters()).dtype}); engine module "
           f"{type(engine.model).__name__} around {type(engine.module).__name__}; optimizer "
-          f"{type(engine._torch_optimizer()).__name__} fused={engine._torch_optimizer().defaults.get('fused')}")
+          f"{type(inner).__name__} fused={inner.defaults.get('fused')}")
     return 0
 
 

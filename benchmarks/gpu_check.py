@@ -61,7 +61,10 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
                     "zero2-dynamic": ["data.fixed_shapes=false"],
                     # torch.compile replaying CUDA graphs: the host's launches per step go, if the engine allows it
                     "ddp-cudagraphs": ["distributed.engine=ddp", "model.compile_mode=reduce-overhead"],
-                    "zero2-cudagraphs": ["model.compile_mode=reduce-overhead"]}
+                    "zero2-cudagraphs": ["model.compile_mode=reduce-overhead"],
+                    # DeepSpeed's throughput timer as it ships (on, a device synchronize per forward and per step)
+                    "zero2-synced-timer": ["distributed.deepspeed_config={work}/timer_on.json"]}
+TIMER_ON = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}  # DeepSpeed's defaults
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
 GPU = {
@@ -161,11 +164,12 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- run
-def recipe_batch(config: str) -> int:
+def recipe_config(config: str, args: argparse.Namespace):
+    """The recipe's run config with the overrides every run of this check gets (``--set``)."""
     from core.config import load_config
     from pipelines.engine.config import RunConfig
 
-    return load_config(REPO / config, [], cls=RunConfig).data.micro_batch_size
+    return load_config(REPO / config, list(args.set), cls=RunConfig)
 
 
 def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -177,7 +181,7 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
            f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
            "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
-    cmd += ENGINE_OVERRIDES[engine] + list(args.set)
+    cmd += [o.format(work=work) for o in ENGINE_OVERRIDES[engine]] + list(args.set)
     if args.profile:  # three steps after compilation, before the timed half (steps // 2 + 1 ..): the figures stay unprofiled
         first = max(3, args.steps // 2 - 4)
         cmd += [f"logging.profile_steps={first}-{first + 2}"]
@@ -191,18 +195,14 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
         print(proc.stdout[-3000:] + proc.stderr[-6000:], flush=True)
         return {"error": f"rc {proc.returncode}", "wall_s": wall}
     if args.profile and (run_dir / "profile/rank-00000.txt").is_file():  # the operator table into the log
-        print("\n".join((run_dir / "profile/rank-00000.txt").read_text().splitlines()[:PROFILE_ROWS + 4]), flush=True)
+        print("\n".join((run_dir / "profile/rank-00000.txt").read_text().splitlines()[:PROFILE_ROWS + 5]), flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r][-1]
     return {**last, "wall_s": wall}
 
 
 def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> dict:
-    config = (CPU if args.cpu_smoke else GPU)[name][0]
-    from core.config import load_config
-    from pipelines.engine.config import RunConfig
-
-    cfg = load_config(REPO / config, [], cls=RunConfig)
+    cfg = recipe_config((CPU if args.cpu_smoke else GPU)[name][0], args)
     out = work / f"bare-{name}.json"
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
            "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
@@ -260,11 +260,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    (work / "timer_on.json").write_text(json.dumps(TIMER_ON))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results: list[tuple[str, str, int, dict]] = []
     for name in args.recipes.split(","):
-        batch = recipe_batch((CPU if args.cpu_smoke else GPU)[name][0]) if not args.cpu_smoke else 8
+        batch = recipe_config(GPU[name][0], args).data.micro_batch_size if not args.cpu_smoke else 8
         for engine in args.engines.split(","):
             results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args)))
             _print_table(results, device, started)

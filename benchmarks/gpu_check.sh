@@ -27,6 +27,7 @@ $PY -c 'import sys, torch, transformers, accelerate, deepspeed
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
       f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, deepspeed {deepspeed.__version__}")'
 if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
     $PY benchmarks/gpu_check.py run --json "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
     status=${PIPESTATUS[0]}
     awk '/^## gpu_check/{buf=""} {buf=buf $0 "\n"} END{printf "%s", buf}' "$OUT/gpu_check.log" | grep -E '^(##|\|)' > "$OUT/gpu_check.md"

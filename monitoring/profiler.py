@@ -5,7 +5,8 @@ Why: a step's time on a GPU hides where it goes -- kernels, host syncs (``aten::
 profiles the run a user runs, with its engine, loader and logging, after compilation and warm-up.
 
 Each rank writes ``run_dir/profile/rank-NNNNN.txt`` (the operators by self device time on a GPU, self
-CPU time otherwise, with call counts) and ``rank-NNNNN.trace.json`` (a Chrome / Perfetto trace). The window
+CPU time otherwise, with call counts; on a GPU its header also gives the device's busy time and the host's
+waits for it per step) and ``rank-NNNNN.trace.json`` (a Chrome / Perfetto trace). The window
 is closed early if the run ends inside it. Off (``""``) costs nothing.
 """
 
@@ -20,9 +21,12 @@ from typing import Any
 from core.config import ConfigError
 from core.files import atomic_write_text
 
-__all__ = ["StepProfiler", "device_busy_us", "parse_profile_steps"]
+__all__ = ["StepProfiler", "device_busy_us", "host_waits", "parse_profile_steps"]
 
 ROW_LIMIT = 40
+#: CUDA runtime calls in which the host waits for the device: the whole device (DeepSpeed's throughput timer, any
+#: ``torch.cuda.synchronize``), a stream (a value read, a blocking copy to or from the device), one event.
+WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int] | None:
@@ -60,6 +64,18 @@ def device_busy_us(events: Any) -> float:
         busy += stop - max(start, end)
         end = stop
     return busy
+
+
+def host_waits(averages: Any, steps: int) -> str:
+    """``"cudaDeviceSynchronize 0, cudaStreamSynchronize 2 (0.41 ms), ..."`` per step, from ``key_averages()``:
+    each wait the host made and its time -- what the device's idle share of the wall is made of."""
+    found = {a.key: a for a in averages if a.key in WAITS}
+    parts = []
+    for name in WAITS:
+        a = found.get(name)
+        calls = a.count / steps if a is not None else 0
+        parts.append(f"{name} {calls:g}" + (f" ({a.cpu_time_total / 1e3 / steps:.2f} ms)" if a is not None else ""))
+    return ", ".join(parts)
 
 
 class StepProfiler:
@@ -118,6 +134,7 @@ class StepProfiler:
         if self.cuda:  # the device's busy share: what is left of the wall time is the device waiting on the host
             busy_ms = device_busy_us(prof.events()) / 1e3 / max(self._steps, 1)
             header += f"; device busy {busy_ms:.2f} ms per step (kernels and copies, {busy_ms / wall_ms:.0%} of the wall)"
+            header += f"\n# host waits per step: {host_waits(averages, max(self._steps, 1))}"
         header += "\n"
         atomic_write_text(stem.with_suffix(".txt"), header + table + "\n")
         tmp = stem.with_name(f".{stem.name}.trace.json.tmp")

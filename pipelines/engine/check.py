@@ -97,6 +97,10 @@ def _check_schedule(cfg: Any) -> None:
             )
 
 
+#: torch.compile modes that capture and replay CUDA graphs (``torch._inductor.list_mode_options``: triton.cudagraphs).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def _micro_batch(cfg: Any) -> int:
     return int(cfg.data.micro_batch_size)
 
@@ -114,6 +118,15 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
         raise ConfigError(
             "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
             "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
+        )
+    mode = getattr(getattr(cfg, "model", None), "compile_mode", "default")
+    if compile_ and mode in CUDA_GRAPH_MODES and t.grad_accum_steps > 1:
+        raise ConfigError(
+            f"model.compile_mode={mode} replays CUDA graphs, and with train.grad_accum_steps={t.grad_accum_steps} the "
+            f"gradients of one micro-batch live in the graph's memory that the next replay overwrites (torch's cudagraph "
+            f"trees hand their backward outputs to autograd as the .grad buffers: an error at best, silently wrong "
+            f"accumulated gradients on some torch versions, pytorch/pytorch#96693, #169545). Use grad_accum_steps=1 "
+            f"(a larger data.micro_batch_size) or compile_mode=default / max-autotune-no-cudagraphs."
         )
     chunked = (getattr(getattr(cfg, "model", None), "overrides", None) or {}).get("loss_chunk_tokens", 0)
     if d.engine == "deepspeed" and d.zero_stage == 3 and chunked:

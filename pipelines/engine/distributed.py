@@ -208,6 +208,13 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
         deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
 
 
+#: DeepSpeed's throughput timer is on by default and calls ``get_accelerator().synchronize()`` -- a full device
+#: drain -- at every forward and every optimizer step, to time steps for a log line that ``steps_per_print``
+#: never prints here (the trainer's ``ThroughputMeter`` times steps without waiting). Off, the host keeps
+#: queueing the next step while the device runs this one.
+QUIET_TIMERS: dict[str, Any] = {"timers": {"throughput": {"enabled": False, "synchronized": False}}}
+
+
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON for this run: our fields, on top of ``distributed.deepspeed_config`` if given."""
     from pipelines.engine.optim import deepspeed_optimizer_fields
@@ -235,7 +242,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         **deepspeed_optimizer_fields(cfg.optim, offload=d.offload_optimizer),
     }
     if not d.deepspeed_config:
-        return ours
+        return {**ours, **QUIET_TIMERS}
     path = Path(d.deepspeed_config)
     try:
         base = json.loads(path.read_text(encoding="utf-8"))
@@ -277,7 +284,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
             leftover(v, f"{where}{k}.")
 
     leftover(merged, "")
-    return merged
+    return {**QUIET_TIMERS, **merged}  # a `timers` section of the JSON wins
 
 
 @contextlib.contextmanager

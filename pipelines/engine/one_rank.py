@@ -125,7 +125,7 @@ def _foreach_grad_norm(opt: Any) -> Callable[..., torch.Tensor]:
             norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
             total = torch.stack([n.to(opt.device) for n in norms]).pow(2.0).sum().float()
         else:
-            total = torch.tensor(0.0, dtype=torch.float32).to(opt.device)
+            total = torch.zeros((), dtype=torch.float32, device=opt.device)  # made there: no blocking copy to the device
         total = total.pow(1.0 / 2.0)
         mask_nan_or_inf_with_val_inplace(total, device=opt.device)
         return total

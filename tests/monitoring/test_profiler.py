@@ -66,3 +66,17 @@ def test_device_busy_is_the_union_of_device_spans_not_a_sum():
               event(0, 40, annotation=True)]  # an annotation spanning gaps: left out
     assert device_busy_us(events) == 6 + 3
     assert device_busy_us([event(0, 10, DeviceType.CPU)]) == 0.0
+
+
+def test_host_waits_count_each_synchronize_per_step():
+    from types import SimpleNamespace
+
+    from monitoring.profiler import host_waits
+
+    def avg(key, count, cpu_us):
+        return SimpleNamespace(key=key, count=count, cpu_time_total=cpu_us)
+
+    averages = [avg("cudaStreamSynchronize", 6, 900.0), avg("cudaLaunchKernel", 900, 5000.0),
+                avg("cudaEventSynchronize", 3, 30.0)]
+    assert host_waits(averages, steps=3) == ("cudaDeviceSynchronize 0, cudaStreamSynchronize 2 (0.30 ms), "
+                                             "cudaEventSynchronize 1 (0.01 ms)")

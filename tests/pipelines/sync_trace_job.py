@@ -2,7 +2,9 @@
 
 A host sync is a call that makes the host wait for the device (on a GPU): reading a tensor's value
 (``item``, ``tolist``, ``__float__``, ``__bool__``, ``__int__``, ``numpy``, ``cpu``, ``to("cpu")``)
-or a ``torch.distributed`` collective -- and, below Python, every operator whose result's shape or value
+or a ``torch.distributed`` collective, or a device-wide wait (``torch.cuda.synchronize``, DeepSpeed's
+``get_accelerator().synchronize()``: a no-op on the CPU, a drained queue on a GPU; ``empty_cache``, whose
+``cudaFree`` waits too) -- and, below Python, every operator whose result's shape or value
 the host needs from the device (``nonzero``, a boolean-mask index, ``masked_select``, ``unique``, a scalar
 read made in C++), seen by a ``TorchDispatchMode``: the kind of sync that hides in a model's forward
 (``hidden[labels != -100]``) and calls no Python read. On the CPU nothing waits, so the calls are counted instead:
@@ -147,6 +149,15 @@ def install() -> None:
     for name in COLLECTIVES:
         if hasattr(td, name):
             _wrap(td, name, f"dist.{name}")
+    try:  # DeepSpeed's accelerator: its synchronize() returns at once on the CPU, so only a count can show it
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        owners = [torch.cuda]
+    else:
+        owners = [torch.cuda, type(get_accelerator())]
+    for owner in owners:  # a device-wide wait, and a release of cached blocks (cudaFree waits for the device)
+        for name in ("synchronize", "empty_cache"):
+            _wrap(owner, name, f"device.{name}")
     from pipelines.engine import trainer
 
     orig_step = trainer.Trainer._train_step

@@ -53,6 +53,18 @@ def test_bad_names_and_values_are_refused_with_the_key(override, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graphs_refuse_gradient_accumulation(mode):
+    """A CUDA-graph backward's gradients live in memory the next replay overwrites: accumulating them is refused,
+    one micro-batch per step (or a mode without graphs) is not."""
+    graphs = ["model.compile=true", f"model.compile_mode={mode}"]
+    with pytest.raises(ConfigError, match=rf"compile_mode={mode} replays CUDA graphs.*grad_accum_steps=2"):
+        check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=2"]))
+    check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=1"]))
+    check(load_run_config(CONFIG, ["model.compile=true", "model.compile_mode=max-autotune-no-cudagraphs",
+                                   "train.grad_accum_steps=2"]))
+
+
 def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 2}}))
@@ -60,6 +72,17 @@ def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):
     check(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"train_batch_size=16 != micro_batch_size 8 x grad_accum_steps 1 x world size 1 = 8"):
         check(cfg, world_size=1)
+
+
+def test_deepspeed_throughput_timer_is_off_unless_the_json_asks_for_it(tmp_path):
+    """DeepSpeed's throughput timer drains the device at every forward and step (a count on a real run:
+    test_host_syncs.py); ours times steps without waiting, so it is off -- a JSON's own `timers` is kept."""
+    cfg = load_run_config(CONFIG)
+    assert distributed.deepspeed_config(cfg, 1)["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": True}}}))
+    cfg = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}"])
+    assert distributed.deepspeed_config(cfg, 1)["timers"] == {"throughput": {"enabled": True}}
 
 
 def test_cli_refuses_a_bad_name_before_spawning_ranks(monkeypatch, capsys):
