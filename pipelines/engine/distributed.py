@@ -14,6 +14,7 @@ One code path serves 1 CPU process, N CPU processes (gloo), 1 GPU, 8 GPUs and N 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -212,7 +213,7 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
 #: drain -- at every forward and every optimizer step, to time steps for a log line that ``steps_per_print``
 #: never prints here (the trainer's ``ThroughputMeter`` times steps without waiting). Off, the host keeps
 #: queueing the next step while the device runs this one.
-QUIET_TIMERS: dict[str, Any] = {"timers": {"throughput": {"enabled": False, "synchronized": False}}}
+QUIET_TIMERS: dict[str, Any] = {"throughput": {"enabled": False, "synchronized": False}}
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
@@ -242,7 +243,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         **deepspeed_optimizer_fields(cfg.optim, offload=d.offload_optimizer),
     }
     if not d.deepspeed_config:
-        return {**ours, **QUIET_TIMERS}
+        return {**ours, "timers": copy.deepcopy(QUIET_TIMERS)}
     path = Path(d.deepspeed_config)
     try:
         base = json.loads(path.read_text(encoding="utf-8"))
@@ -284,7 +285,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
             leftover(v, f"{where}{k}.")
 
     leftover(merged, "")
-    return {**QUIET_TIMERS, **merged}  # a `timers` section of the JSON wins
+    return {"timers": copy.deepcopy(QUIET_TIMERS), **merged}  # a `timers` section of the JSON wins
 
 
 @contextlib.contextmanager
