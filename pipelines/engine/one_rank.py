@@ -95,6 +95,7 @@ def _grads_stay_where_autograd_put_them(opt: Any) -> Callable[..., None]:
         in the same order. Two copies of every gradient fewer per step, and the hook's Python."""
         if (param.numel() == 0 or not getattr(param, "ds_grad_is_ready", True) or param.grad is None
                 or not param.grad.is_contiguous()):
+            opt.setup_buckets()  # the stock path's bucket (set up by the first hook; none without hooks)
             return stock(param, i)
         param_id = opt.get_param_id(param)
         if opt.params_already_reduced[param_id]:
@@ -102,6 +103,45 @@ def _grads_stay_where_autograd_put_them(opt: Any) -> Callable[..., None]:
         opt.params_already_reduced[param_id] = True
 
     return reduce_independent_p_g_buckets_and_remove_grads
+
+
+def _gradient_hooks_removed(opt: Any) -> Callable[..., None]:
+    """Installs by removing DeepSpeed's per-parameter gradient hooks; returns the epilogue's bucket reduction.
+
+    Each hook (``grad_handling_hook``, one per parameter, ~150 in GPT-2 small or BERT-base) runs DeepSpeed's
+    backward state machine and ``process_gradients``: on the first hook of a backward it sets up the IPG
+    bucket (``torch.empty(reduce_bucket_size)``, 5e8 elements by default: ~1-2 GB of the step's peak memory
+    on a GPU, never written on one rank), then ``grads_stay_in_place`` only marks the gradient reduced --
+    a mark the epilogue clears again. The state machine decides when the epilogue runs, but inside
+    ``engine.backward`` DeepSpeed runs it itself after ``loss.backward()`` returns (and a direct
+    ``loss.backward()`` runs it from the callback the backward prologue queues), so on one rank the hooks
+    compute nothing the epilogue needs: it lists the gradients autograd left on the parameters, as before.
+    Without them the backward has no Python between the gradients, and no bucket is allocated."""
+    for handle in opt._grad_acc_hooks:
+        handle.remove()
+    opt._grad_acc_hooks.clear()
+    stock = opt.reduce_ipg_grads
+
+    def reduce_ipg_grads(comm_dtype: Any = None) -> None:
+        """The epilogue's reduction of what the hooks put in the IPG bucket: nothing, with no hooks (a bucket
+        that holds something -- a stock path's -- is reduced as stock does). The gradients the epilogue lists
+        are contiguous, as the hooks required: autograd gives a contiguous parameter a gradient of its layout."""
+        if any(b.params or b.elements for b in opt.ipg_buckets.values()) or opt.extra_large_param_to_reduce:
+            return stock(comm_dtype)
+        return None
+
+    return reduce_ipg_grads
+
+
+def _hooks_only_mark_gradients(opt: Any) -> bool:
+    """Every hook would take ``grads_stay_in_place``'s path: gradients reduced on the ZeRO optimizer's own
+    schedule (no coalesced reduction), every trainable parameter contiguous and non-empty, none with a
+    readiness flag (``ds_grad_is_ready``); and the attributes ``_gradient_hooks_removed`` uses exist."""
+    needs = ("_grad_acc_hooks", "ipg_buckets", "extra_large_param_to_reduce", "setup_buckets", "reduce_ipg_grads",
+             "_coalesce_grad_reduction")
+    return (opt.contiguous_gradients and all(hasattr(opt, a) for a in needs) and not opt._coalesce_grad_reduction
+            and all(p.numel() > 0 and p.is_contiguous() and not hasattr(p, "ds_grad_is_ready")
+                    for g in opt.bit16_groups for p in g if p.requires_grad))
 
 
 def _foreach_grad_norm(opt: Any) -> Callable[..., torch.Tensor]:
@@ -331,7 +371,8 @@ def _skips_on_the_device(opt: Any) -> bool:
 
 @dataclass(frozen=True)
 class Patch:
-    """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check."""
+    """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check;
+    ``build(opt)`` returns the replacement (and does once what it needs: ``gradient_hooks_removed``)."""
 
     method: str
     build: Callable[[Any], Callable[..., Any]]
@@ -342,6 +383,7 @@ PATCHES: dict[str, Patch] = {
     "identity_ipg_reduction": Patch("average_tensor", _identity_average_tensor),
     "grads_stay_in_place": Patch("reduce_independent_p_g_buckets_and_remove_grads", _grads_stay_where_autograd_put_them,
                                  lambda opt: opt.contiguous_gradients),
+    "gradient_hooks_removed": Patch("reduce_ipg_grads", _gradient_hooks_removed, _hooks_only_mark_gradients),
     "foreach_grad_norm": Patch("get_grad_norm_direct", _foreach_grad_norm),
     "overflow_from_the_norm": Patch("has_overflow", _overflow_from_the_norm,
                                     lambda opt: opt.check_grad_overflow and opt.compute_grad_norm),

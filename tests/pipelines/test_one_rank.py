@@ -15,7 +15,7 @@ import models
 from pipelines.engine.config import OptimConfig
 from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 
-ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "foreach_grad_norm",
+ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "gradient_hooks_removed", "foreach_grad_norm",
        "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept",
        "hook_count_left_to_the_callback"]
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
@@ -128,8 +128,9 @@ def test_a_parameter_moved_off_its_slice_is_pointed_back_after_the_step(ds_world
     assert not torch.equal(moved.detach(), before)  # the update reached it through the flat buffer
 
 
-def _epilogues(ds_world, stock: bool) -> list[bool]:
-    """Three ZeRO-2 steps; for each epilogue run, whether every parameter's gradient hook had fired before it."""
+def _epilogues(ds_world, stock: bool) -> tuple[list[tuple[int, bool]], int, int]:
+    """Three ZeRO-2 steps: for each epilogue run, how many gradient hooks had fired before it and whether every
+    parameter had its gradient; how many times the IPG bucket was set up; how many hooks are registered."""
     from pipelines.engine.one_rank import one_rank_fast_path_
 
     cfg = OptimConfig(name="adamw", lr=1e-2, kernel="default")
@@ -140,30 +141,41 @@ def _epilogues(ds_world, stock: bool) -> list[bool]:
     engine, *_ = ds_world.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
     if not stock:
         assert "hook_count_left_to_the_callback" in one_rank_fast_path_(engine)
-    opt, epilogues = engine.optimizer, []
-    epilogue, hooks = opt.independent_gradient_partition_epilogue, len([p for p in model.parameters() if p.requires_grad])
-    opt.independent_gradient_partition_epilogue = lambda: epilogues.append(opt._hooks_fired_this_backward == hooks) or epilogue()
+    opt, epilogues, buckets = engine.optimizer, [], []
+    params = [p for p in model.parameters() if p.requires_grad]
+    epilogue, setup_buckets = opt.independent_gradient_partition_epilogue, opt.setup_buckets
+    opt.independent_gradient_partition_epilogue = lambda: epilogues.append(
+        (opt._hooks_fired_this_backward, all(p.grad is not None for p in params))) or epilogue()
+    opt.setup_buckets = lambda: buckets.append(opt.ready_for_gradients) or setup_buckets()
     for _ in range(3):
         ids = torch.randint(0, 64, (2, 8))
         engine.backward(engine(input_ids=ids, labels=ids)["loss"])
         engine.step()
-    return epilogues
+    return epilogues, buckets.count(False), len(opt._grad_acc_hooks)
 
 
-def test_the_epilogue_runs_once_a_backward_without_counting_the_used_parameters(ds_world, monkeypatch):
-    """``hook_count_left_to_the_callback``: stock DeepSpeed walks every parameter's autograd node at the first
-    gradient hook of each backward; inside ``engine.backward`` the epilogue is the graph task's callback, so
-    the one-rank path skips the walk, and the epilogue still runs exactly once per backward, after the last
-    gradient hook (the bitwise tests above check the weights)."""
+def test_the_epilogue_runs_once_a_backward_without_gradient_hooks(ds_world, monkeypatch):
+    """``gradient_hooks_removed``: stock DeepSpeed runs a Python hook per parameter in every backward (and sets up
+    its reduction bucket in the first); on one rank they only mark gradients that stay where autograd put them,
+    so they are removed, and the epilogue still runs once per backward, with every gradient there, and no bucket
+    is set up. Where the hooks stay, ``hook_count_left_to_the_callback`` spares them the walk over every
+    parameter's autograd node (the bitwise tests above check the weights either way)."""
     from deepspeed.runtime.zero import stage_1_and_2
+
+    from pipelines.engine import one_rank
 
     walks = []
     count = stage_1_and_2.count_used_parameters_in_backward
     monkeypatch.setattr(stage_1_and_2, "count_used_parameters_in_backward", lambda params: walks.append(1) or count(params))
-    for stock in (True, False):
-        walks.clear()
-        assert _epilogues(ds_world, stock) == [True] * 3
-        assert len(walks) == (3 if stock else 0)
+    hooks = len(list(models.create("gpt-tiny", vocab_size=64).parameters()))
+    assert _epilogues(ds_world, stock=True)[1:] == (3, hooks) and len(walks) == 3
+    assert all(fired == hooks for fired, _ in _epilogues(ds_world, stock=True)[0])
+    walks.clear()
+    assert _epilogues(ds_world, stock=False) == ([(0, True)] * 3, 0, 0) and walks == []
+    kept = one_rank.Patch("reduce_ipg_grads", one_rank.PATCHES["gradient_hooks_removed"].build, lambda opt: False)
+    monkeypatch.setitem(one_rank.PATCHES, "gradient_hooks_removed", kept)  # a layout where the hooks must stay
+    epilogues, _, registered = _epilogues(ds_world, stock=False)
+    assert epilogues == [(hooks, True)] * 3 and registered == hooks and walks == []
 
 
 def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
