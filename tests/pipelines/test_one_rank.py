@@ -178,6 +178,36 @@ def test_the_epilogue_runs_once_a_backward_without_gradient_hooks(ds_world, monk
     assert epilogues == [(hooks, True)] * 3 and registered == hooks and walks == []
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_direct_loss_backward_without_the_hooks_trains_as_stock(ds_world, accum):
+    """Without the gradient hooks a torch-style ``loss.backward()`` (not ``engine.backward``) still ends in the
+    epilogue -- the backward prologue's graph-task callback runs it -- and the steps are stock DeepSpeed's bitwise."""
+    from pipelines.engine.one_rank import one_rank_fast_path_
+
+    def train(patched: bool) -> tuple[dict, dict, list[str]]:
+        cfg = OptimConfig(name="adamw", lr=1e-2, grad_clip=0.05, kernel="default")
+        torch.manual_seed(0)
+        model = models.create("gpt-tiny", vocab_size=64)
+        first = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum,
+                     "zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 20_000},
+                     **deepspeed_optimizer_fields(cfg)}
+        engine, *_ = ds_world.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+        installed = one_rank_fast_path_(engine) if patched else []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3 * accum):
+            ids = torch.randint(0, 64, (2, 8), generator=g)
+            engine(input_ids=ids, labels=ids)["loss"].backward()
+            engine.step()
+        return first, {n: p.detach().clone() for n, p in engine.module.named_parameters()}, installed
+
+    first, stock, _ = train(patched=False)
+    _, patched, installed = train(patched=True)
+    assert "gradient_hooks_removed" in installed
+    assert all(not torch.equal(first[n], stock[n]) for n in stock)  # every weight trained
+    assert all(torch.equal(stock[n], patched[n]) for n in stock), [n for n in stock if not torch.equal(stock[n], patched[n])]
+
+
 def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
     """bf16 weights with fp32 gradient accumulation: ZeRO-2 reduces into a separate fp32 partition
     (reducing the bucket is not an identity there: patched anyway, the NaN step goes unseen and the
