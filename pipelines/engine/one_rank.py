@@ -284,9 +284,11 @@ def _hook_count_left_to_the_callback(opt: Any) -> Callable[[], bool]:
 
 
 def _backward_hook_state_readable(opt: Any) -> bool:
-    """DeepSpeed's backward hook state has the two fields ``_hook_count_left_to_the_callback`` reads."""
+    """Gradient hooks are still registered (``gradient_hooks_removed`` did not apply), and DeepSpeed's backward
+    hook state has the two fields ``_hook_count_left_to_the_callback`` reads."""
     state = getattr(opt, "_backward_hook_state", None)
-    return hasattr(state, "post_backward_callback_queued") and hasattr(state, "backward_active_depth")
+    return (bool(getattr(opt, "_grad_acc_hooks", True)) and hasattr(state, "post_backward_callback_queued")
+            and hasattr(state, "backward_active_depth"))
 
 
 def _same_parameters_reordered(opt: Any) -> bool:
