@@ -18,6 +18,7 @@ import copy
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -53,9 +54,33 @@ class DistEnv:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now for a rendezvous server (MASTER_PORT), chosen below the kernel's ephemeral range.
+
+    The port ``bind(0)`` returns is an ephemeral one: between this check and the server's own bind, any
+    outgoing connection on the machine (Ray's workers, a browser) may take it as its local port, and the
+    store fails with EADDRINUSE. Below the range only another server can take it. Drawn at random (not from
+    the seeded ``random`` stream) so that jobs started side by side do not try the same ports in turn."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every drawn port taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return max(2048, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _slurm_master() -> str:

@@ -123,3 +123,23 @@ def test_pretrain_finetune_under_the_real_deepspeed_launcher_reaches_our_config_
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "unrecognized arguments" not in out
     assert "train_batch_size=5 != micro_batch_size 32 x grad_accum_steps 1 x world size 2" in out
+
+
+def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_take():
+    """``free_port`` (every local MASTER_PORT): a port below the kernel's ephemeral range, which no outgoing
+    connection can grab between the check and the store's bind (the EADDRINUSE a Ray cluster beside a run
+    caused), bindable, and drawn without touching the seeded ``random`` stream a run's data order uses."""
+    import random
+    import socket
+
+    from pipelines.engine.distributed import _ephemeral_low, free_port
+
+    random.seed(0)
+    expected = random.random()
+    random.seed(0)
+    ports = {free_port() for _ in range(8)}
+    assert random.random() == expected
+    assert all(1024 <= p < _ephemeral_low() for p in ports) and len(ports) > 1
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", ports.pop()))
+        server.listen()
