@@ -17,7 +17,9 @@ The corpora are small enough to travel with the device tool (~45 MB, 256 raw ima
 loop over them for as many epochs as they need.
 
 ``run`` trains each recipe of ``configs/train/gpu/`` (GPT-2 small, BERT-base phase 1, ViT-B/16) with its
-own micro batch, precision and compile setting, once under DeepSpeed ZeRO-2 (the recipe as shipped) and
+own micro batch, precision and compile setting, one micro-batch per optimizer step (``train.global_batch_size``
+set to it: each GPU's step on the GPUs the recipe is written for; BERT-base's 256 is one GPU's micro-batch),
+once under DeepSpeed ZeRO-2 (the recipe as shipped) and
 once with ``distributed.engine=ddp``, each as ``torchrun --nproc_per_node 1 -m pipelines.pretrain CONFIG
 data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last train record: tokens or
 images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
@@ -181,6 +183,10 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
            f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
            "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
+    # one micro-batch per optimizer step: each GPU's step of the recipe on the GPUs it is written for (one GPU alone
+    # accumulates the rest of the recipe's train.global_batch_size, which amortizes the update further)
+    micro = 8 if args.cpu_smoke else recipe_config(config, args).data.micro_batch_size
+    cmd += [f"train.global_batch_size={micro}"]
     cmd += [o.format(work=work) for o in ENGINE_OVERRIDES[engine]] + list(args.set)
     if args.profile:  # three steps after compilation, before the timed half (steps // 2 + 1 ..): the figures stay unprofiled
         first = max(3, args.steps // 2 - 4)

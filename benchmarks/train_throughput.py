@@ -71,6 +71,7 @@ def make_corpus(kind: str, root: Path, seq_len: int, samples: int, vocab_size: i
 def run_ours(kind: str, corpus: Path, run_dir: Path, args: argparse.Namespace) -> float:
     cmd = [sys.executable, "-m", "pipelines.pretrain", CONFIGS[args.device][kind], f"data.corpus={corpus}", f"train.run_dir={run_dir}",
            f"train.max_steps={args.steps}", f"data.micro_batch_size={args.batch}", f"data.num_workers={args.workers}",
+           f"train.global_batch_size={args.batch}",  # one micro-batch per step, as the other side steps (the recipes accumulate)
            "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0", f"train.log_every={args.warmup}",
            "logging.tensorboard=false", "logging.progress=false", "distributed.zero_stage=2", "train.resume=never",
            f"optim.lr={args.lr}", f"train.precision={args.precision}", f"model.compile={str(args.compile).lower()}",

@@ -5,8 +5,9 @@ grid point before the first run, and every rank calls it again (``distributed.va
 the process group starts. It covers what a typed load cannot: registry names (model sizes and
 the tasks their families pretrain under, from the torch-free family specs of ``core.families``;
 schedule warmups/decays), a schedule dry-run with the run's real values, the batch / world
-arithmetic and the distributed options that exclude each other. Device-specific checks (fp16 on a
-CPU, nccl without GPUs) stay in ``distributed.validate``, which knows the device.
+arithmetic (``batch_split``: ``train.global_batch_size`` over the ranks) and the distributed options
+that exclude each other. Device-specific checks (fp16 on a CPU, nccl without GPUs) stay in
+``distributed.validate``, which knows the device.
 
 ``check_inputs(cfg)`` is the other half of a pre-launch check: the files the job will read (the
 corpus manifest and its size against the world, fine-tuning's data files) exist. ``pretrain train``
@@ -29,8 +30,8 @@ from core.config import ConfigError, check_registry_names
 from core.families import UnknownModel, families_for_task, family_of_model, model_catalog, model_names
 from pipelines.engine.schedules import build_schedule
 
-__all__ = ["ACCELERATE_PRECISION", "check", "check_accelerate_file", "check_inputs", "is_pretraining_task",
-           "model_catalog", "model_width", "run_schedule"]
+__all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "check", "check_accelerate_file", "check_inputs",
+           "is_pretraining_task", "model_catalog", "model_width", "run_schedule", "split_batch"]
 
 
 def is_pretraining_task(task: str) -> bool:
@@ -105,12 +106,56 @@ def _micro_batch(cfg: Any) -> int:
     return int(cfg.data.micro_batch_size)
 
 
+def split_batch(micro_cap: int, accum: int, global_batch: int, world_size: int, *,
+                key: str = "train.global_batch_size") -> tuple[int, int, int]:
+    """(micro batch, gradient accumulation, global batch) of one optimizer step on ``world_size`` ranks.
+
+    ``global_batch`` 0: the micro batch and accumulation as given. Otherwise the global batch holds whatever
+    the number of ranks (Megatron-LM's ``--global-batch-size``): each rank takes ``global_batch / world_size``
+    samples a step, in micro-batches of the largest size <= ``micro_cap`` (what one forward may take: memory)
+    that divides its share, accumulated over the rest -- so a recipe keeps its paper's batch, and the learning
+    rate tuned for it, on one GPU or on 64, and a run resumed on another number of GPUs goes on with the same batch.
+    """
+    if not global_batch:
+        return micro_cap, accum, micro_cap * accum * world_size
+    per_rank, rest = divmod(global_batch, world_size)
+    if rest or per_rank < 1:
+        raise ConfigError(f"{key} {global_batch} does not divide over {world_size} ranks (one per GPU or process). Use a "
+                          f"multiple of {world_size}, or a number of ranks that divides {global_batch}.")
+    micro = max(d for d in range(1, min(micro_cap, per_rank) + 1) if per_rank % d == 0)
+    return micro, per_rank // micro, global_batch
+
+
+def batch_split(cfg: Any, world_size: int) -> tuple[int, int, int]:
+    """``split_batch`` of a run config (``data.micro_batch_size``, ``train.grad_accum_steps``, ``train.global_batch_size``)."""
+    return split_batch(_micro_batch(cfg), int(cfg.train.grad_accum_steps), int(getattr(cfg.train, "global_batch_size", 0)),
+                       world_size)
+
+
+def apply_batch_split(cfg: Any, world_size: int) -> str | None:
+    """Set the run's micro batch and accumulation for ``world_size`` ranks from ``train.global_batch_size``
+    (a no-op without it, and on a config it was applied to); returns a line saying what was set, if anything."""
+    if not getattr(cfg.train, "global_batch_size", 0):
+        return None
+    asked = (_micro_batch(cfg), cfg.train.grad_accum_steps)
+    micro, accum, total = batch_split(cfg, world_size)
+    cfg.data.micro_batch_size, cfg.train.grad_accum_steps = micro, accum
+    line = (f"train.global_batch_size {total} on {world_size} rank(s): data.micro_batch_size {micro} x "
+            f"train.grad_accum_steps {accum} per rank")
+    if micro != asked[0]:
+        line += f" (data.micro_batch_size {asked[0]} is the most one forward takes; {micro} divides the rank's {total // world_size})"
+    if asked[1] not in (1, accum):
+        line += f"; the config's train.grad_accum_steps {asked[1]} is replaced (the global batch decides it)"
+    return line + "."
+
+
 def _check_distributed(cfg: Any, world_size: int) -> None:
     d, t = cfg.distributed, cfg.train
     if world_size < 1:
         raise ConfigError(f"The job needs at least one process, got a world size of {world_size}.")
     if _micro_batch(cfg) < 1:
         raise ConfigError(f"data.micro_batch_size must be >= 1, got {_micro_batch(cfg)}.")
+    mb, accum, global_batch = batch_split(cfg, world_size)
     if d.engine == "ddp" and (d.offload_optimizer or d.offload_params):
         raise ConfigError("distributed.offload_optimizer/offload_params need engine=deepspeed (ZeRO-Offload); plain DDP cannot offload.")
     compile_ = getattr(getattr(cfg, "model", None), "compile", False)
@@ -120,13 +165,16 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
             "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
         )
     mode = getattr(getattr(cfg, "model", None), "compile_mode", "default")
-    if compile_ and mode in CUDA_GRAPH_MODES and t.grad_accum_steps > 1:
+    if compile_ and mode in CUDA_GRAPH_MODES and accum > 1:
+        derived = (f" (train.global_batch_size {global_batch} over {world_size} rank(s) in micro-batches of {mb})"
+                   if t.global_batch_size else "")
         raise ConfigError(
-            f"model.compile_mode={mode} replays CUDA graphs, and with train.grad_accum_steps={t.grad_accum_steps} the "
+            f"model.compile_mode={mode} replays CUDA graphs, and with train.grad_accum_steps={accum}{derived} the "
             f"gradients of one micro-batch live in the graph's memory that the next replay overwrites (torch's cudagraph "
             f"trees hand their backward outputs to autograd as the .grad buffers: an error at best, silently wrong "
-            f"accumulated gradients on some torch versions, pytorch/pytorch#96693, #169545). Use grad_accum_steps=1 "
-            f"(a larger data.micro_batch_size) or compile_mode=default / max-autotune-no-cudagraphs."
+            f"accumulated gradients on some torch versions, pytorch/pytorch#96693, #169545). Use one micro-batch per "
+            f"step (a larger data.micro_batch_size, or a smaller train.global_batch_size / more processes) or "
+            f"compile_mode=default / max-autotune-no-cudagraphs."
         )
     chunked = (getattr(getattr(cfg, "model", None), "overrides", None) or {}).get("loss_chunk_tokens", 0)
     if d.engine == "deepspeed" and d.zero_stage == 3 and chunked:
@@ -150,8 +198,6 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
             raise ConfigError(f"distributed.deepspeed_config={path} must hold a JSON object.")
         if "optimizer" in base or "scheduler" in base:
             raise ConfigError(f"{path}: remove its `optimizer`/`scheduler` sections; optim.* and schedule.* build them.")
-        mb, accum = _micro_batch(cfg), t.grad_accum_steps
-        global_batch = mb * accum * world_size
         for key, ours, explain in (
             ("train_micro_batch_size_per_gpu", mb, f"data.micro_batch_size {mb}"),
             ("gradient_accumulation_steps", accum, f"train.grad_accum_steps {accum}"),
@@ -184,11 +230,12 @@ def _check_corpus(path: str, cfg: Any, world_size: int) -> None:
 
     raw = read_manifest(path)  # names the missing or damaged manifest and the fix
     samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
-    need = world_size * _micro_batch(cfg)
+    micro = batch_split(cfg, world_size)[0]
+    need = world_size * micro
     if samples < need:
         raise ConfigError(
             f"The corpus {path} has {samples} training samples, fewer than one micro-batch per rank "
-            f"(world size {world_size} x data.micro_batch_size {_micro_batch(cfg)} = {need}). "
+            f"(world size {world_size} x data.micro_batch_size {micro} = {need}). "
             f"Lower data.micro_batch_size or the number of processes, or prepare more data."
         )
 

@@ -56,7 +56,7 @@ class DataConfig:
     corpora: list[CorpusWeight] = option([], help="A weighted mixture instead of `corpus`: [{path: A, weight: 0.3}, "
                                                   "{path: B, weight: 0.7}], same kind and tokenizer; evaluation uses "
                                                   "the first corpus's eval split.")
-    micro_batch_size: int = option(32, help="Samples per process per forward pass.")
+    micro_batch_size: int = option(32, help="Samples per process per forward pass (with train.global_batch_size: the most).")
     num_workers: int = option(2, help="DataLoader worker processes per rank (0 = load in the main process).")
     shuffle_buffer: int = option(1000, help="Samples held in the per-worker shuffle buffer.")
     prefetch_factor: int = option(2, help="Batches prefetched per DataLoader worker.")
@@ -163,7 +163,10 @@ class TrainConfig:
     max_steps: int = option(1000, help="Optimizer steps to train; the run stops at the first budget reached.")
     max_tokens: int = option(0, help="Token budget (0 = none).")
     max_time_minutes: float = option(0.0, help="Wall-time budget in minutes (0 = none); checkpoints before stopping.")
-    grad_accum_steps: int = option(1, help="Micro-batches accumulated per optimizer step.")
+    grad_accum_steps: int = option(1, help="Micro-batches accumulated per optimizer step (derived when global_batch_size is set).")
+    global_batch_size: int = option(0, help="Samples per optimizer step over all ranks, held on any number of GPUs: each "
+                                            "rank's share in micro-batches of at most data.micro_batch_size, the rest "
+                                            "accumulated (0: data.micro_batch_size x grad_accum_steps x ranks).")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="fp16 uses dynamic loss scaling.")
     seed: int = option(0, help="Seed for model init, masking and data order.")
     deterministic: bool = option(False, help="Use deterministic kernels (bitwise-reproducible on CPU in fp32).")
@@ -182,6 +185,8 @@ class TrainConfig:
         for name in ("max_steps", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.global_batch_size < 0:
+            raise ConfigError(f"train.global_batch_size must be >= 0 (0: micro x accumulation x ranks), got {self.global_batch_size}.")
 
 
 @dataclass(kw_only=True)

@@ -466,7 +466,10 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
         plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size))
         with _joining_quietly():
-            acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg])
+            # DeepSpeed accumulates (its JSON's gradient_accumulation_steps); accelerate is told the same, so that it
+            # does not warn of a mismatch with its own default of 1 and then take DeepSpeed's value anyway
+            acc = Accelerator(deepspeed_plugin=plugin, mixed_precision=mp, kwargs_handlers=[pg],
+                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
         model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
         engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
         if cfg.model.compile:

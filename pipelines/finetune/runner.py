@@ -19,6 +19,7 @@ from typing import Any
 from core.files import atomic_write_text, tree_inside
 from monitoring.sinks import plain
 from pipelines.engine import distributed as dist
+from pipelines.engine.check import batch_split
 from pipelines.engine.config import DataConfig, ModelConfig, RunConfig
 from pipelines.engine.hooks import RunHooks
 from pipelines.finetune import FinetuneConfig
@@ -58,7 +59,7 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
 
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
     run_cfg, steps_per_epoch = epoch_run_config(cfg, len(job.train_feats), env.world_size, job.model_name)
-    common = dict(micro_batch_size=d.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
+    common = dict(micro_batch_size=run_cfg.data.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
     trainer = Trainer(
         run_cfg, model=job.model, task=job.task, env=env,
         # every epoch sees every example: the last batch is partial (topped up with masked fillers), as in transformers
@@ -97,14 +98,15 @@ def padded_for_eval(features: list[dict[str, Any]], multiple: int, **filler_fiel
 def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model_name: str) -> tuple[RunConfig, int]:
     """The `RunConfig` the Trainer runs for fine-tuning: `epochs` passes, one evaluation and checkpoint each."""
     d = cfg.data
-    per_step = world_size * d.micro_batch_size * cfg.train.grad_accum_steps
-    steps_per_epoch = -(-num_train // (world_size * d.micro_batch_size)) // cfg.train.grad_accum_steps  # last batch partial
+    micro, accum, per_step = batch_split(cfg, world_size)  # train.global_batch_size, if set, over these ranks
+    steps_per_epoch = -(-num_train // (world_size * micro)) // accum  # last batch partial
     if steps_per_epoch < 1:
         raise FinetuneError(f"{d.train}: {num_train} training examples/windows are fewer than one optimizer step "
-                            f"({per_step}); lower data.micro_batch_size or train.grad_accum_steps.")
+                            f"({per_step}); lower data.micro_batch_size, train.grad_accum_steps or train.global_batch_size.")
     train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
-                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0)
-    run_cfg = RunConfig(data=DataConfig(micro_batch_size=d.micro_batch_size, num_workers=0),
+                                    checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0,
+                                    grad_accum_steps=accum)
+    run_cfg = RunConfig(data=DataConfig(micro_batch_size=micro, num_workers=0),
                         model=ModelConfig(name=model_name), optim=cfg.optim, schedule=cfg.schedule,
                         train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
     return run_cfg, steps_per_epoch

@@ -18,12 +18,13 @@ shape (``model_shapes``) and the constants of ``plan_constants`` (each with its 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
-from pipelines.engine.check import check, is_pretraining_task
+from pipelines.engine.check import batch_split, check, is_pretraining_task, split_batch
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
@@ -207,16 +208,19 @@ def daly_wall_time(solve_s: float, tau_s: float, delta_s: float, mtbf_s: float, 
 
 
 def _batch(cfg: Any, opts: PlanOptions) -> tuple[int, int, int]:
-    """(micro batch, grad accumulation, global batch): the config's on ``--gpus``, or ``--global-batch`` held."""
-    micro, accum = int(cfg.data.micro_batch_size), int(cfg.train.grad_accum_steps)
+    """(micro batch, grad accumulation, global batch) on ``--gpus``: ``--global-batch`` held if given, else the
+    config's ``train.global_batch_size`` (or its micro batch x accumulation), as a run on those GPUs splits it."""
     if not opts.global_batch:
-        return micro, accum, micro * accum * opts.gpus
-    per_gpu, rest = divmod(opts.global_batch, opts.gpus)
-    if rest or per_gpu < 1:
-        raise ConfigError(f"--global-batch {opts.global_batch} does not divide over {opts.gpus} GPUs. Use a multiple of "
-                          f"{opts.gpus}.")
-    micro = max(d for d in range(1, min(micro, per_gpu) + 1) if per_gpu % d == 0)
-    return micro, per_gpu // micro, opts.global_batch
+        return batch_split(cfg, opts.gpus)
+    return split_batch(int(cfg.data.micro_batch_size), int(cfg.train.grad_accum_steps), opts.global_batch, opts.gpus,
+                       key="--global-batch")
+
+
+def _held(cfg: Any, opts: PlanOptions) -> Any:
+    """The config as a run with ``--global-batch`` would have it: ``train.global_batch_size`` set to that."""
+    if not opts.global_batch:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=opts.global_batch))
 
 
 def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
@@ -249,7 +253,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if not is_pretraining_task(cfg.train.task):
         raise ConfigError(f"{config_name or 'the config'}: train.task={cfg.train.task} is fine-tuning; `pretrain plan` "
                           f"plans pretraining runs (configs/train/). Pass a pretraining config.")
-    check(cfg, world_size=opts.gpus)
+    micro, accum, global_batch = _batch(cfg, opts)
+    check(_held(cfg, opts), world_size=opts.gpus)
     if cfg.model.name not in MODEL_SHAPES:
         raise ConfigError(f"model.name={cfg.model.name} has no torch-free shape in pipelines/ops/model_shapes.py; add it "
                           f"there (tests/pipelines/test_plan.py checks it against the registry).")
@@ -259,7 +264,6 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     gpu = K.GPU_KINDS[opts.gpu]
     seq = opts.seq_len or int(facts.get("seq_len") or 0) or shape.max_position_embeddings
     seq_note = "--seq-len" if opts.seq_len else seq_note
-    micro, accum, global_batch = _batch(cfg, opts)
     P, moments = param_count(shape), OPTIMIZERS.lookup(cfg.optim.name).state_tensors
     w, _ = _precision_bytes(cfg.train.precision)
     mlm = float(cfg.data.mlm_probability)  # BERT: our MLM head runs at the masked share of positions

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config
+from pipelines.engine.check import batch_split, check, check_inputs
 from pipelines.engine.config import RunConfig
 
 __all__ = [
@@ -162,8 +163,7 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions, *, check_files: bool = T
             raise ConfigError("train.precision=fp16 needs GPUs; with --gpus-per-node 0 use fp32 or bf16.")
         if cfg.distributed.backend == "nccl":
             raise ConfigError("distributed.backend=nccl needs GPUs; with --gpus-per-node 0 use auto or gloo.")
-    micro = cfg.data.micro_batch_size
-    global_batch = micro * cfg.train.grad_accum_steps * world
+    micro, accum, global_batch = batch_split(cfg, world)
     if cfg.distributed.deepspeed_config:
         path = Path(cfg.distributed.deepspeed_config)
         try:
@@ -180,10 +180,8 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions, *, check_files: bool = T
             if tb != global_batch:
                 raise ConfigError(
                     f"{path}: train_batch_size={tb} != data.micro_batch_size {micro} x train.grad_accum_steps "
-                    f"{cfg.train.grad_accum_steps} x world size {world} = {global_batch}. Set it to \"auto\"."
+                    f"{accum} x world size {world} = {global_batch}. Set it to \"auto\"."
                 )
-    from pipelines.engine.check import check, check_inputs
-
     check(cfg, world_size=world)  # names, schedule dry-run, batch arithmetic: as every rank will
     warnings += check_inputs(cfg, world_size=world, strict=check_files)  # corpus / data files on the shared fs
     if run.resume == "never":
@@ -240,13 +238,13 @@ def render_job(config: str | Path, overrides: Sequence[str], opts: SubmitOptions
     python = python or sys.executable
     world = opts.world_size
     cfg = run.cfg
-    global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum_steps * world
+    micro, accum, global_batch = batch_split(cfg, world)
     device = f"{opts.gpus_per_node} GPU(s)" if opts.gpus_per_node else "1 CPU process (gloo)"
     header = [
         "#!/bin/bash",
         f"# Rendered by `pretrain submit` on {time.strftime('%Y-%m-%d %H:%M:%S')}: {opts.kind} of {config_abs}",
         f"# {opts.nodes} node(s) x {device} = world size {world}; global batch {global_batch} samples per step "
-        f"(micro {cfg.data.micro_batch_size} x accum {cfg.train.grad_accum_steps} x world {world}).",
+        f"(micro {micro} x accum {accum} x world {world}).",
         f"# Run dir {run.run_dir}; logs {log_dir}. Resubmit unchanged with: sbatch THIS_FILE",
         *sbatch_lines(opts, job_name=job_name, output=str(log_dir / "slurm-%j.out"), chdir=cwd),
         f"export PRETRAIN_REPO={shlex.quote(str(repo))}",

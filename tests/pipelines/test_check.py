@@ -13,7 +13,7 @@ import yaml
 from core.config import ConfigError
 from pipelines import cli
 from pipelines.engine import distributed
-from pipelines.engine.check import check, model_catalog, run_schedule
+from pipelines.engine.check import apply_batch_split, batch_split, check, model_catalog, run_schedule, split_batch
 from pipelines.engine.config import load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,40 @@ def test_cuda_graphs_refuse_gradient_accumulation(mode):
     check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=1"]))
     check(load_run_config(CONFIG, ["model.compile=true", "model.compile_mode=max-autotune-no-cudagraphs",
                                    "train.grad_accum_steps=2"]))
+
+
+def test_the_global_batch_holds_on_any_number_of_ranks():
+    """``train.global_batch_size``: each rank's share in micro-batches of at most data.micro_batch_size (the
+    largest that divides the share), the rest accumulated; a share the ranks cannot split is refused."""
+    cfg = load_run_config(CONFIG, ["data.micro_batch_size=8", "train.global_batch_size=32"])
+    assert [batch_split(cfg, world) for world in (1, 2, 4, 8, 32)] == [(8, 4, 32), (8, 2, 32), (8, 1, 32), (4, 1, 32),
+                                                                       (1, 1, 32)]
+    assert split_batch(48, 1, 256, 1) == (32, 8, 256)  # 48 does not divide 256: the largest micro-batch below it that does
+    assert split_batch(8, 3, 0, 2) == (8, 3, 48)  # unset: micro x accumulation x ranks, as given
+    for refused in (lambda: batch_split(cfg, 3), lambda: check(cfg, world_size=3)):
+        with pytest.raises(ConfigError, match="train.global_batch_size 32 does not divide over 3 ranks"):
+            refused()
+    with pytest.raises(ConfigError, match="train.global_batch_size must be >= 0"):
+        load_run_config(CONFIG, ["train.global_batch_size=-1"])
+
+
+def test_applying_the_global_batch_sets_the_split_once_and_says_so():
+    cfg = load_run_config(CONFIG, ["data.micro_batch_size=8", "train.global_batch_size=64", "train.grad_accum_steps=2"])
+    said = apply_batch_split(cfg, 2)
+    assert (cfg.data.micro_batch_size, cfg.train.grad_accum_steps) == (8, 4)
+    assert "train.global_batch_size 64 on 2 rank(s): data.micro_batch_size 8 x train.grad_accum_steps 4" in said
+    assert "train.grad_accum_steps 2 is replaced" in said
+    apply_batch_split(cfg, 2)  # again (the trainer applies it too): the same split
+    assert (cfg.data.micro_batch_size, cfg.train.grad_accum_steps) == (8, 4)
+    assert "data.micro_batch_size 8 is the most one forward takes; 4 divides" in apply_batch_split(cfg, 16)
+    plain = load_run_config(CONFIG, ["train.grad_accum_steps=3"])
+    assert apply_batch_split(plain, 2) is None and plain.train.grad_accum_steps == 3
+    graphs = ["model.compile=true", "model.compile_mode=reduce-overhead", "data.micro_batch_size=8",
+              "train.global_batch_size=32"]
+    with pytest.raises(ConfigError, match=r"grad_accum_steps=2 \(train.global_batch_size 32 over 2 rank\(s\) in "
+                                          r"micro-batches of 8\)"):
+        check(load_run_config(CONFIG, graphs), world_size=2)
+    check(load_run_config(CONFIG, graphs), world_size=4)  # one micro-batch per rank and step
 
 
 def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):

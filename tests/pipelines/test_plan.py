@@ -340,7 +340,11 @@ def test_global_batch_is_held_on_another_world_size():
     cfg = load_run_config(GPU / "gpt2_medium.yaml")
     plan = P.make_plan(cfg, P.PlanOptions(gpus=8, fs_gbps=10, global_batch=512))
     assert (plan.micro_batch, plan.grad_accum, plan.global_batch) == (8, 8, 512)
-    with pytest.raises(ConfigError, match="does not divide over 24 GPUs"):
+    own = P.make_plan(cfg, P.PlanOptions(gpus=8, fs_gbps=10))  # the recipe's train.global_batch_size, split as a run splits it
+    assert (own.micro_batch, own.grad_accum, own.global_batch) == (8, 8, 512)
+    half = P.make_plan(cfg, P.PlanOptions(gpus=8, fs_gbps=10, global_batch=256))  # --global-batch wins over the config's
+    assert (half.micro_batch, half.grad_accum, half.global_batch) == (8, 4, 256)
+    with pytest.raises(ConfigError, match="--global-batch 500 does not divide over 24 ranks"):
         P.make_plan(cfg, P.PlanOptions(gpus=24, fs_gbps=10, global_batch=500))
 
 

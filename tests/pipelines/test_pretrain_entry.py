@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from job_helpers import REPO, job_env
 
 from pipelines.engine import checkpoint as ckpt
@@ -45,6 +46,7 @@ def test_help_and_bad_key_exit_2_without_traceback():
     (["train.task=causal_lm", "model.name=gpt-tiny"], "holds a 'bert_pairs' corpus but the task needs 'packed_lm'"),
     (["model.name=gpt-tiny"], "needs a bert model"),
     (["logging.profile_steps=5-2"], "logging.profile_steps='5-2' must be FIRST-LAST"),
+    (["train.global_batch_size=-8"], "train.global_batch_size must be >= 0"),
 ])
 def test_impossible_configs_fail_before_any_process_group(bert_corpus, tmp_path, capsys, clean_env, overrides, message):
     code = main([CONFIG, f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path}/run", *overrides])
@@ -106,3 +108,21 @@ def test_a_profiled_run_leaves_the_windows_operator_table(gpt_corpus, tmp_path):
     assert "aten::mm" in table or "aten::addmm" in table
     events = {e.get("name") for e in json.loads((run / "profile/rank-00000.trace.json").read_text())["traceEvents"]}
     assert "aten::_local_scalar_dense" in events and "aten::scaled_dot_product_attention" in events
+
+
+def test_a_global_batch_is_split_for_the_job_said_once_and_saved(gpt_corpus, tmp_path):
+    """``train.global_batch_size`` (the GPU recipes'): the run takes it in micro-batches of at most
+    data.micro_batch_size with the rest accumulated, says so, saves the split in config.yaml, and neither
+    accelerate nor DeepSpeed complains about the accumulation."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "pipelines.pretrain", "configs/train/gpt_tiny_cpu.yaml",
+                           f"data.corpus={gpt_corpus}", f"train.run_dir={run}", "train.max_steps=2", "train.eval_every=0",
+                           "data.eval_split=none", "logging.tensorboard=false", "data.num_workers=0",
+                           "train.global_batch_size=12", "data.micro_batch_size=5"],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("train.global_batch_size 12 on 1 rank(s): data.micro_batch_size 4 x "
+                             "train.grad_accum_steps 3 per rank") == 1, proc.stderr[-3000:]
+    assert "mismatch" not in proc.stdout + proc.stderr
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["data"]["micro_batch_size"], saved["train"]["grad_accum_steps"], saved["train"]["global_batch_size"]) == (4, 3, 12)

@@ -1,6 +1,7 @@
 """The GPU recipes (configs/train/gpu/) are what their headers say: they load, the model builds (on
-the meta device: no memory), the schedule builds, the global batch on the GPUs the recipe is written for
-(1 x 8 for BERT-base, 4 x 8 for GPT-2 small and ViT-B/16, 8 x 8 for GPT 350M and 1.3B) is the paper's,
+the meta device: no memory), the schedule builds, the global batch (``train.global_batch_size``) is the paper's
+on one GPU and on the GPUs the recipe is written for (1 x 8 for BERT-base, 4 x 8 for GPT-2 small and ViT-B/16,
+8 x 8 for GPT 350M and 1.3B), where each GPU takes one micro-batch per step,
 ``pretrain submit --dry-run`` renders on those nodes, and README's throughput estimates are the
 FLOPs formula's (``models.flops``) at 50 % of an H100 SXM's bf16 peak."""
 
@@ -47,13 +48,18 @@ def test_every_gpu_recipe_is_tested():
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_builds_with_the_papers_batch(name):
     import models
+    from pipelines.engine.check import batch_split
     from pipelines.engine.config import load_run_config
     from pipelines.engine.schedules import build_schedule
 
     params, batch, _, gpus = RECIPES[name]
     cfg = load_run_config(GPU / name)
     assert cfg.train.precision == "bf16" and cfg.distributed.engine == "deepspeed" and cfg.distributed.zero_stage == 2
-    assert cfg.data.micro_batch_size * cfg.train.grad_accum_steps * gpus == batch
+    assert cfg.train.global_batch_size == batch
+    for world in (1, 2, 8, gpus):  # the paper's batch on one GPU, on the GPUs it is written for and between
+        micro, accum, held = batch_split(cfg, world)
+        assert held == micro * accum * world == batch and micro <= cfg.data.micro_batch_size, (world, micro, accum)
+    assert batch_split(cfg, gpus)[1] == 1  # where it is written for, one micro-batch per GPU and step
     with torch.device("meta"):
         model = models.create(cfg.model.name, **cfg.model.overrides)
     assert sum(p.numel() for p in model.parameters()) == params
