@@ -7,4 +7,5 @@ NOISE = {
     "built successfully": "DeepSpeed's print() when it loads its CPU shared-memory collectives",
     "all_gather_into_tensor` is deprecated": "torch 2.13 FutureWarning on DeepSpeed's collective",
     "OMP_NUM_THREADS/MKL_NUM_THREADS unset": "accelerate replacing the thread count of a CPU process",
+    "Gradient accumulation steps mismatch": "accelerate's default of 1 against DeepSpeed's accumulation (engines.build_engine)",
 }

@@ -216,10 +216,16 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
     ``check.check`` (torch-free, also run by the CLI and sweeps before launching) covers names,
     the schedule and batch arithmetic; this adds what depends on the device.
     """
-    from pipelines.engine.check import check
+    from pipelines.engine.check import batch_split, check
 
     check(cfg, world_size=env.world_size)
     d, t = cfg.distributed, cfg.train
+    micro, accum, total = batch_split(cfg, env.world_size)
+    if (micro, accum) != (cfg.data.micro_batch_size, t.grad_accum_steps):
+        raise ConfigError(f"train.global_batch_size {total} on {env.world_size} rank(s) is data.micro_batch_size {micro} x "
+                          f"train.grad_accum_steps {accum}, but this run was set up with {cfg.data.micro_batch_size} x "
+                          f"{t.grad_accum_steps}. Split it before building the data sources: "
+                          f"pipelines.engine.check.apply_batch_split(cfg, world_size), as open_run_data does.")
     if t.precision == "fp16" and env.device == "cpu" and d.engine == "deepspeed":
         raise ConfigError("train.precision=fp16 needs a GPU with engine=deepspeed (DeepSpeed's fp16 optimizer is CUDA-only). "
                           "Use bf16 or fp32 on CPU, or distributed.engine=ddp (torch autocast + GradScaler).")

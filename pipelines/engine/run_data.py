@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -27,11 +28,16 @@ class RunData:
 
 
 def open_run_data(cfg: RunConfig, env: dist.DistEnv) -> RunData:
-    """Load and verify the corpus (or mixture) of ``cfg`` and build its task."""
+    """Split ``train.global_batch_size`` over this job's ranks (``cfg`` then holds the micro batch and
+    accumulation every part of the run uses), load and verify the corpus (or mixture) and build its task."""
     from pipelines.engine import objectives as tasks
+    from pipelines.engine.check import apply_batch_split
     from pipelines.loading import loader as data_mod
     from pipelines.loading.blend import check_blendable
 
+    said = apply_batch_split(cfg, env.world_size)
+    if said and env.rank == 0:
+        logging.getLogger(__name__).info(said)
     dist.validate(cfg, env)
     if cfg.train.task not in families.pretraining_tasks():
         raise ConfigError(f"train.task={cfg.train.task} is a fine-tuning task; pretraining supports "

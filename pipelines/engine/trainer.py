@@ -39,7 +39,7 @@ from core.corpus_kinds import corpus_kind
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
-from pipelines.engine.check import apply_batch_split, run_schedule
+from pipelines.engine.check import run_schedule
 from pipelines.engine.config import RunConfig
 from pipelines.engine.hooks import RunHooks
 from pipelines.engine.host_reads import HostCopy, StepOutcome, loss_or_nan
@@ -117,7 +117,6 @@ class Trainer:
         self.cfg, self.task, self.train_data, self.eval_data = cfg, task, train_data, eval_data
         self.hooks = hooks or RunHooks()
         self.env = env or dist.init_env()
-        apply_batch_split(cfg, self.env.world_size)  # train() did it already: then a no-op
         dist.validate(cfg, self.env)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -488,9 +487,6 @@ class Trainer:
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
     env = dist.init_env()
-    said = apply_batch_split(cfg, env.world_size)  # train.global_batch_size over this job's ranks
-    if said and env.rank == 0:
-        log.info(said)
     data = open_run_data(cfg, env)
     model, build = build_model(cfg, data.task)
     train_src, eval_src = build_sources(cfg, env, data, model)

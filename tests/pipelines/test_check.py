@@ -99,6 +99,17 @@ def test_applying_the_global_batch_sets_the_split_once_and_says_so():
     check(load_run_config(CONFIG, graphs), world_size=4)  # one micro-batch per rank and step
 
 
+def test_a_run_set_up_without_its_split_is_refused():
+    """Every rank validates that the sources it builds take the split (a Trainer built in code included)."""
+    env = distributed.DistEnv(rank=0, world_size=2, local_rank=0, launcher="python", device="cpu")
+    cfg = load_run_config(CONFIG, ["data.micro_batch_size=8", "train.global_batch_size=32"])
+    with pytest.raises(ConfigError, match=r"is data.micro_batch_size 8 x train.grad_accum_steps 2, but this run was set "
+                                          r"up with 8 x 1\. Split it before building the data sources"):
+        distributed.validate(cfg, env)
+    apply_batch_split(cfg, env.world_size)
+    distributed.validate(cfg, env)
+
+
 def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 2}}))
