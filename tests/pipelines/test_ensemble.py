@@ -178,6 +178,9 @@ def test_which_runs_can_share_an_ensemble(gpt_corpus, tmp_path):
     assert "dropout" in ensemble_reason(dropout)
     bf16 = run_config(sweep, specs[0], ["train.precision=bf16", "optim.name=lamb"])
     assert "optim.name=lamb" in ensemble_reason(bf16) and "precision" in ensemble_reason(bf16)
+    accumulated = run_config(sweep, specs[0], ["train.global_batch_size=8"])  # micro 4: 2 micro-batches a step
+    assert "gradient accumulation" in ensemble_reason(accumulated)
+    assert ensemble_reason(run_config(sweep, specs[0], ["train.global_batch_size=4"])) is None  # one micro-batch
     deeper = run_config(sweep, specs[0], ["model.overrides.num_layers=3"])
     assert ensemble_key(deeper) != ensemble_key(configs[0])
 
