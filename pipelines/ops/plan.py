@@ -207,20 +207,13 @@ def daly_wall_time(solve_s: float, tau_s: float, delta_s: float, mtbf_s: float, 
     return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau_s + delta_s) / mtbf_s) * solve_s / tau_s
 
 
-def _batch(cfg: Any, opts: PlanOptions) -> tuple[int, int, int]:
-    """(micro batch, grad accumulation, global batch) on ``--gpus``: ``--global-batch`` held if given, else the
-    config's ``train.global_batch_size`` (or its micro batch x accumulation), as a run on those GPUs splits it."""
-    if not opts.global_batch:
-        return batch_split(cfg, opts.gpus)
-    return split_batch(int(cfg.data.micro_batch_size), int(cfg.train.grad_accum_steps), opts.global_batch, opts.gpus,
-                       key="--global-batch")
-
-
-def _held(cfg: Any, opts: PlanOptions) -> Any:
-    """The config as a run with ``--global-batch`` would have it: ``train.global_batch_size`` set to that."""
-    if not opts.global_batch:
-        return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=opts.global_batch))
+def _batch(cfg: Any, opts: PlanOptions) -> tuple[Any, tuple[int, int, int]]:
+    """The config as a run on ``--gpus`` has it -- ``--global-batch``, if given, as its ``train.global_batch_size`` --
+    and its (micro batch, grad accumulation, global batch) there, split as the run splits it."""
+    if opts.global_batch:
+        split_batch(int(cfg.data.micro_batch_size), 1, opts.global_batch, opts.gpus, key="--global-batch")  # the flag's error
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=opts.global_batch))
+    return cfg, batch_split(cfg, opts.gpus)
 
 
 def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
@@ -253,8 +246,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if not is_pretraining_task(cfg.train.task):
         raise ConfigError(f"{config_name or 'the config'}: train.task={cfg.train.task} is fine-tuning; `pretrain plan` "
                           f"plans pretraining runs (configs/train/). Pass a pretraining config.")
-    micro, accum, global_batch = _batch(cfg, opts)
-    check(_held(cfg, opts), world_size=opts.gpus)
+    cfg, (micro, accum, global_batch) = _batch(cfg, opts)
+    check(cfg, world_size=opts.gpus)
     if cfg.model.name not in MODEL_SHAPES:
         raise ConfigError(f"model.name={cfg.model.name} has no torch-free shape in pipelines/ops/model_shapes.py; add it "
                           f"there (tests/pipelines/test_plan.py checks it against the registry).")
