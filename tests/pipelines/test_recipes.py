@@ -104,6 +104,8 @@ def test_recipe_renders_its_submit(name, corpora, tmp_path):
     script = out.getvalue()
     assert rc == 0, err.getvalue()
     assert f"#SBATCH --nodes={nodes}" in script and "--gpus-per-node=8" in script, script
+    batch, gpus = RECIPES[name][1], nodes * 8  # the paper's batch, one micro-batch per GPU and step
+    assert f"global batch {batch} samples per step (micro {batch // gpus} x accum 1 x world {gpus})" in script, script
 
 
 def test_readme_lists_every_recipe_with_the_formulas_estimate():
