@@ -8,7 +8,8 @@ there and the DeepSpeed version is one it was checked against (``TESTED_DEEPSPEE
 falls back to stock DeepSpeed, never to something silently different. Weights after N steps are
 bitwise those of stock DeepSpeed on CPU fp32 (tests/pipelines/test_one_rank.py).
 
-``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names. DDP's one-process
+``one_rank_fast_path_(ds_engine)`` installs what applies and returns the names; beside the method patches,
+fp32 weights share their buffer with the optimizer's fp32 master (``fp32_master_shared_``). DDP's one-process
 identity is its wrapper (``unwrap_one_rank_ddp``). ``distributed.one_rank_fast_path=false`` keeps both
 stock (the engines call neither).
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "PATCHES", "device_step", "host_grad_norm", "one_rank_fast_path_",
+__all__ = ["TESTED_DEEPSPEED", "PATCHES", "device_step", "fp32_master_shared_", "host_grad_norm", "one_rank_fast_path_",
            "skip_one_rank_allreduce_", "unwrap_one_rank_ddp"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
@@ -371,6 +372,32 @@ def _skips_on_the_device(opt: Any) -> bool:
             and (opt.dtype != torch.bfloat16 or opt.check_grad_overflow))
 
 
+def fp32_master_shared_(opt: Any) -> bool:
+    """fp32 weights on one rank: the optimizer's fp32 master partition is the flat weight buffer itself.
+
+    DeepSpeed keeps a master copy of every partition in fp32 (``single_partition_of_fp32_groups``), steps the
+    optimizer on it and copies it into the model's flat weight buffer after every step. With fp32 weights on
+    one rank the two are the same values in the same dtype and layout: a second copy of the weights in memory
+    (4 bytes a parameter) and a full copy pass per step. Here the master tensor is pointed at the weight buffer
+    (``.data``, the optimizer state keyed on it untouched; DeepSpeed re-points its masters the same way when it
+    moves them between devices), and DeepSpeed's views of it are linked again (``_link_all_hp_params``). The
+    optimizer then updates the weights in place, and the copy after the step is a copy onto itself, which
+    ``Tensor.copy_`` skips. Installed only where the master equals the weights bitwise (before any step)."""
+    if not (hasattr(opt, "_link_all_hp_params") and hasattr(opt, "_hp_optimizer_states_linked")):
+        return False
+    pairs = [(master, parts[0]) for master, parts in zip(opt.single_partition_of_fp32_groups,
+                                                         opt.parallel_partitioned_bit16_groups, strict=True)]
+    if not pairs or not all(len(parts) == 1 for parts in opt.parallel_partitioned_bit16_groups) or not all(
+            m.dtype == w.dtype == torch.float32 and m.shape == w.shape and m.device == w.device and torch.equal(m, w)
+            for m, w in pairs):
+        return False
+    for master, weights in pairs:
+        master.data = weights.data
+    opt._link_all_hp_params()  # the per-parameter views (safe_get_full_fp32_param, checkpoints) onto the shared buffer
+    opt._hp_optimizer_states_linked = False  # relinked lazily, as after DeepSpeed's own re-linking
+    return True
+
+
 @dataclass(frozen=True)
 class Patch:
     """One method of the ZeRO optimizer replaced on one rank: ``applies(opt)`` beyond the shared layout check;
@@ -429,4 +456,6 @@ def one_rank_fast_path_(ds_engine: Any) -> list[str]:
         if patch.applies(opt):
             setattr(opt, patch.method, patch.build(opt))
             installed.append(name)
+    if fp32_master_shared_(opt):
+        installed.append("fp32_master_is_the_weights")
     return installed

@@ -18,6 +18,7 @@ from pipelines.engine.optim import build_optimizer, deepspeed_optimizer_fields
 ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "gradient_hooks_removed", "foreach_grad_norm",
        "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept"]
 # (``hook_count_left_to_the_callback`` applies only where the hooks stay: test_the_epilogue_runs_once_...)
+FP32 = {"fp32": ["fp32_master_is_the_weights"], "bf16": []}  # the master is the weights only where both are fp32
 STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
@@ -82,7 +83,7 @@ def test_one_rank_zero_is_stock_deepspeed_bitwise(ds_world, stage, precision):
     patched = _train(ds_world, stage, precision, stock=False)
     assert stock[3] == []
     # bf16 checks for overflow before the norm (check_grad_overflow); fp32 does not, so there is no pass to drop
-    assert patched[3] == [n for n in ALL[1:] if precision == "bf16" or n != "overflow_from_the_norm"]
+    assert patched[3] == [n for n in ALL[1:] if precision == "bf16" or n != "overflow_from_the_norm"] + FP32[precision]
     _same(stock, patched)
 
 
@@ -94,7 +95,7 @@ def test_one_rank_zero_with_the_fused_optimizer_skips_on_the_device_as_stock_ski
     patched = _train(ds_world, stage, precision, stock=False, kernel="fused")
     on_device = [n for n in ALL[1:] if n != "norm_read_before_the_update"]
     on_device.insert(on_device.index("bit16_views_kept"), "update_skipped_on_the_device")
-    assert patched[3] == [n for n in on_device if precision == "bf16" or n != "overflow_from_the_norm"]
+    assert patched[3] == [n for n in on_device if precision == "bf16" or n != "overflow_from_the_norm"] + FP32[precision]
     _same(stock, patched)
 
 
@@ -126,6 +127,50 @@ def test_a_parameter_moved_off_its_slice_is_pointed_back_after_the_step(ds_world
     engine.step()
     assert on_their_slices()
     assert not torch.equal(moved.detach(), before)  # the update reached it through the flat buffer
+
+
+def test_the_fp32_master_is_the_weight_buffer_and_every_read_of_it_sees_the_update(ds_world, tmp_path):
+    """fp32 on one rank: no second fp32 copy of the weights (the master shares the flat weight buffer); what
+    reads the master by parameter (checkpoints by name: ``safe_get_full_fp32_param``, the Adam moments) sees each
+    step's update; and a DeepSpeed checkpoint of it loads into a fresh engine that trains on as the saved one."""
+    from pipelines.engine.deepspeed_reads import deepspeed_getters
+    from pipelines.engine.one_rank import one_rank_fast_path_
+
+    cfg = OptimConfig(name="adamw", lr=1e-2, kernel="default")
+
+    def engine_with_master_shared():
+        torch.manual_seed(0)
+        model = models.create("gpt-tiny", vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)  # no RNG to restore
+        ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "overlap_comm": False},
+                     **deepspeed_optimizer_fields(cfg)}
+        engine, *_ = ds_world.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
+        assert "fp32_master_is_the_weights" in one_rank_fast_path_(engine)
+        opt = engine.optimizer
+        assert all(m.data_ptr() == flat.data_ptr() for m, flat in zip(opt.single_partition_of_fp32_groups,
+                                                                      opt.bit16_groups_flat, strict=True))
+        return engine
+
+    def step(engine, seed: int) -> None:
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(input_ids=ids, labels=ids)["loss"])
+        engine.step()
+
+    engine = engine_with_master_shared()
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for seed in range(2):
+        step(engine, seed)
+    reads = deepspeed_getters(engine.optimizer)  # what checkpoints by name and diagnostics read
+    for name, param in engine.module.named_parameters():
+        assert not torch.equal(param.detach(), before[name]), name  # trained
+        assert torch.equal(reads["get_param"](param), param.detach()), name  # the master read by name is the weight
+        assert reads["get_state"](param)["exp_avg"].abs().sum() > 0, name
+    engine.save_checkpoint(str(tmp_path), tag="two")
+    step(engine, 2)
+    resumed = engine_with_master_shared()
+    resumed.load_checkpoint(str(tmp_path), tag="two")
+    step(resumed, 2)
+    for (name, a), (_, b) in zip(engine.module.named_parameters(), resumed.module.named_parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach()), name
 
 
 def _epilogues(ds_world, stock: bool) -> tuple[list[tuple[int, bool]], int, int]:
