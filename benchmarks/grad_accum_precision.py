@@ -9,7 +9,8 @@ batch, the relative error (L2 norm of the difference over the reference's) of
 - one micro-batch's gradient computed in bf16 (weights and activations, as DeepSpeed's bf16 runs them),
 - the sum of ``--micro`` such gradients accumulated in bf16, and accumulated in fp32,
 
-each against the fp32 model's gradients summed in fp32. CPU; seconds.
+each against the fp32 model's gradients summed in fp32, and for scale how much two consecutive micro-batches'
+fp32 gradients differ (the noise that training averages out). CPU; seconds.
 
     python benchmarks/grad_accum_precision.py [--model gpt-tiny] [--micro 32] [--batch 4] [--seq-len 128]
 """
@@ -48,8 +49,8 @@ def main() -> int:
     fp32 = models.create(args.model, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     data = torch.Generator().manual_seed(1)
-    in_bf16 = in_fp32 = reference = None
-    single = []
+    in_bf16 = in_fp32 = reference = previous = None
+    single, between = [], []
     for _ in range(args.micro):
         ids = torch.randint(5, args.vocab, (args.batch, args.seq_len), generator=data)
         for model in (bf16, fp32):  # the loss scaled by 1/micro, as DeepSpeed scales it
@@ -57,6 +58,9 @@ def main() -> int:
             (model(input_ids=ids, labels=ids)["loss"] / args.micro).backward()
         low, high = flat_grads(bf16), flat_grads(fp32)
         single.append(relative_error(low, high))
+        if previous is not None:  # how much two micro-batches' gradients differ: the noise training averages out
+            between.append(relative_error(high, previous))
+        previous = high
         in_bf16 = low.clone() if in_bf16 is None else in_bf16 + low
         in_fp32 = low.float() if in_fp32 is None else in_fp32 + low.float()
         reference = high.clone() if reference is None else reference + high
@@ -66,6 +70,7 @@ def main() -> int:
     print(f"  {args.micro} bf16 micro-batches accumulated in bf16: {relative_error(in_bf16, reference):.4f}")
     print(f"  {args.micro} bf16 micro-batches accumulated in fp32: {relative_error(in_fp32, reference):.4f}")
     print(f"  bf16 accumulation against fp32 accumulation of the same gradients: {relative_error(in_bf16, in_fp32):.4f}")
+    print(f"  for scale, one fp32 micro-batch's gradient against the previous one's (mean): {sum(between) / len(between):.4f}")
     return 0
 
 
