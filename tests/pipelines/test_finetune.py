@@ -99,9 +99,11 @@ def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
     assert metrics["metrics"]["accuracy"] > 0.45  # 3 classes of 20 dev sentences each: chance is 0.33
 
 
-def test_logged_step_flops_are_the_flops_the_model_ran(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("global_batch", [0, 16])
+def test_logged_step_flops_are_the_flops_the_model_ran(hf_checkpoint, tmp_path, global_batch):
     """Fine-tuning's FLOPs per step (what MFU divides) equal what torch counts for a step of the batch the run
-    trains on: the encoder at the examples' length, the pooler and the classifier (no padding in these batches)."""
+    trains on: the encoder at the examples' length, the pooler and the classifier (no padding in these batches).
+    With ``train.global_batch_size=16`` the 32 examples take 2 steps of 2 accumulated micro-batches of 8."""
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoTokenizer
 
@@ -114,10 +116,12 @@ def test_logged_step_flops_are_the_flops_the_model_ran(hf_checkpoint, tmp_path):
     train.write_text("text\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in rows))
     run = tmp_path / "run"
     run_finetune(load_config(CONFIG, overrides(hf_checkpoint, (train, train), run, "epochs=1", "data.micro_batch_size=8",
-                                                "train.log_every=1"), cls=FinetuneConfig))
+                                                "train.log_every=1", f"train.global_batch_size={global_batch}"),
+                             cls=FinetuneConfig))
     logged = [r["step_flops"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if r.get("split") == "train"]
-    assert len(logged) == 4
+    micro_batches = 2 if global_batch else 1
+    assert len(logged) == 4 // micro_batches
 
     tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     examples, labels, _ = read_examples(train, text_column="text", label_column="label")
@@ -128,7 +132,7 @@ def test_logged_step_flops_are_the_flops_the_model_ran(hf_checkpoint, tmp_path):
     task = ClassificationTask(len(labels), tok.pad_token_id, 64)
     with FlopCounterMode(display=False) as counted:
         task.forward(model, {**batch, "valid": torch.ones(8, dtype=torch.bool)})["loss"].backward()
-    assert logged == [counted.get_total_flops()] * 4
+    assert logged == [counted.get_total_flops() * micro_batches] * (4 // micro_batches)
 
 
 @pytest.mark.slow
