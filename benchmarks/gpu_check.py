@@ -174,8 +174,8 @@ def recipe_config(config: str, args: argparse.Namespace):
     return load_config(REPO / config, list(args.set), cls=RunConfig)
 
 
-def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace) -> dict:
-    """One recipe run as a user runs it; the run's own last train record (+ wall time)."""
+def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace, micro: int) -> dict:
+    """One recipe run as a user runs it, at micro batch ``micro`` (the recipe's); the run's own last train record (+ wall time)."""
     config = (CPU if args.cpu_smoke else GPU)[name][0]
     run_dir = work / f"{name}-{engine}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
@@ -185,7 +185,6 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
     # one micro-batch per optimizer step: each GPU's step of the recipe on the GPUs it is written for (one GPU alone
     # accumulates the rest of the recipe's train.global_batch_size, which amortizes the update further)
-    micro = 8 if args.cpu_smoke else recipe_config(config, args).data.micro_batch_size
     cmd += [f"train.global_batch_size={micro}"]
     cmd += [o.format(work=work) for o in ENGINE_OVERRIDES[engine]] + list(args.set)
     if args.profile:  # three steps after compilation, before the timed half (steps // 2 + 1 ..): the figures stay unprofiled
@@ -273,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     for name in args.recipes.split(","):
         batch = recipe_config(GPU[name][0], args).data.micro_batch_size if not args.cpu_smoke else 8
         for engine in args.engines.split(","):
-            results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args)))
+            results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args, batch)))
             _print_table(results, device, started)
         if not args.no_bare:
             results.append((name, "bare step", batch, bare_step(name, args, work, corpora / name)))
