@@ -247,8 +247,27 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
 QUIET_TIMERS: dict[str, Any] = {"throughput": {"enabled": False, "synchronized": False}}
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON for this run: our fields, on top of ``distributed.deepspeed_config`` if given."""
+def reduce_bucket_size(param_numel: int) -> int:
+    """DeepSpeed's gradient bucket (``zero_optimization.reduce_bucket_size``), no larger than the model.
+
+    ZeRO-1/2 allocate it with ``torch.empty`` on every micro-step (two with overlap_comm) and ZeRO-3 once;
+    DeepSpeed's default is 5e8 elements whatever the model: 1.9 GiB in fp32 (0.9 in bf16) for a model of
+    any size, and under ``train.deterministic`` torch fills every ``empty`` with NaN, so a tiny model's
+    step wrote 2 GB (1.2 s instead of 0.05 s, 2 CPU ranks). A bucket that holds every gradient is filled
+    and reduced exactly as the default one is for any model below 5e8 parameters: one bucket, reduced
+    after backward, so the results are the same.
+    """
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return min(int(DeepSpeedZeroConfig.model_fields["reduce_bucket_size"].default), max(param_numel, 1))
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:
+    """The DeepSpeed JSON for this run: our fields, on top of ``distributed.deepspeed_config`` if given.
+
+    ``param_numel`` (the model's parameter count, known once it is built) sizes the gradient bucket
+    (``reduce_bucket_size``); a JSON that sets the bucket keeps its own.
+    """
     from pipelines.engine.optim import deepspeed_optimizer_fields
 
     d, t = cfg.distributed, cfg.train
@@ -257,6 +276,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     # nothing to reduce, so there it is off (same results: a world of one's reduction is the identity).
     overlap = torch.cuda.is_available() and world_size > 1
     zero: dict[str, Any] = {"stage": d.zero_stage, "contiguous_gradients": True, "overlap_comm": overlap}
+    if param_numel and d.zero_stage > 0:
+        zero["reduce_bucket_size"] = reduce_bucket_size(param_numel)
     if d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if d.offload_params:
@@ -283,7 +304,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     if "optimizer" in base or "scheduler" in base:
         raise ConfigError(f"{path}: remove its `optimizer`/`scheduler` sections; optim.* and schedule.* build them.")
 
-    tuning = {"steps_per_print", "wall_clock_breakdown", "overlap_comm", "contiguous_gradients", "pin_memory",
+    tuning = {"steps_per_print", "wall_clock_breakdown", "overlap_comm", "contiguous_gradients", "pin_memory", "reduce_bucket_size",
               "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale"}
 
     def merge(b: dict, o: dict, where: str) -> dict:

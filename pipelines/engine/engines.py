@@ -464,7 +464,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
     if d.engine == "deepspeed":
         os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
         mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size))
+        param_numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size, param_numel))
         with _joining_quietly():
             # DeepSpeed accumulates (its JSON's gradient_accumulation_steps); accelerate is told the same, so that it
             # does not warn of a mismatch with its own default of 1 and then take DeepSpeed's value anyway

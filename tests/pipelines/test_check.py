@@ -176,3 +176,17 @@ def test_study_draws_noam_with_the_runs_real_width():
     assert lrs[19] == pytest.approx(peak, rel=1e-12) and max(lrs) == lrs[19]
     trained = run_schedule(cfg, d_model=512)  # what the Trainer builds from model.config.hidden_size
     assert lrs == [cfg.optim.lr * trained(t - 1) for t in ts]
+
+
+def test_deepspeed_gradient_bucket_is_the_models_size_up_to_deepspeeds_default(tmp_path):
+    cfg = load_run_config(CONFIG)  # ZeRO-2
+    assert distributed.deepspeed_config(cfg, 2, param_numel=4_000_000)["zero_optimization"]["reduce_bucket_size"] == 4_000_000
+    assert distributed.deepspeed_config(cfg, 2, param_numel=1_300_000_000)["zero_optimization"]["reduce_bucket_size"] == 5e8
+    assert "reduce_bucket_size" not in distributed.deepspeed_config(cfg, 2)["zero_optimization"]  # count unknown: DeepSpeed's
+    zero0 = load_run_config(CONFIG, ["distributed.zero_stage=0"])
+    assert "reduce_bucket_size" not in distributed.deepspeed_config(zero0, 2, param_numel=4_000_000)["zero_optimization"]
+    for given, expect in ((1000, 1000), ("auto", 4_000_000)):  # the JSON's own bucket is kept; "auto" is filled
+        ds = tmp_path / "ds.json"
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": given}}))
+        cfg = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}"])
+        assert distributed.deepspeed_config(cfg, 2, param_numel=4_000_000)["zero_optimization"]["reduce_bucket_size"] == expect

@@ -308,3 +308,31 @@ def test_one_process_ddp_runs_without_the_ddp_wrapper_and_computes_the_same():
             runs[fast] = (type(engine.model), {n: p.detach().clone() for n, p in engine.module.named_parameters()})
     assert runs[False][0] is DistributedDataParallel and runs[True][0] is not DistributedDataParallel
     assert all(torch.equal(runs[False][1][n], runs[True][1][n]) for n in runs[False][1])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_gets_a_gradient_bucket_no_larger_than_the_model(ds_world, tmp_path, stage):
+    """DeepSpeed allocates its gradient bucket (``torch.empty(reduce_bucket_size)``, 5e8 elements by default)
+    on every ZeRO-1/2 micro-step and once under ZeRO-3; under ``train.deterministic`` torch fills each with NaN,
+    which made a tiny model's 2-rank step 20x slower. ``build_engine`` gives the bucket the model's size (what
+    DeepSpeed reduces is the same: one bucket after backward; a 2-rank ZeRO-1/2/3 run's losses and norms are
+    bitwise the default bucket's, docs/benchmarks.md), and a JSON that sets the bucket keeps its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from core.config import load_config
+    from pipelines.engine import distributed as dist
+    from pipelines.engine.config import RunConfig
+    from pipelines.engine.engines import build_engine
+
+    own = tmp_path / "ds.json"
+    own.write_text('{"zero_optimization": {"reduce_bucket_size": 12345}}')
+    with dist.in_process_run():  # accelerate writes its world (LOCAL_WORLD_SIZE) into os.environ; ZeRO-3 patches linear
+        for extra, expect in (([], None), ([f"distributed.deepspeed_config={own}"], 12345)):
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+            cfg = load_config(Path(__file__).resolve().parents[2] / "configs/train/gpt_tiny_cpu.yaml", [
+                "distributed.engine=deepspeed", f"distributed.zero_stage={stage}", "model.compile=false", *extra], cls=RunConfig)
+            model = models.create("gpt-tiny", vocab_size=64)
+            numel = sum(p.numel() for p in model.parameters())
+            engine = build_engine(cfg, dist.init_env(), model, build_optimizer(model, cfg.optim), lambda step: 1.0)
+            assert engine.model.optimizer.reduce_bucket_size == (expect or numel) < 5e8
