@@ -259,7 +259,7 @@ def reduce_bucket_size(param_numel: int) -> int:
     """
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    return min(int(DeepSpeedZeroConfig.model_fields["reduce_bucket_size"].default), max(param_numel, 1))
+    return min(int(DeepSpeedZeroConfig.model_fields["reduce_bucket_size"].default), param_numel)
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:
