@@ -40,6 +40,7 @@ __all__ = [
     "save_config",
     "describe",
     "check_registry_names",
+    "parse_command_line",
 ]
 
 
@@ -122,6 +123,24 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Iterable[str]) -> di
             node = child
         node[parts[-1]] = value
     return out
+
+
+def parse_command_line(parser: Any, argv: typing.Sequence[str] | None = None, *,
+                       lists: tuple[str, ...] = ("overrides", "run_dirs")) -> Any:
+    """``parser.parse_args(argv)``, except that the words of a list positional may also follow options.
+
+    argparse fills a ``nargs="*"`` positional at its first run of positionals only, so
+    ``pretrain train CONFIG --nproc 2 optim.lr=1e-3`` would stop at ``optim.lr=1e-3`` ("unrecognized
+    arguments"). Here every word argparse leaves over joins the first of ``lists`` the command has, in
+    command-line order (a later override still wins); a leftover option (``--nprocs``) is still an error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    target = next((name for name in lists if isinstance(getattr(args, name, None), list)), None)
+    if extra and (target is None or any(word.startswith("-") for word in extra)):
+        parser.error("unrecognized arguments: " + " ".join(extra))
+    if extra:
+        getattr(args, target).extend(extra)
+    return args
 
 
 def _type_name(tp: Any) -> str:

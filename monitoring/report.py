@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.config import parse_command_line
 from core.files import OutsideError, atomic_write_text, claim_output_dir, inside
 from monitoring.logger import read_metrics_lines
 
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m monitoring.report", description=main.__doc__)
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="Output dir (default: FIRST_RUN_DIR/report).")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         path = render_report(args.run_dirs, args.out)
     except FileNotFoundError as exc:

@@ -16,7 +16,7 @@ import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 
-from core.config import ConfigError
+from core.config import ConfigError, parse_command_line
 from monitoring.console import configure_logging
 from pipelines.engine.config import load_run_config
 
@@ -375,7 +375,7 @@ def _traceback_if_asked() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     configure_logging()
     try:
         return int(args.handler(args) or 0)

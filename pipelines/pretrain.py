@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from core.config import ConfigError, describe
+from core.config import ConfigError, describe, parse_command_line
 from monitoring.console import configure_logging
 from pipelines.engine.config import RunConfig
 
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_command_line(_parser(), argv)
     configure_logging()
     try:
         from pipelines.engine.distributed import load_launched_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from core.config import ConfigError
+from core.config import ConfigError, parse_command_line
 from monitoring.console import configure_logging
 from pipelines.engine.check import check
 from pipelines.finetune import FinetuneConfig, FinetuneError, run_finetune
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK like every launcher's
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     configure_logging()
     try:
         from pipelines.engine.distributed import load_launched_config

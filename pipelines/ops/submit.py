@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError, load_config, parse_command_line
 from pipelines.engine.check import batch_split, check, check_inputs
 from pipelines.engine.config import RunConfig
 
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--claim", action="store_true",
                    help="Also create RUN_DIR as a pretrain run dir (refused if it is a folder pretrain did not create).")
     p.set_defaults(handler=_cmd_resolve)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         return args.handler(args)
     except ConfigError as exc:

@@ -49,7 +49,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, apply_overrides, deep_merge, from_dict, load_config, load_yaml, option, save_config
+from core.config import (
+    ConfigError,
+    apply_overrides,
+    deep_merge,
+    from_dict,
+    load_config,
+    load_yaml,
+    option,
+    parse_command_line,
+    save_config,
+)
 from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
@@ -463,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "local":
             p.add_argument("--shard", default=None, metavar="I/N",
                            help="Run only the grid points whose index is I modulo N (N such processes share a GPU).")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         sweep = load_sweep(args.sweep, args.overrides)
         specs = expand(sweep)

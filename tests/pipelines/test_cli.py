@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from core.config import parse_command_line
 from pipelines.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +98,30 @@ def test_train_with_a_missing_corpus_stops_before_any_process_starts(nproc, tmp_
     line = _one_error_line(capsys.readouterr().err)
     assert code == 2 and "manifest.json does not exist" in line and str(tmp_path / "corpus") in line
     assert not (tmp_path / "run").exists()
+
+
+def test_overrides_may_follow_the_options_as_they_may_precede_them(tmp_path, capsys):
+    """`pretrain train CONFIG --nproc 1 data.corpus=...`: argparse alone fills `overrides` at the first run of
+    positionals only and refused the rest as "unrecognized arguments"; every word it leaves joins them, in order."""
+    code = main(["train", BERT_CPU, "data.corpus=/absent-first", "--nproc", "1", f"data.corpus={tmp_path / 'corpus'}",
+                 f"train.run_dir={tmp_path / 'run'}"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"{tmp_path / 'corpus'}/manifest.json does not exist" in line  # the later override won
+    assert main(["plan", str(REPO / "configs/train/gpu/gpt2_small.yaml"), "--gpus", "1", "data.micro_batch_size=32",
+                 "--fs-gbps", "2"]) == 0
+    assert "batch 512 = micro 32 x accum 16 x 1 GPUs" in capsys.readouterr().out
+    from pipelines import pretrain
+    from pipelines.engine.distributed import in_process_run
+
+    with in_process_run():  # a rank as the deepspeed launcher starts it, its --local_rank first
+        assert pretrain.main([BERT_CPU, "--local_rank=0", f"data.corpus={tmp_path / 'corpus'}"]) == 2
+    assert f"{tmp_path / 'corpus'}/manifest.json does not exist" in capsys.readouterr().err
+    args = parse_command_line(build_parser(), ["report", "runs/a", "--out", "rep", "runs/b"])
+    assert args.run_dirs == ["runs/a", "runs/b"] and args.out == "rep"
+    for argv in (["train", BERT_CPU, "--nprocs", "2", "a=b"], ["export", "runs/a", "out", "extra"]):
+        with pytest.raises(SystemExit) as exit_info:  # a misspelt option, or a word where no list takes it
+            main(argv)
+        assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
