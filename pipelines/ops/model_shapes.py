@@ -16,8 +16,13 @@ memory-efficient kernels do not store the attention matrix. This is Korthikanti 
 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1: 34 s b h + 5 a s^2 b)
 less the attention matrix. With
 activation checkpointing each block keeps only its input (s b h) and one block is recomputed at a
-time. The LM head keeps the logits (activation dtype, held by the output dict) and the fp32
-log-softmax of the loss: (e + 4) s b V.
+time. The LM head (GPT's at every position, BERT's at the masked ones, P of them) keeps, run eager, the
+fp32 log-softmax of the loss, 4 P V, plus the logits the output returns (e P V; GPT's training step returns
+none with ``train_logits: false``, the GPU recipes); its backward adds the fp32 gradient of the log-softmax
+and its cast, (4 + e) P V. Under ``torch.compile`` the loss keeps the logits and their fp32 log-sum-exp
+instead of the log-softmax (e P V + 4 P: the softmax is recomputed in backward, fused with its gradient), and
+the backward adds the logits' gradient, e P V, once more for the zero gradient of returned logits. Measured on
+the CPU (tests/pipelines/test_plan.py); the blocks keep the same bytes compiled or not.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 from core.families import family_of_model, model_names
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "model_shape", "param_count", "largest_layer_params", "flops_per_sample",
-           "tokens_per_sample", "activation_bytes"]
+           "tokens_per_sample", "activation_bytes", "loss_backward_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +58,7 @@ class ModelShape:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init: str = "standard"
+    train_logits: bool = True  # GPT: the training forward also returns the logits (BERT's masked ones always)
 
 
 def _shape(name: str) -> ModelShape:
@@ -153,8 +159,33 @@ def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int, mask_byt
     return act_bytes * (8 * tokens * h + 2 * tokens * f) + masks + 16 * tokens + 4 * m.num_heads * tokens
 
 
+def _lm_head_positions(m: ModelShape, tokens: int, mlm_fraction: float) -> float:
+    """Rows the LM head projects onto the vocabulary: every position (GPT), the masked ones (BERT), none (ViT)."""
+    return {"gpt": tokens, "bert": mlm_fraction * tokens}.get(m.family, 0.0)
+
+
+def _returns_logits(m: ModelShape) -> bool:
+    return m.family == "bert" or m.train_logits
+
+
+def _loss_bytes(m: ModelShape, rows: float, act_bytes: int, compiled: bool) -> float:
+    """What the LM head's loss keeps for backward, with the logits the output returns (module docstring)."""
+    if compiled:  # the logits (the returned ones are the same tensor) + the fp32 log-sum-exp per row
+        return act_bytes * rows * m.vocab_size + 4 * rows
+    return (4 + (act_bytes if _returns_logits(m) else 0)) * rows * m.vocab_size
+
+
+def loss_backward_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes: int, compiled: bool,
+                        mlm_fraction: float = 0.15) -> float:
+    """Bytes the LM head's loss adds at the start of backward, on top of what the forward kept (module docstring)."""
+    rows = _lm_head_positions(m, tokens_per_sample(m, seq_len) * micro_batch, mlm_fraction)
+    if compiled:
+        return (2 if _returns_logits(m) else 1) * act_bytes * rows * m.vocab_size
+    return (4 + act_bytes) * rows * m.vocab_size
+
+
 def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     mask_bytes: int = 1, mlm_fraction: float = 0.15) -> dict[str, float]:
+                     mask_bytes: int = 1, mlm_fraction: float = 0.15, compiled: bool = False) -> dict[str, float]:
     """Bytes a forward keeps for backward per GPU: ``blocks``, ``head`` (embeddings, final norm, loss), ``total``
     (at the end of the forward) and ``recompute`` (one block rebuilt at a time in backward under checkpointing)."""
     T = tokens_per_sample(m, seq_len) * micro_batch
@@ -162,12 +193,13 @@ def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes
     block = _block_activation_bytes(m, T, act_bytes, mask_bytes)
     blocks = m.num_layers * act_bytes * T * h if checkpointing else m.num_layers * block
     emb_mask = mask_bytes * T * h if m.hidden_dropout > 0 else 0
-    if m.family == "gpt":  # ln_f input, output and stats, the logits and the loss's log-softmax
-        head = emb_mask + act_bytes * 2 * T * h + 8 * T + (act_bytes + 4) * T * m.vocab_size
+    loss = _loss_bytes(m, _lm_head_positions(m, T, mlm_fraction), act_bytes, compiled)
+    if m.family == "gpt":  # ln_f input, output and stats, and the loss
+        head = emb_mask + act_bytes * 2 * T * h + 8 * T + loss
     elif m.family == "bert":
         n_masked = mlm_fraction * T
         head = (emb_mask + act_bytes * T * h + 8 * T  # embedding LN input + its stats
-                + act_bytes * 4 * n_masked * h + (act_bytes + 4) * n_masked * m.vocab_size)
+                + act_bytes * 4 * n_masked * h + loss)
     else:
         pixels = micro_batch * m.num_channels * m.image_size**2
         head = act_bytes * (pixels + 2 * T * h)  # the patch conv's input, final norm in/out

@@ -33,6 +33,7 @@ from pipelines.ops.model_shapes import (
     activation_bytes,
     flops_per_sample,
     largest_layer_params,
+    loss_backward_bytes,
     model_shape,
     param_count,
     tokens_per_sample,
@@ -229,6 +230,7 @@ def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
     raw = read_manifest(corpus)  # a clear error naming the file when it is not a corpus
     if family == "vit":
         labels = raw.get("class_map") or {}
+        facts["raw_images"] = (raw.get("images") or {}).get("format") == "raw"  # else encoded, decoded by the loader
         return ({**facts, "num_labels": max(labels.values()) + 1} if labels else facts), f"{corpus}/manifest.json"
     vocab = int((raw.get("tokenizer") or {}).get("vocab_size") or 0)
     return {"vocab_size": vocab or MODEL_SHAPES[cfg.model.name].vocab_size,
@@ -236,9 +238,9 @@ def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
 
 
 def _mfu(cfg: Any, family: str) -> tuple[K.Constant, str]:
-    if family == "gpt":
-        return (K.MEASURED_MFU["gpt"], "compiled") if cfg.model.compile else (K.MEASURED_MFU["gpt-eager"], "eager")
-    return K.MEASURED_MFU[family], "eager"
+    """The measured MFU for the family (GPT's compiled or eager, as the config runs), and which run it is."""
+    key = "gpt-eager" if family == "gpt" and not cfg.model.compile else family
+    return K.MEASURED_MFU[key], K.MFU_MODE[key]
 
 
 def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
@@ -260,11 +262,12 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     P, moments = param_count(shape), OPTIMIZERS.lookup(cfg.optim.name).state_tensors
     w, _ = _precision_bytes(cfg.train.precision)
     mlm = float(cfg.data.mlm_probability)  # BERT: our MLM head runs at the masked share of positions
+    compiled = bool(cfg.model.compile)  # the LM head's loss keeps and adds less compiled (pipelines/ops/model_shapes.py)
     acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck,
-                                     mlm_fraction=mlm)[k]
+                                     mlm_fraction=mlm, compiled=compiled)[k]
                     for k in ("total", "recompute")) for ck in (False, True)}
-    positions = micro * (seq if family == "gpt" else mlm * seq if family == "bert" else 0)
-    head_transient = (4 + w) * positions * shape.vocab_size  # CE backward: fp32 grad of the log-softmax + its cast
+    head_transient = loss_backward_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, compiled=compiled,
+                                         mlm_fraction=mlm)
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
@@ -312,8 +315,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     wall_config = daly_wall_time(solve_s, min(config_tau, solve_s), delta, M, R)
 
     # loader
-    if family == "vit":
-        cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["vit"]
+    if family == "vit":  # the recipe's raw pixels unless the corpus stores encoded images
+        cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["images-raw" if facts.get("raw_images", True) else "images-encoded"]
         cpu_s = cpu_per_sample.value
     else:
         cpu_per_sample = K.LOADER_CPU_S_PER_SAMPLE["text"]
@@ -441,8 +444,9 @@ def render_plan(p: Plan) -> str:
     if p.notes:
         lines += ["", "warnings:"] + [f"  - {n}" for n in p.notes]
     lines += ["", "sources (pretrain plan --sources lists every constant):"] + [f"  {s}" for s in p.sources]
-    lines.append("  extrapolated: MFU was measured for one model size per family on ONE H200; it is applied unchanged "
-                 "to other sizes, GPU kinds (scaled by their peak) and GPU counts; communication at datasheet bandwidth.")
+    lines.append("  extrapolated: MFU was measured for one model size per family on ONE GPU (each source names it); "
+                 "it is applied unchanged to other sizes, GPU kinds (scaled by their peak) and GPU counts; communication "
+                 "at datasheet bandwidth.")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 Three kinds: our measurements (docs/benchmarks.md: the section, device and date), datasheets and
 papers (named), and DeepSpeed's defaults as our engine runs them (``pipelines/engine/distributed.py``
-sets no bucket sizes, so DeepSpeed's apply; a test compares them with the installed DeepSpeed).
+caps the gradient bucket at the model's size and sets no other bucket; a test compares them with the
+installed DeepSpeed).
 Nothing here is tuned to make a plan look good: where we have no measurement the plan says it
 extrapolates, and from which figure.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Constant", "GpuKind", "GPU_KINDS", "MEASURED_MFU", "LOADER_CPU_S_PER_SAMPLE", "CHECKPOINT", "DEEPSPEED",
+__all__ = ["Constant", "GpuKind", "GPU_KINDS", "MEASURED_MFU", "MFU_MODE", "LOADER_CPU_S_PER_SAMPLE", "CHECKPOINT", "DEEPSPEED",
            "FAILURES", "MEMORY_RESERVE", "LOADER_HEADROOM", "BYTES", "all_constants"]
 
 _BENCH = "docs/benchmarks.md"
@@ -65,28 +66,38 @@ GPU_KINDS: dict[str, GpuKind] = {
     ),
 }
 
-#: Model FLOPs utilisation of a whole training run (engine + loader), by family; measured on ONE H200.
+#: Model FLOPs utilisation of a whole training run (engine + loader), by family: the latest run of each recipe
+#: as a user runs it on ONE GPU (each source names the card; MFU is taken as a share of the card's peak).
 MEASURED_MFU: dict[str, Constant] = {
-    "gpt": Constant(0.288, "of peak", f"{_BENCH} train_throughput (GPU): GPT-2 124M, gpt2_small.yaml with "
-                                      "model.compile=true, 32 x 1024, DeepSpeed ZeRO-2 bf16, 1 x H200, 2026-11-26: "
-                                      "333,516 tokens/s = 28.8 % of 989.5 TFLOP/s"),
-    "gpt-eager": Constant(0.162, "of peak", f"{_BENCH} train_throughput (GPU): the same GPT-2 124M run eager "
-                                            "(model.compile=false): 187,632 tokens/s = 16.2 %"),
+    "gpt": Constant(0.344, "of peak", f"{_BENCH} gpu_check: GPT-2 124M, gpt2_small.yaml as shipped (torch.compile, "
+                                      "DeepSpeed ZeRO-2, bf16, micro-batch 16 x 1024, one micro-batch a step), 1 x H100, "
+                                      "2026-11-27: 414,224 tokens/s = 34.4 % of 989.5 TFLOP/s"),
+    "gpt-eager": Constant(0.162, "of peak", f"{_BENCH} train_throughput (GPU): GPT-2 124M, gpt2_small.yaml with "
+                                            "model.compile=false, 32 x 1024, DeepSpeed ZeRO-2, 1 x H200, 2026-11-26: "
+                                            "187,632 tokens/s = 16.2 %"),
     "bert": Constant(0.242, "of peak", f"{_BENCH} train_throughput (GPU): BERT-base, bert_base_phase1.yaml, "
                                        "256 x 128, eager, 1 x H200, 2026-11-26: 233,927 tokens/s = 24.2 % (the MFU counts "
-                                       "FLOPs per padded 128-position sample; the tokens/s counts unpadded tokens)"),
-    "vit": Constant(0.085, "of peak", f"{_BENCH} train_throughput (GPU): ViT-B/16, vit_b16.yaml, 128 x 224 px, "
-                                      "eager, 1 x H200, 2026-11-26: 794 images/s = 8.5 % (PNG decoding in 4 loader "
-                                      "workers bounds it)"),
+                                       "FLOPs per padded 128-position sample; the tokens/s counts unpadded tokens; the "
+                                       "compiled recipe is measured at 32 x 128 only, bound by kernel launches there)"),
+    "vit": Constant(0.279, "of peak", f"{_BENCH} gpu_check: ViT-B/16, vit_b16.yaml as shipped (torch.compile, DeepSpeed "
+                                      "ZeRO-2, bf16, 128 x 224 px) on a raw-pixel corpus, 1 x H100, 2026-11-27: 2,616 "
+                                      "images/s = 27.9 %, data wait 0.8 %"),
 }
 
-#: Loader worker CPU-seconds per sample, by family (the worker's decode + collate).
+#: Which run each MFU figure comes from (``plan`` prints it beside the figure).
+MFU_MODE = {"gpt": "compiled", "gpt-eager": "eager", "bert": "eager", "vit": "compiled"}
+
+#: Loader worker CPU-seconds per sample, by corpus kind (the worker's decode + collate).
 LOADER_CPU_S_PER_SAMPLE: dict[str, Constant] = {
     "text": Constant(2 / 32470 / 129, "CPU-s per token", f"{_BENCH} loader_throughput: 2 workers on 2 cores read "
                      "32,470 samples/s of 129-token packed_lm windows (1 GB corpus, idle 2-core VM, 2026-11-26) = "
                      "61.6 µs per window, taken per token (0.48 µs) for other lengths"),
-    "vit": Constant(4 / 794, "CPU-s per image", f"{_BENCH} train_throughput (GPU): ViT-B/16 at 794 images/s was "
-                    "bound by PNG decoding in 4 loader workers (1 x H200 host, 2026-11-26) = 5.0 ms per image"),
+    "images-raw": Constant(0.160e-3, "CPU-s per image", f"{_BENCH} image_decode: a raw-pixel corpus (images.format=raw, "
+                           "224 px uint8), read + collate with the crop box and flip drawn, 0.160 CPU-ms per image "
+                           "(busy 2-core VM, 2026-11-26); the resize and normalisation run on the GPU"),
+    "images-encoded": Constant(2.701e-3, "CPU-s per image", f"{_BENCH} image_decode: a PNG corpus at 256 px, decode + "
+                               "random-resized crop + normalise in the worker, 2.701 CPU-ms per image (JPEG q90: 1.768; "
+                               "busy 2-core VM, 2026-11-26)"),
 }
 
 #: Checkpoint save costs beyond the filesystem's bandwidth.
