@@ -23,7 +23,8 @@ once under DeepSpeed ZeRO-2 (the recipe as shipped) and
 once with ``distributed.engine=ddp``, each as ``torchrun --nproc_per_node 1 -m pipelines.pretrain CONFIG
 data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last train record: tokens or
 images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
-steps, the first 20 of 40 with compilation and the loader's start-up left out). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
+steps, the first 20 of 40 with compilation and the loader's start-up left out), beside the peak memory
+``pretrain plan`` gives the run's resolved config (its memory model checked on every GPU run). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
 compiled where the recipe compiles) gives each recipe's ceiling; for GPT-2 the same process also times issue
 #30's baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``), as the row "plain loop",
 and the bare step with the recipes' clipping ("bare + clip") and with the trainer's two host reads per step
@@ -203,7 +204,21 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
         print("\n".join((run_dir / "profile/rank-00000.txt").read_text().splitlines()[:PROFILE_ROWS + 5]), flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r][-1]
-    return {**last, "wall_s": wall}
+    return {**last, "wall_s": wall, "plan_gib": planned_gib(run_dir)}
+
+
+def planned_gib(run_dir: Path) -> float | None:
+    """What ``pretrain plan`` says the run needs per GPU (its resolved config, its corpus, one GPU), in GiB: each
+    run checks the plan's memory model against the peak the run measured."""
+    from pipelines.engine.config import load_run_config
+    from pipelines.ops import plan
+
+    try:
+        made = plan.make_plan(load_run_config(run_dir / "config.yaml"), plan.PlanOptions(gpus=1, gpus_per_node=1, fs_gbps=10))
+    except Exception as exc:  # a figure for the table, never a reason to lose the row
+        print(f"plan of {run_dir}: {exc}", flush=True)
+        return None
+    return made.run_row.total / 2**30
 
 
 def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> dict:
@@ -287,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(results: list, device: str, started: str) -> None:
     """The whole table so far (a run stopped at its time limit still leaves the finished rows)."""
     print(f"\n## gpu_check: {device}, torch {__import__('torch').__version__}, {started}\n")
-    print("| recipe | engine | micro batch | tokens or images/s | MFU | data wait | peak mem GiB | step ms | wall s |")
+    print("| recipe | engine | micro batch | tokens or images/s | MFU | data wait | peak mem GiB (plan) | step ms | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, engine, batch, r in results:
         if "error" in r:
@@ -301,6 +316,7 @@ def _print_table(results: list, device: str, started: str) -> None:
             rate = r["samples_per_s"] if name == "vit" else r["tokens_per_s"]
             mfu, wait, ms = r.get("mfu"), f"{r['data_wait_share']:.1%}", r["step_time"] * 1e3
             mem = f"{r['mem_peak_mb'] / 1024:.1f}" if "mem_peak_mb" in r else "-"
+            mem += f" ({r['plan_gib']:.1f})" if r.get("plan_gib") is not None else ""
         mfu_s = f"{mfu:.1%}" if mfu is not None else "-"
         print(f"| {name} | {engine} | {batch} | {rate:,.0f} {unit} | {mfu_s} | {wait} | {mem} | {ms:.1f} | {r['wall_s']:.0f} |")
     sys.stdout.flush()

@@ -216,7 +216,7 @@ def test_activation_bytes_for_bert_and_vit():
 _COMPILED_GPT = {**_TINY, "num_layers": 2, "vocab_size": 8192, "hidden_dropout": 0.0}  # the GPU recipes: no dropout
 
 
-@pytest.mark.slow  # two compilations, ~30 s
+@pytest.mark.slow  # compiles: 6-15 s
 @pytest.mark.parametrize("train_logits", [False, True])
 def test_a_compiled_lm_head_keeps_its_logits_not_the_log_softmax(train_logits):
     """What the GPU recipes run (bf16, torch.compile): the loss keeps the logits and their log-sum-exp and
@@ -261,7 +261,7 @@ print(peak - base)
 """
 
 
-@pytest.mark.slow  # two compilations in subprocesses, ~40 s
+@pytest.mark.slow  # compiles in a subprocess: ~10-20 s
 @pytest.mark.parametrize("train_logits", [False, True])
 def test_a_compiled_steps_peak_is_within_the_plans_activations(train_logits):
     """The peak RSS of a compiled bf16 forward + backward over the RSS before it (weights and gradients in place)
