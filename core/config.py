@@ -139,7 +139,7 @@ def parse_command_line(parser: Any, argv: typing.Sequence[str] | None = None, *,
     if extra and (target is None or any(word.startswith("-") for word in extra)):
         parser.error("unrecognized arguments: " + " ".join(extra))
     if extra:
-        getattr(args, target).extend(extra)
+        setattr(args, target, [*getattr(args, target), *extra])  # a new list: argparse may hand out its default
     return args
 
 

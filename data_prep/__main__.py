@@ -12,7 +12,7 @@ from data_prep.errors import PrepError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_prep", description="Prepare a sharded WebDataset corpus with Ray.")
     parser.add_argument("config", help="YAML file of a PrepConfig (see configs/data/).")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. output=data/corpus seq_len=512.")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. output=data/corpus seq_len=512.")
     args = parser.parse_args(argv)
     try:
         from data_prep.config import load_prep_config

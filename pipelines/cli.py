@@ -193,7 +193,7 @@ def _add(
 
 def _add_config_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("config", help=f"YAML {what} config (may `extends:` another file).")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. optim.lr=3e-4.")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Dotted overrides, e.g. optim.lr=3e-4.")
 
 
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain report runs/sweeps/warmup_post_ln_bert     # the study report",
     )
     p.add_argument("sweep", help="Sweep YAML (configs/sweeps/).")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="Sweep fields, e.g. corpus=DIR seeds=[0] jobs=2.")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Sweep fields, e.g. corpus=DIR seeds=[0] jobs=2.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="Run the grid here, one run after another (default).")
     mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         "#   2,010,130 tokens/s (31,408 per GPU); 286,102 steps: 41.5 h of compute",
     )
     p.add_argument("config", nargs="?", help="YAML run config (may `extends:` another file).")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="Dotted overrides, e.g. data.micro_batch_size=4.")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Dotted overrides, e.g. data.micro_batch_size=4.")
     p.add_argument("--gpus", type=int, help="GPUs in the job (= data-parallel ranks).")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (nodes = gpus / this).")
     p.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="GPU kind (datasheet peak and memory).")

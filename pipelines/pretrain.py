@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         "  torchrun --nproc_per_node 8 -m pipelines.pretrain CONFIG distributed.zero_stage=3\n",
     )
     p.add_argument("config", help="Run config YAML (see configs/train/).")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=100 optim.lr=3e-4")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. train.max_steps=100 optim.lr=3e-4")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
 

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m pipelines.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value")
     # the `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK like every launcher's
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parse_command_line(parser, argv)

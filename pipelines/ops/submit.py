@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("resolve", help="Check a run config and print RUN_DIR=, MAX_STEPS=, RESUME= for a shell.")
     p.add_argument("kind", choices=("pretrain", "finetune"))
     p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", default=[])
     p.add_argument("--claim", action="store_true",
                    help="Also create RUN_DIR as a pretrain run dir (refused if it is a folder pretrain did not create).")
     p.set_defaults(handler=_cmd_resolve)

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("run-one", "list", "local"):
         p = sub.add_parser(name)
         p.add_argument("sweep")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="Sweep fields, e.g. corpus=... seeds=[0].")
+        p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Sweep fields, e.g. corpus=... seeds=[0].")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
         if name == "run-one":
             p.add_argument("--index", type=int, default=None, help="Grid index (default: $SLURM_ARRAY_TASK_ID).")

@@ -122,6 +122,9 @@ def test_overrides_may_follow_the_options_as_they_may_precede_them(tmp_path, cap
         with pytest.raises(SystemExit) as exit_info:  # a misspelt option, or a word where no list takes it
             main(argv)
         assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--nproc", "2"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: config")  # not key=value
 
 
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
