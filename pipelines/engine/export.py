@@ -36,6 +36,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     p = Path(path)
     if (p / "trainer_state.json").is_file():
         return p
+    if not p.exists():
+        raise ConfigError(f"{p} does not exist. Pass a run directory (train.run_dir of a pretraining run) or one of its "
+                          f"checkpoints, run_dir/checkpoints/step-NNNNNNNN.")
     from pipelines.engine.checkpoint import list_checkpoints
 
     found = list_checkpoints(p)  # the newest (as `latest` names it); verified by the caller, never skipped

@@ -42,6 +42,13 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert "absent.yaml does not exist" in err
 
 
+def test_export_of_a_missing_path_says_so(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "runs" / "typo"), str(tmp_path / "release")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{tmp_path / 'runs' / 'typo'} does not exist" in line and "checkpoints/step-NNNNNNNN" in line
+    assert not (tmp_path / "release").exists()
+
+
 def test_prepare_missing_input_names_the_path(tmp_path, capsys):
     cfg = tmp_path / "prep.yaml"
     cfg.write_text(f"kind: bert_pairs\noutput: {tmp_path / 'out'}\nsources: [{{type: text, paths: ['{tmp_path / 'nope'}']}}]\n")
