@@ -1,4 +1,4 @@
-"""What our engines add per training step over the bare step, on one process: DDP and DeepSpeed ZeRO-0/1/2.
+"""What our engines add per training step over the bare step, on one process: DDP and DeepSpeed ZeRO-0/1/2/3.
 
 The bare step is forward + backward + ``optimizer.step()`` + ``zero_grad`` of the model with the
 optimizer ``build_optimizer`` makes, on one batch kept in memory. The engine step is what
@@ -29,6 +29,10 @@ time is the host's own -- Python, dispatch, hooks, per-tensor loops -- which on 
 the device's step (GPT-2 small ~35 ms, BERT-base at 45 % MFU ~6 ms on an H100) or bound it.
 
     python benchmarks/engine_overhead.py [--model gpt-tiny] [--batch 8] [--seq-len 128] [--engines ddp,zero0,zero1,zero2] [--stock] [--clock cpu]
+    python benchmarks/engine_overhead.py --model gpt2-small --narrow 64 --batch 2 --seq-len 32 --engines zero2,zero3 --clock cpu
+
+ZeRO-3 replaces ``torch.nn.functional.linear`` for its whole process, so in its child the bare step runs through
+DeepSpeed's linear too (a few per cent slower than in the other children).
     python benchmarks/engine_overhead.py --model bert-base --narrow 64 --batch 2 --seq-len 32 --engines ddp,zero2 --stock
 """
 
@@ -47,7 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ENGINES = {"ddp": ("ddp", 0), "zero0": ("deepspeed", 0), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2)}
+ENGINES = {"ddp": ("ddp", 0), "zero0": ("deepspeed", 0), "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2),
+           "zero3": ("deepspeed", 3)}
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -166,7 +171,7 @@ def main() -> int:
     p.add_argument("--block", type=int, default=5, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=12, help="rounds of alternating bare / engine blocks")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--engines", default="ddp,zero0,zero1,zero2", help=f"any of {','.join(ENGINES)}")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: this process's CPU time (with --threads 1, what the other jobs of a shared machine disturb least)")
     p.add_argument("--stock", action="store_true", help="also time the engine with distributed.one_rank_fast_path=false in the same blocks")

@@ -98,6 +98,14 @@ def _check_schedule(cfg: Any) -> None:
             )
 
 
+#: ZeRO-3 in a world of one: the same bytes as ZeRO-2 and the host cost of its per-module hooks (docs/benchmarks.md,
+#: engine_overhead); `distributed.validate` logs it, `pretrain plan` notes it.
+ONE_RANK_ZERO3 = ("distributed.zero_stage=3 on one process partitions nothing: it holds what ZeRO-2 holds, runs eager "
+                  "(model.compile needs zero_stage <= 2) and pays its per-module parameter hooks on every step (3.1x "
+                  "ZeRO-2's host time per step for GPT-2 small's layers, docs/benchmarks.md engine_overhead). On one "
+                  "device use distributed.zero_stage=2, or keep 3 with distributed.offload_params=true to hold more "
+                  "than the device's memory.")
+
 #: torch.compile modes that capture and replay CUDA graphs (``torch._inductor.list_mode_options``: triton.cudagraphs).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 

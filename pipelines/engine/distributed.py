@@ -216,7 +216,7 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
     ``check.check`` (torch-free, also run by the CLI and sweeps before launching) covers names,
     the schedule and batch arithmetic; this adds what depends on the device.
     """
-    from pipelines.engine.check import batch_split, check
+    from pipelines.engine.check import ONE_RANK_ZERO3, batch_split, check
 
     check(cfg, world_size=env.world_size)
     d, t = cfg.distributed, cfg.train
@@ -236,8 +236,11 @@ def validate(cfg: RunConfig, env: DistEnv) -> None:
                       "fp32 partitions, so its per-layer norms (LAMB's trust ratio, You et al. 2020) are computed per "
                       "(parameter group, rank partition), not per layer. Use zero_stage=0 (or engine=ddp) for the "
                       "per-layer ratio.", stacklevel=2)
+    if d.engine == "deepspeed" and d.zero_stage == 3 and env.world_size == 1 and not d.offload_params:
+        log.warning(ONE_RANK_ZERO3)
     if d.deepspeed_config:
         deepspeed_config(cfg, env.world_size)  # raises on a disagreement with the base JSON
+
 
 
 #: DeepSpeed's throughput timer is on by default and calls ``get_accelerator().synchronize()`` -- a full device

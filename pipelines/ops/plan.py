@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
-from pipelines.engine.check import batch_split, check, is_pretraining_task, split_batch
+from pipelines.engine.check import ONE_RANK_ZERO3, batch_split, check, is_pretraining_task, split_batch
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
@@ -325,6 +325,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     workers = max(1, math.ceil(K.LOADER_HEADROOM.value * cores))
 
     notes = []
+    if stage == 3 and opts.gpus == 1 and not d.offload_params:
+        notes.append(ONE_RANK_ZERO3)
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
                      f"{bw / 1e9:.0f} GB/s = {_dur(comm_s)} > {_dur(compute_s)} of compute; raise the micro batch, or use "

@@ -110,6 +110,27 @@ def test_a_run_set_up_without_its_split_is_refused():
     distributed.validate(cfg, env)
 
 
+def test_zero3_on_one_process_is_said_to_buy_nothing_there(caplog):
+    """One rank partitions nothing: ZeRO-3 holds ZeRO-2's bytes and pays its hooks (docs/benchmarks.md engine_overhead).
+    Said once by the run (rank 0 is the only rank) and by `pretrain plan`; not with parameter offload, nor on 2 ranks."""
+    from pipelines.ops import plan
+
+    one = distributed.DistEnv(rank=0, world_size=1, local_rank=0, launcher="python", device="cpu")
+    two = distributed.DistEnv(rank=0, world_size=2, local_rank=0, launcher="python", device="cpu")
+    for overrides, env, said in ((["distributed.zero_stage=3"], one, True), (["distributed.zero_stage=3"], two, False),
+                                 (["distributed.zero_stage=3", "distributed.offload_params=true"], one, False),
+                                 (["distributed.zero_stage=2"], one, False)):
+        caplog.clear()
+        cfg = load_run_config(CONFIG, overrides)
+        apply_batch_split(cfg, env.world_size)
+        distributed.validate(cfg, env)
+        assert any("zero_stage=3 on one process partitions nothing" in r.getMessage() for r in caplog.records) == said
+    gpt = [str(REPO / "configs/train/gpu/gpt2_small.yaml"), "distributed.zero_stage=3", "model.compile=false"]
+    for gpus, said in ((1, True), (8, False)):
+        made = plan.make_plan(load_run_config(gpt[0], gpt[1:]), plan.PlanOptions(gpus=gpus, fs_gbps=10))
+        assert any("partitions nothing" in n for n in made.notes) == said
+
+
 def test_deepspeed_json_batch_arithmetic_uses_the_world_size(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 2}}))
