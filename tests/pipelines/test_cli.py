@@ -120,7 +120,7 @@ def test_overrides_may_follow_the_options_as_they_may_precede_them(tmp_path, cap
     from pipelines import pretrain
     from pipelines.engine.distributed import in_process_run
 
-    with in_process_run():  # a rank as the deepspeed launcher starts it, its --local_rank first
+    with in_process_run():  # a rank with the deepspeed launcher's --local_rank between the config and its overrides
         assert pretrain.main([BERT_CPU, "--local_rank=0", f"data.corpus={tmp_path / 'corpus'}"]) == 2
     assert f"{tmp_path / 'corpus'}/manifest.json does not exist" in capsys.readouterr().err
     args = parse_command_line(build_parser(), ["report", "runs/a", "--out", "rep", "runs/b"])
