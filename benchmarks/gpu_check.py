@@ -26,11 +26,12 @@ images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputM
 steps, the first 20 of 40 with compilation and the loader's start-up left out), beside the peak memory
 ``pretrain plan`` gives the run's resolved config (its memory model checked on every GPU run). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
 compiled where the recipe compiles) gives each recipe's ceiling; for GPT-2 the same process also times issue
-#30's baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``), as the row "plain loop",
-and the bare step with the recipes' clipping ("bare + clip") and with the trainer's two host reads per step
+#30's baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``), as the row "plain loop"
+(ViT-B/16 too: ``plain_vit.py``), and the bare step with the recipes' clipping ("bare + clip") and with the trainer's two host reads per step
 added ("bare + clip + 2 reads"): what those reads cost on the device's side, apart from the engine. Evaluation (``data.eval_split=none``) and
 periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
-the run's final checkpoint comes after the timed steps and counts in the wall time only.
+the run's final checkpoint comes after the timed steps and counts in the wall time only. Under each row the log
+repeats what torch said of the run's compiled graphs (CUDA graphs skipped and why, recompiles, graph breaks).
 
 ``--cpu-smoke`` runs the same pipeline end to end on the CPU with the tiny CPU configs, tiny corpora and
 a few steps (fp32): it proves the script, not a speed.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -195,16 +197,32 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
         cmd += ["data.num_workers=1", "data.micro_batch_size=8"]
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    # torch logs recompiles and graph breaks only when asked (compile time only: the timed steps are unaffected)
+    env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles,graph_breaks")}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         print(proc.stdout[-3000:] + proc.stderr[-6000:], flush=True)
         return {"error": f"rc {proc.returncode}", "wall_s": wall}
+    for line in compile_notes(proc.stdout + proc.stderr):
+        print(f"  {line}", flush=True)
     if args.profile and (run_dir / "profile/rank-00000.txt").is_file():  # the operator table into the log
         print("\n".join((run_dir / "profile/rank-00000.txt").read_text().splitlines()[:PROFILE_ROWS + 5]), flush=True)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("split") == "train" and "tokens_per_s" in r][-1]
     return {**last, "wall_s": wall, "plan_gib": planned_gib(run_dir)}
+
+
+#: torch's log lines on a run's compiled graphs that a throughput figure depends on: CUDA graphs skipped (and why:
+#: inductor warns "skipping cudagraphs due to ..." once per graph), recompiles, graph breaks, the recompile limit
+COMPILE_NOTES = re.compile(r"\[__(?:cudagraphs|recompiles|graph_breaks)\]|skipping cudagraphs|recompile_limit")
+
+
+def compile_notes(output: str, limit: int = 12) -> list[str]:
+    """The lines of a run's output that say how torch compiled it (``COMPILE_NOTES``), each once, at most ``limit``."""
+    seen = dict.fromkeys(re.sub(r"^.*?\.py:\d+\] ", "", line.strip())  # without the logger's rank/time/file prefix
+                         for line in output.splitlines() if COMPILE_NOTES.search(line))
+    return list(seen)[:limit]
 
 
 def planned_gib(run_dir: Path) -> float | None:
@@ -226,8 +244,9 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     out = work / f"bare-{name}.json"
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
            "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
+    if name in ("gpt", "vit"):
+        cmd.append("--plain")  # issue #30's baseline, the model as a plain PyTorch loop writes it, in the same process
     if name == "gpt":
-        cmd.append("--plain")  # issue #30's baseline, GPT-2 as a plain PyTorch loop writes it, in the same process
         cmd.append("--trainer-reads")  # the bare step with clipping, and with the trainer's two host reads
     if args.cpu_smoke:
         ov = _scalar_overrides(cfg)

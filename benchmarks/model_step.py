@@ -29,7 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
+from benchmarks.plain_vit import PlainViT  # noqa: E402
 from monitoring.throughput import cpu_peak_flops, peak_flops_for  # noqa: E402
+
+#: issue #30's baselines by model family: the model as a plain PyTorch loop writes it (``--plain``)
+PLAIN = {"gpt": PlainGPT, "vit": PlainViT}
 
 
 def make_batch(model: torch.nn.Module, batch: int, seq_len: int, dev: torch.device) -> tuple[dict[str, torch.Tensor], float]:
@@ -116,8 +120,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time ours under torch.compile")
     p.add_argument("--vocab-size", type=int, default=0, help="the tokenizer's (default: GPT-2's for gpt, the config's else)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
-    p.add_argument("--plain", action="store_true", help="also time issue #30's baseline, GPT-2 as a plain PyTorch "
-                   "loop writes it (benchmarks/plain_gpt.py; compiled with --compile), and print ours / plain")
+    p.add_argument("--plain", action="store_true", help="also time issue #30's baseline, the model as a plain PyTorch "
+                   "loop writes it (GPT: benchmarks/plain_gpt.py, ViT: plain_vit.py; compiled with --compile), and print "
+                   "ours / plain")
     p.add_argument("--trainer-reads", action="store_true", help="also time ours (compiled with --compile) with the "
                    "recipes' clipping, and with clipping and the trainer's two host reads per step")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -161,9 +166,9 @@ def main() -> None:
         rows.append(("ours, clipped", time_steps(timed, inputs, args.steps, args.warmup, dtype, clip=1.0)))
         rows.append(("ours, clipped + 2 reads", time_steps(timed, inputs, args.steps, args.warmup, dtype, clip=1.0,
                                                            reads=True)))
-    if args.plain and ours.family == "gpt":
+    if args.plain and ours.family in PLAIN:
         torch.manual_seed(0)
-        plain = PlainGPT.like(ours.config).to(dev).train()
+        plain = PLAIN[ours.family].like(ours.config).to(dev).train()
         label = "plain, compiled" if args.compile else "plain"
         if args.compile:
             print(f"inductor kernels for one forward + backward: ours {compiled_kernels(ours, inputs, dtype)}, "
@@ -183,7 +188,7 @@ def main() -> None:
     plain_row = next((sec for label, sec in rows if label.startswith("plain")), None)
     if plain_row is not None:
         ours_sec = dict(rows)["ours, compiled" if args.compile else "ours"]
-        print(f"ours{', compiled' if args.compile else ''} / plain loop: {plain_row / ours_sec:.3f}x the plain loop's tokens/s")
+        print(f"ours{', compiled' if args.compile else ''} / plain loop: {plain_row / ours_sec:.3f}x the plain loop's {unit}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_flops": peak, "rows": out}, indent=1))
 

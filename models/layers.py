@@ -70,7 +70,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        # split + view, not view + unbind: the same strided views, but autograd then joins the three gradients with
+        # one cat straight into [B, T, 3C], where unbind's backward stacks them and copies the stack into that layout
+        # -- one more pass over the QKV gradient per layer (docs/benchmarks.md, model_step)
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
         )

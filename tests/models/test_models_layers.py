@@ -356,3 +356,38 @@ def test_gpt_training_step_without_logits_computes_the_same_and_gives_backward_n
     with torch.no_grad():
         assert lean(ids, labels=ids)["logits"].shape == logits_shape  # evaluation
     assert lean.eval()(ids, labels=ids)["logits"].shape == logits_shape
+
+
+class _SplitAttention(SelfAttention):
+    """Q, K and V as the plain loops take them from the fused projection: ``split`` + ``view`` + ``transpose``."""
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _compiled_kernels(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Kernels inductor generates for one compiled forward + backward (each at least one pass over memory)."""
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    metrics.reset()
+    torch.compile(block)(x).sum().backward()
+    count = metrics.generated_kernel_count
+    torch._dynamo.reset()
+    return count
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_a_compiled_block_makes_no_more_kernels_than_the_plain_loops_attention(placement):
+    """Each kernel is a pass over the activations: our block's backward once took one more per layer than a plain
+    loop's (unbind's backward stacked the Q, K, V gradients, then copied the stack into the projection's layout;
+    docs/benchmarks.md, model_step), in GPT, BERT and ViT alike."""
+    cfg = TransformerConfig(hidden_size=32, num_heads=2, intermediate_size=64, hidden_dropout=0.0,
+                            attention_dropout=0.0, norm_placement=placement)
+    ours, plain = Block(cfg), Block(cfg)
+    plain.attn.__class__ = _SplitAttention
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    assert _compiled_kernels(ours, x) <= _compiled_kernels(plain, x)
