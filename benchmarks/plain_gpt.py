@@ -22,20 +22,25 @@ from torch import nn
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, width: int, heads: int, ffn: int):
+    """A pre-LN block; GPT-2's by default (causal, tanh GELU, no dropout), ViT's with ``causal=False, gelu="none"``
+    and the paper's dropout on each sublayer's output (``plain_vit.py``)."""
+
+    def __init__(self, width: int, heads: int, ffn: int, *, causal: bool = True, gelu: str = "tanh",
+                 dropout: float = 0.0, eps: float = 1e-5):
         super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.heads, self.causal, self.gelu = heads, causal, gelu
+        self.ln1, self.ln2 = nn.LayerNorm(width, eps=eps), nn.LayerNorm(width, eps=eps)
         self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.up, self.down = nn.Linear(width, ffn), nn.Linear(ffn, width)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(y.transpose(1, 2).contiguous().view(B, T, C))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.drop(self.out(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)), approximate=self.gelu)))
 
 
 class PlainGPT(nn.Module):

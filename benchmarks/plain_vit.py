@@ -1,13 +1,13 @@
 """Issue #30's ViT baseline: ViT-B/16 as a plain PyTorch loop would write it, to time our model against.
 
-Written for this benchmark (not a copy of any project), like ``plain_gpt.py``: a strided-conv patch
-projection, a class token and learned positions, pre-LN blocks with one fused QKV projection and
-``scaled_dot_product_attention``, exact GELU, dropout where the ViT paper puts it (after the embedding
-and on each sublayer's output, at the rate of ours so both compute the same thing), a final LayerNorm on
-the class token only, a linear classifier, a cross-entropy loss. No options. Same parameter count and
-FLOPs as ours at the same sizes; what ours does beyond it (a resolution-agnostic position lookup, the
-soft-target and regression losses, the checkpointing switch, the final LayerNorm over every token,
-which ``forward_features`` returns) is what ``model_step.py --plain`` measures.
+Written for this benchmark (not a copy of any project), like ``plain_gpt.py``, whose pre-LN block it takes
+(non-causal, exact GELU): a strided-conv patch projection, a class token and learned positions, blocks with one
+fused QKV projection and ``scaled_dot_product_attention``, dropout where the ViT paper puts it (after the
+embedding and on each sublayer's output, at the rate of ours so both compute the same thing), a final LayerNorm
+on the class token only, a linear classifier, a cross-entropy loss. No options. Same parameter count and FLOPs
+as ours at the same sizes; what ours does beyond it (a resolution-agnostic position lookup, the soft-target and
+regression losses, the checkpointing switch, the final LayerNorm over every token, which ``forward_features``
+returns) is what ``model_step.py --plain`` measures.
 
     from benchmarks.plain_vit import PlainViT
     model = PlainViT.like(ours.config)          # the same sizes as one of our ViT configs
@@ -19,22 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class PlainViTBlock(nn.Module):
-    def __init__(self, width: int, heads: int, ffn: int, dropout: float, eps: float):
-        super().__init__()
-        self.heads, self.dropout = heads, nn.Dropout(dropout)
-        self.ln1, self.ln2 = nn.LayerNorm(width, eps=eps), nn.LayerNorm(width, eps=eps)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.up, self.down = nn.Linear(width, ffn), nn.Linear(ffn, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v)
-        x = x + self.dropout(self.out(y.transpose(1, 2).contiguous().view(B, T, C)))
-        return x + self.dropout(self.down(F.gelu(self.up(self.ln2(x)))))
+from benchmarks.plain_gpt import PlainBlock
 
 
 class PlainViT(nn.Module):
@@ -47,7 +32,8 @@ class PlainViT(nn.Module):
         self.cls = nn.Parameter(torch.zeros(1, 1, width))
         self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, width) * 0.02)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(PlainViTBlock(width, heads, ffn, dropout, eps) for _ in range(layers))
+        self.blocks = nn.ModuleList(PlainBlock(width, heads, ffn, causal=False, gelu="none", dropout=dropout, eps=eps)
+                                    for _ in range(layers))
         self.ln_f = nn.LayerNorm(width, eps=eps)
         self.head = nn.Linear(width, classes)
         for p in self.parameters():
