@@ -23,6 +23,14 @@ and its cast, (4 + e) P V. Under ``torch.compile`` the loss keeps the logits and
 instead of the log-softmax (e P V + 4 P: the softmax is recomputed in backward, fused with its gradient), and
 the backward adds the logits' gradient, e P V, once more for the zero gradient of returned logits. Measured on
 the CPU (tests/pipelines/test_plan.py); the blocks keep the same bytes compiled or not.
+
+Under autocast over fp32 weights (the DDP engine's bf16/fp16) the residual stream stays fp32 -- an fp32
+embedding or position plus a half-precision sublayer output is fp32 -- so each block's two LayerNorm inputs
+are kept in 4 bytes, not e (2 (4 - e) s b h more a block; with checkpointing the block's input is fp32), and
+every matmul keeps the half-precision cast of its weight for backward (e P in all), compiled or not;
+DeepSpeed's bf16/fp16 runs the whole model in half precision, its weights are those casts. Measured on the
+CPU against an all-bf16 model (tests/pipelines/test_plan.py); on the H100, ViT-B/16's DDP row peaked 0.9 GiB
+over the all-bf16 count, 1.0 GiB by this one (docs/benchmarks.md, gpu_check).
 """
 
 from __future__ import annotations
@@ -153,10 +161,11 @@ def flops_per_sample(m: ModelShape, seq_len: int, mlm_fraction: float = 0.15) ->
     return (6 * n + 6 * per_sequence / T + 12 * L * h * T) * T
 
 
-def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int, mask_bytes: int) -> float:
+def _block_activation_bytes(m: ModelShape, tokens: int, act_bytes: int, mask_bytes: int, residual_bytes: int) -> float:
     h, f = m.hidden_size, m.intermediate_size
     masks = 2 * mask_bytes * tokens * h if m.hidden_dropout > 0 else 0
-    return act_bytes * (8 * tokens * h + 2 * tokens * f) + masks + 16 * tokens + 4 * m.num_heads * tokens
+    ln_inputs = 2 * residual_bytes * tokens * h  # the residual stream at each LayerNorm
+    return act_bytes * (6 * tokens * h + 2 * tokens * f) + ln_inputs + masks + 16 * tokens + 4 * m.num_heads * tokens
 
 
 def _lm_head_positions(m: ModelShape, tokens: int, mlm_fraction: float) -> float:
@@ -185,13 +194,16 @@ def loss_backward_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_by
 
 
 def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     mask_bytes: int = 1, mlm_fraction: float = 0.15, compiled: bool = False) -> dict[str, float]:
+                     mask_bytes: int = 1, mlm_fraction: float = 0.15, compiled: bool = False,
+                     autocast: bool = False) -> dict[str, float]:
     """Bytes a forward keeps for backward per GPU: ``blocks``, ``head`` (embeddings, final norm, loss), ``total``
-    (at the end of the forward) and ``recompute`` (one block rebuilt at a time in backward under checkpointing)."""
+    (at the end of the forward) and ``recompute`` (one block rebuilt at a time in backward under checkpointing).
+    ``autocast``: fp32 weights under autocast (the DDP engine's mixed precision), whose residual stream is fp32."""
     T = tokens_per_sample(m, seq_len) * micro_batch
     h = m.hidden_size
-    block = _block_activation_bytes(m, T, act_bytes, mask_bytes)
-    blocks = m.num_layers * act_bytes * T * h if checkpointing else m.num_layers * block
+    residual = 4 if autocast else act_bytes
+    block = _block_activation_bytes(m, T, act_bytes, mask_bytes, residual)
+    blocks = m.num_layers * residual * T * h if checkpointing else m.num_layers * block
     emb_mask = mask_bytes * T * h if m.hidden_dropout > 0 else 0
     loss = _loss_bytes(m, _lm_head_positions(m, T, mlm_fraction), act_bytes, compiled)
     if m.family == "gpt":  # ln_f input, output and stats, and the loss
@@ -203,5 +215,6 @@ def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes
     else:
         pixels = micro_batch * m.num_channels * m.image_size**2
         head = act_bytes * (pixels + 2 * T * h)  # the patch conv's input, final norm in/out
-    return {"blocks": float(blocks), "head": float(head), "total": float(blocks + head),
-            "recompute": float(block if checkpointing else 0)}
+    weight_copies = act_bytes * param_count(m) if autocast else 0  # the matmuls' half-precision casts of the weights
+    return {"blocks": float(blocks), "head": float(head), "weight_copies": float(weight_copies),
+            "total": float(blocks + head + weight_copies), "recompute": float(block if checkpointing else 0)}

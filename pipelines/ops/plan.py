@@ -263,8 +263,9 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     w, _ = _precision_bytes(cfg.train.precision)
     mlm = float(cfg.data.mlm_probability)  # BERT: our MLM head runs at the masked share of positions
     compiled = bool(cfg.model.compile)  # the LM head's loss keeps and adds less compiled (pipelines/ops/model_shapes.py)
+    autocast = d.engine == "ddp" and cfg.train.precision != "fp32"  # fp32 weights, a half-precision forward
     acts = {ck: sum(activation_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, checkpointing=ck,
-                                     mlm_fraction=mlm, compiled=compiled)[k]
+                                     mlm_fraction=mlm, compiled=compiled, autocast=autocast)[k]
                     for k in ("total", "recompute")) for ck in (False, True)}
     head_transient = loss_backward_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, compiled=compiled,
                                          mlm_fraction=mlm)

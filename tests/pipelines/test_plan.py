@@ -213,6 +213,40 @@ def test_activation_bytes_for_bert_and_vit():
     assert got == pytest.approx(want, rel=0.02)
 
 
+def _saved_under(model, autocast: bool, **inputs) -> int:
+    """``_saved_bytes`` of a forward under CPU bf16 autocast (the DDP engine's mixed precision) or without."""
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return _saved_bytes(model, **inputs)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny"])
+def test_autocast_keeps_the_residual_stream_in_fp32_and_the_weights_cast(name):
+    """DDP's bf16 is autocast over fp32 weights: against the same model run all in bf16 (DeepSpeed's), every
+    LayerNorm input is fp32 and every matmul keeps its weight's bf16 cast -- what the H100's ViT DDP row showed
+    (0.9 GiB over the all-bf16 count, docs/benchmarks.md gpu_check). Pre-LN (GPT) and post-LN (BERT)."""
+    import torch
+
+    import models
+
+    shape = {**_TINY, "hidden_dropout": 0.0}  # dropout masks take the dtype of what they drop on the CPU
+    torch.manual_seed(0)
+    x = torch.randint(5, 1000, (4, 128))
+    inputs = {"input_ids": x, "labels": x}
+    if name.startswith("bert"):
+        labels = torch.full_like(x, -100)
+        labels[:, ::7] = x[:, ::7]
+        inputs = {"input_ids": x, "labels": labels, "next_sentence_label": torch.zeros(4, dtype=torch.long)}
+    fp32_weights = models.create(name, **shape).train()
+    bf16_weights = models.create(name, **shape).to(torch.bfloat16).train()
+    got = _saved_under(fp32_weights, True, **inputs) - _saved_under(bf16_weights, False, **inputs)
+    kwargs = dict(micro_batch=4, seq_len=128, act_bytes=2, checkpointing=False, mlm_fraction=1 / 7)
+    m = model_shape(name, shape)
+    want = activation_bytes(m, autocast=True, **kwargs)["total"] - activation_bytes(m, **kwargs)["total"]
+    assert want > 0 and got == pytest.approx(want, rel=0.05)
+
+
 _COMPILED_GPT = {**_TINY, "num_layers": 2, "vocab_size": 8192, "hidden_dropout": 0.0}  # the GPU recipes: no dropout
 
 
