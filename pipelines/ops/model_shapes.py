@@ -26,11 +26,11 @@ the CPU (tests/pipelines/test_plan.py); the blocks keep the same bytes compiled 
 
 Under autocast over fp32 weights (the DDP engine's bf16/fp16) the residual stream stays fp32 -- an fp32
 embedding or position plus a half-precision sublayer output is fp32 -- so each block's two LayerNorm inputs
-are kept in 4 bytes, not e (2 (4 - e) s b h more a block; with checkpointing the block's input is fp32), and
-every matmul keeps the half-precision cast of its weight for backward (e P in all), compiled or not;
-DeepSpeed's bf16/fp16 runs the whole model in half precision, its weights are those casts. Measured on the
-CPU against an all-bf16 model (tests/pipelines/test_plan.py); on the H100, ViT-B/16's DDP row peaked 0.9 GiB
-over the all-bf16 count, 1.0 GiB by this one (docs/benchmarks.md, gpu_check).
+are kept in 4 bytes, not e (2 (4 - e) s b h more a block; with checkpointing the block's input is fp32; the
+head's LayerNorm input too), and every matmul keeps the half-precision cast of its weight for backward,
+compiled or not; DeepSpeed's bf16/fp16 runs the whole model in half precision, its weights are those casts. Measured on the
+CPU against an all-bf16 model (tests/pipelines/test_plan.py: GPT within 0.2 %, BERT 2.6 % over); on the H100,
+ViT-B/16's DDP row peaked 0.9 GiB over the all-bf16 count, 1.0 GiB by this one (docs/benchmarks.md, gpu_check).
 """
 
 from __future__ import annotations
@@ -215,6 +215,16 @@ def activation_bytes(m: ModelShape, *, micro_batch: int, seq_len: int, act_bytes
     else:
         pixels = micro_batch * m.num_channels * m.image_size**2
         head = act_bytes * (pixels + 2 * T * h)  # the patch conv's input, final norm in/out
-    weight_copies = act_bytes * param_count(m) if autocast else 0  # the matmuls' half-precision casts of the weights
-    return {"blocks": float(blocks), "head": float(head), "weight_copies": float(weight_copies),
-            "total": float(blocks + head + weight_copies), "recompute": float(block if checkpointing else 0)}
+    if autocast:  # the matmuls' half-precision casts of their weights (a checkpointed block casts again when it is
+        # recomputed), and the fp32 residual stream at the head's LayerNorm (GPT's and ViT's final, BERT's embedding)
+        head += act_bytes * _matmul_weights(m, blocks=not checkpointing) + (4 - act_bytes) * T * h
+    return {"blocks": float(blocks), "head": float(head), "total": float(blocks + head),
+            "recompute": float(block if checkpointing else 0)}
+
+
+def _matmul_weights(m: ModelShape, *, blocks: bool) -> int:
+    """The weights a training forward multiplies by (the blocks' if ``blocks``, and the heads'), biases aside."""
+    h, f, V = m.hidden_size, m.intermediate_size, m.vocab_size
+    heads = {"gpt": V * h, "bert": V * h + 2 * h * h + 2 * h,  # tied LM head; BERT's MLM transform, pooler, NSP
+             "vit": m.num_channels * m.patch_size**2 * h + h * m.num_labels}[m.family]
+    return heads + (m.num_layers * (4 * h * h + 2 * h * f) if blocks else 0)

@@ -221,11 +221,12 @@ def _saved_under(model, autocast: bool, **inputs) -> int:
         return _saved_bytes(model, **inputs)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny"])
-def test_autocast_keeps_the_residual_stream_in_fp32_and_the_weights_cast(name):
+@pytest.mark.parametrize("name,checkpointing", [("gpt-tiny", False), ("bert-tiny", False), ("gpt-tiny", True)])
+def test_autocast_keeps_the_residual_stream_in_fp32_and_the_weights_cast(name, checkpointing):
     """DDP's bf16 is autocast over fp32 weights: against the same model run all in bf16 (DeepSpeed's), every
     LayerNorm input is fp32 and every matmul keeps its weight's bf16 cast -- what the H100's ViT DDP row showed
-    (0.9 GiB over the all-bf16 count, docs/benchmarks.md gpu_check). Pre-LN (GPT) and post-LN (BERT)."""
+    (0.9 GiB over the all-bf16 count, docs/benchmarks.md gpu_check). Pre-LN (GPT) and post-LN (BERT); with
+    checkpointing each block keeps only its fp32 input, and its weights are cast again when it is recomputed."""
     import torch
 
     import models
@@ -240,8 +241,10 @@ def test_autocast_keeps_the_residual_stream_in_fp32_and_the_weights_cast(name):
         inputs = {"input_ids": x, "labels": labels, "next_sentence_label": torch.zeros(4, dtype=torch.long)}
     fp32_weights = models.create(name, **shape).train()
     bf16_weights = models.create(name, **shape).to(torch.bfloat16).train()
+    for model in (fp32_weights, bf16_weights):
+        model.set_activation_checkpointing(checkpointing)
     got = _saved_under(fp32_weights, True, **inputs) - _saved_under(bf16_weights, False, **inputs)
-    kwargs = dict(micro_batch=4, seq_len=128, act_bytes=2, checkpointing=False, mlm_fraction=1 / 7)
+    kwargs = dict(micro_batch=4, seq_len=128, act_bytes=2, checkpointing=checkpointing, mlm_fraction=1 / 7)
     m = model_shape(name, shape)
     want = activation_bytes(m, autocast=True, **kwargs)["total"] - activation_bytes(m, **kwargs)["total"]
     assert want > 0 and got == pytest.approx(want, rel=0.05)
