@@ -3,8 +3,9 @@
 ``pretrain plan`` must answer in milliseconds without importing torch, so the architecture of each
 registered size is read from its torch-free family spec (``MODEL_SHAPES``, ``core.families``) and
 the counts are closed forms over it, per family. ``tests/pipelines/test_plan.py`` keeps every entry equal to
-``models.get_config(name)``, every parameter count equal to the built model's, the FLOPs equal to
-``models.flops`` and the activation bytes within a stated tolerance of what autograd really saves.
+``models.get_config(name)``, every parameter count equal to the built model's and the FLOPs equal to
+``models.flops``; ``tests/pipelines/test_model_shapes.py`` keeps the activation bytes within a stated tolerance
+of what autograd really saves.
 
 Activation bytes are what a training forward leaves for backward, per micro-batch, as our blocks
 (``models/layers.py``) compute: per block 8 s b h values of the activation dtype (LN inputs and
@@ -22,14 +23,14 @@ none with ``train_logits: false``, the GPU recipes); its backward adds the fp32 
 and its cast, (4 + e) P V. Under ``torch.compile`` the loss keeps the logits and their fp32 log-sum-exp
 instead of the log-softmax (e P V + 4 P: the softmax is recomputed in backward, fused with its gradient), and
 the backward adds the logits' gradient, e P V, once more for the zero gradient of returned logits. Measured on
-the CPU (tests/pipelines/test_plan.py); the blocks keep the same bytes compiled or not.
+the CPU (tests/pipelines/test_model_shapes.py); the blocks keep the same bytes compiled or not.
 
 Under autocast over fp32 weights (the DDP engine's bf16/fp16) the residual stream stays fp32 -- an fp32
 embedding or position plus a half-precision sublayer output is fp32 -- so each block's two LayerNorm inputs
 are kept in 4 bytes, not e (2 (4 - e) s b h more a block; with checkpointing the block's input is fp32; the
 head's LayerNorm input too), and every matmul keeps the half-precision cast of its weight for backward,
 compiled or not; DeepSpeed's bf16/fp16 runs the whole model in half precision, its weights are those casts. Measured on the
-CPU against an all-bf16 model (tests/pipelines/test_plan.py: GPT within 0.2 %, BERT 2.6 % over); on the H100,
+CPU against an all-bf16 model (tests/pipelines/test_model_shapes.py: GPT within 0.2 %, BERT 2.6 % over); on the H100,
 ViT-B/16's DDP row peaked 0.9 GiB over the all-bf16 count, 1.0 GiB by this one (docs/benchmarks.md, gpu_check).
 """
 
