@@ -25,9 +25,9 @@ data.corpus=C ...``; the figures are the run's own (``metrics.jsonl``'s last tra
 images/s, MFU, data-wait share and peak device memory, averaged by ``ThroughputMeter`` over the last 20
 steps, the first 20 of 40 with compilation and the loader's start-up left out), beside the peak memory
 ``pretrain plan`` gives the run's resolved config (its memory model checked on every GPU run). The bare step (``model_step.py``: forward, backward, fused AdamW on one batch kept on the device,
-compiled where the recipe compiles) gives each recipe's ceiling; for GPT-2 the same process also times issue
-#30's baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``), as the row "plain loop"
-(ViT-B/16 too: ``plain_vit.py``), and the bare step with the recipes' clipping ("bare + clip") and with the trainer's two host reads per step
+compiled where the recipe compiles) gives each recipe's ceiling; the same process also times issue #30's
+baseline, the model as a plain PyTorch loop writes it (``benchmarks/plain_gpt.py``, ``plain_bert.py``,
+``plain_vit.py``), as the row "plain loop", and for GPT-2 the bare step with the recipes' clipping ("bare + clip") and with the trainer's two host reads per step
 added ("bare + clip + 2 reads"): what those reads cost on the device's side, apart from the engine. Evaluation (``data.eval_split=none``) and
 periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
 the run's final checkpoint comes after the timed steps and counts in the wall time only. Under each row the log
@@ -247,8 +247,7 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     out = work / f"bare-{name}.json"
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
            "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
-    if name in ("gpt", "vit"):
-        cmd.append("--plain")  # issue #30's baseline, the model as a plain PyTorch loop writes it, in the same process
+    cmd.append("--plain")  # issue #30's baseline, the model as a plain PyTorch loop writes it, in the same process
     if name == "gpt":
         cmd.append("--trainer-reads")  # the bare step with clipping, and with the trainer's two host reads
     if args.cpu_smoke:

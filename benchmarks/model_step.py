@@ -28,12 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
+from benchmarks.plain_bert import PlainBERT  # noqa: E402
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
 from benchmarks.plain_vit import PlainViT  # noqa: E402
 from monitoring.throughput import cpu_peak_flops, peak_flops_for  # noqa: E402
 
 #: issue #30's baselines by model family: the model as a plain PyTorch loop writes it (``--plain``)
-PLAIN = {"gpt": PlainGPT, "vit": PlainViT}
+PLAIN = {"gpt": PlainGPT, "bert": PlainBERT, "vit": PlainViT}
 
 
 def make_batch(model: torch.nn.Module, batch: int, seq_len: int, dev: torch.device) -> tuple[dict[str, torch.Tensor], float]:
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=0, help="the tokenizer's (default: GPT-2's for gpt, the config's else)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers model")
     p.add_argument("--plain", action="store_true", help="also time issue #30's baseline, the model as a plain PyTorch "
-                   "loop writes it (GPT: benchmarks/plain_gpt.py, ViT: plain_vit.py; compiled with --compile), and print "
+                   "loop writes it (GPT: benchmarks/plain_gpt.py, BERT: plain_bert.py, ViT: plain_vit.py; compiled with --compile), and print "
                    "ours / plain")
     p.add_argument("--trainer-reads", action="store_true", help="also time ours (compiled with --compile) with the "
                    "recipes' clipping, and with clipping and the trainer's two host reads per step")

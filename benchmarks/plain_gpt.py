@@ -22,25 +22,36 @@ from torch import nn
 
 
 class PlainBlock(nn.Module):
-    """A pre-LN block; GPT-2's by default (causal, tanh GELU, no dropout), ViT's with ``causal=False, gelu="none"``
-    and the paper's dropout on each sublayer's output (``plain_vit.py``)."""
+    """A transformer block; GPT-2's by default (pre-LN, causal, tanh GELU, no dropout), ViT's with ``causal=False,
+    gelu="none"`` and the paper's dropout on each sublayer's output (``plain_vit.py``), BERT's post-LN with
+    ``post_norm=True``, attention dropout and a padding mask (``plain_bert.py``)."""
 
     def __init__(self, width: int, heads: int, ffn: int, *, causal: bool = True, gelu: str = "tanh",
-                 dropout: float = 0.0, eps: float = 1e-5):
+                 dropout: float = 0.0, attn_dropout: float = 0.0, eps: float = 1e-5, post_norm: bool = False):
         super().__init__()
-        self.heads, self.causal, self.gelu = heads, causal, gelu
+        self.heads, self.causal, self.gelu, self.attn_dropout, self.post_norm = heads, causal, gelu, attn_dropout, post_norm
         self.ln1, self.ln2 = nn.LayerNorm(width, eps=eps), nn.LayerNorm(width, eps=eps)
         self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.up, self.down = nn.Linear(width, ffn), nn.Linear(ffn, width)
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        x = x + self.drop(self.out(y.transpose(1, 2).contiguous().view(B, T, C)))
-        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)), approximate=self.gelu)))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        return self.drop(self.out(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.gelu(self.up(x), approximate=self.gelu)))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = self.ln1(x + self.attend(x, mask))
+            return self.ln2(x + self.mlp(x))
+        x = x + self.attend(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
 
 
 class PlainGPT(nn.Module):
