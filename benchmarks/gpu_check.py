@@ -71,7 +71,10 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
                     # (GELU, bias, dropout + residual: one pass fewer over their outputs; minutes of autotuning first)
                     "zero2-autotune": ["model.compile_mode=max-autotune-no-cudagraphs"],
                     # DeepSpeed's throughput timer as it ships (on, a device synchronize per forward and per step)
-                    "zero2-synced-timer": ["distributed.deepspeed_config={work}/timer_on.json"]}
+                    "zero2-synced-timer": ["distributed.deepspeed_config={work}/timer_on.json"],
+                    # the attention kernel SDPA tries first (attention_backends.py's table, printed before each recipe's
+                    # rows, says which one torch picks and what the others cost on the recipe's shape)
+                    "zero2-cudnn": ["model.attention_backend=cudnn"], "zero2-flash": ["model.attention_backend=flash"]}
 TIMER_ON = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}  # DeepSpeed's defaults
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke
@@ -278,6 +281,17 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     return {**ours, "wall_s": time.perf_counter() - t0, "extra": {k: v for k, v in extra.items() if v}}
 
 
+def attention_kernels(name: str, args: argparse.Namespace) -> None:
+    """Print which SDPA kernel the recipe's attention gets on this device and what the others cost on its shape
+    (``attention_backends.py``; a few seconds): whether a ``zero2-cudnn`` / ``zero2-flash`` row is worth its run."""
+    cmd = [sys.executable, "benchmarks/attention_backends.py", "--recipes", name, *(f"--set={kv}" for kv in args.set)]
+    if args.cpu_smoke:
+        cmd += ["--device", "cpu", "--precision", "fp32", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    print(proc.stdout if proc.returncode == 0 else f"attention_backends.py: rc {proc.returncode}\n{proc.stderr[-2000:]}",
+          flush=True)
+
+
 def _scalar_overrides(cfg) -> dict:
     """The recipe's model overrides that ``model_step.py --overrides`` takes: sizes, rates and switches."""
     return {k: str(v).lower() if isinstance(v, bool) else v for k, v in cfg.model.overrides.items() if isinstance(v, (int, float))}
@@ -307,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[tuple[str, str, int, dict]] = []
     for name in args.recipes.split(","):
         batch = recipe_config(GPU[name][0], args).data.micro_batch_size if not args.cpu_smoke else 8
+        attention_kernels(name, args)
         for engine in args.engines.split(","):
             results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args, batch)))
             _print_table(results, device, started)

@@ -98,6 +98,9 @@ class ModelConfig:
     compile: bool = option(False, help="Wrap the model with torch.compile.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = option(
         "default", help="torch.compile's mode; reduce-overhead replays CUDA graphs (wants data.fixed_shapes for BERT).")
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = option(
+        "auto", help="The attention kernel SDPA tries first in this run, then torch's own order (a call it cannot serve "
+                     "falls back); auto: torch's order. benchmarks/attention_backends.py times them on the recipes' shapes.")
     pad_vocab_multiple: int = option(1, help="Text models: round the embedding / LM-head rows up to a multiple of this "
                                              "(64: aligned GPU matmuls). The padded rows are zero, never scored and "
                                              "never exported: a release's vocabulary is the tokenizer's.")

@@ -1,12 +1,14 @@
 """The model a run trains: ``models.create`` with what the data imposes, checked against the family spec.
 
 ``build_model`` is shared by pretraining (``trainer.train``) and the benchmarks; ``model.init_from``
-starts from another checkpoint's full weights.
+starts from another checkpoint's full weights; ``preferred_attention`` sets the attention kernel a run tries first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from core import families
 from core.config import ConfigError
 from pipelines.engine.config import RunConfig
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "preferred_attention"]
 
 
 def _init_from(model: torch.nn.Module, path: str) -> None:
@@ -76,3 +78,23 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
             raise ConfigError(f"model.activation_checkpointing: {cfg.model.name} does not support it.")
         model.set_activation_checkpointing(True)
     return model, {"name": cfg.model.name, "overrides": overrides}
+
+
+@contextlib.contextmanager
+def preferred_attention(name: str) -> Iterator[None]:
+    """``model.attention_backend``: while the run lasts, ``scaled_dot_product_attention`` tries ``name``'s kernel first,
+    then the others in torch's own order, so a call that kernel cannot serve (flash and a padding mask) falls back
+    as it would with every kernel allowed; ``auto`` leaves torch's order. It holds for the whole run, because
+    torch.compile bakes the kernel SDPA picks while tracing (the first forward) into the graph. Why prefer one:
+    torch's order differs between builds (cuDNN first on Hopper in some, flash in others) and so do the kernels'
+    speeds on a card (benchmarks/attention_backends.py, docs/benchmarks.md)."""
+    if name == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+
+    first = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                                 "math": "MATH"}[name])
+    order = [first] + [b for b in _cur_sdpa_kernel_backends(with_priority=True) if b != first]
+    with sdpa_kernel(order, set_priority=True):
+        yield

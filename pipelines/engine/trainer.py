@@ -43,7 +43,7 @@ from pipelines.engine.check import run_schedule
 from pipelines.engine.config import RunConfig
 from pipelines.engine.hooks import RunHooks
 from pipelines.engine.host_reads import HostCopy, StepOutcome, loss_or_nan
-from pipelines.engine.model_build import build_model
+from pipelines.engine.model_build import build_model, preferred_attention
 from pipelines.engine.run_data import RunData, build_sources, open_run_data
 
 __all__ = ["Trainer", "train", "build_model", "RunData", "open_run_data", "build_sources"]  # re-exported: model_build, run_data
@@ -493,7 +493,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     trainer = Trainer(cfg, model=model, task=data.task, train_data=train_src, eval_data=eval_src, env=env,
                       tokenizer_dir=data.manifest.tokenizer_dir if corpus_kind(data.manifest.kind).tokenized else None,
                       model_build=build, data_info=data.info)
-    return trainer.fit()
+    with preferred_attention(cfg.model.attention_backend):
+        return trainer.fit()
 
 
 if __name__ == "__main__":  # pragma: no cover
