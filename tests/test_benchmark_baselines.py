@@ -40,20 +40,9 @@ def _sdpa_dropout_rates():
         F.scaled_dot_product_attention = sdpa
 
 
-def test_the_plain_vit_is_our_vit_written_plainly():
-    ours = models.create("vit-tiny", num_layers=2, hidden_size=32, num_heads=2, intermediate_size=64, image_size=32,
-                         patch_size=8, num_labels=5, hidden_dropout=0.1)
-    with torch.no_grad():  # weights of a trained size (the init's 0.02 would hide an other GELU or LayerNorm eps)
-        for p in ours.parameters():
-            p.normal_(0.0, 0.5)
-    plain = PlainViT.like(ours.config)
-    theirs = dict(plain.named_parameters())
-    assert sorted(map(_plain_name, dict(ours.named_parameters()))) == sorted(theirs)  # the same weights, all of them
-    plain.load_state_dict({_plain_name(k): v for k, v in ours.state_dict().items()})
-    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 4, 2, 2])
-    ours.eval(), plain.eval()  # dropout off: the same function
-    torch.testing.assert_close(plain(images, labels)["loss"], ours(images, labels)["loss"], rtol=1e-5, atol=1e-5)
-    # and the recipe's dropout, in training, as often in one forward (after the embedding, on each sublayer's output)
+def _dropout_calls(ours: torch.nn.Module, plain: torch.nn.Module, *inputs, **batch) -> dict[str, tuple[list, list]]:
+    """Per model, in one training forward: the rate of every ``nn.Dropout`` call and the dropout of every attention
+    call, in order."""
     calls = {}
     for label, model in (("ours", ours), ("plain", plain)):
         model.train()
@@ -61,9 +50,34 @@ def test_the_plain_vit_is_our_vit_written_plainly():
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.register_forward_hook(lambda mod, args, out, rates=rates: rates.append(mod.p))
-        model(images, labels)
-        calls[label] = rates
-    assert calls["plain"] == calls["ours"] == [0.1] * (1 + 2 * 2)
+        with _sdpa_dropout_rates() as attention:
+            model(*inputs, **batch)
+        calls[label] = (rates, attention)
+    return calls
+
+
+def _trained_size_(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights of a trained size: the init's 0.02 would hide another GELU form or LayerNorm eps."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def test_the_plain_vit_is_our_vit_written_plainly():
+    ours = _trained_size_(models.create("vit-tiny", num_layers=2, hidden_size=32, num_heads=2, intermediate_size=64,
+                                        image_size=32, patch_size=8, num_labels=5, hidden_dropout=0.1))
+    plain = PlainViT.like(ours.config)
+    theirs = dict(plain.named_parameters())
+    assert sorted(map(_plain_name, dict(ours.named_parameters()))) == sorted(theirs)  # the same weights, all of them
+    plain.load_state_dict({_plain_name(k): v for k, v in ours.state_dict().items()})
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 4, 2, 2])
+    ours.eval(), plain.eval()  # dropout off: the same function
+    torch.testing.assert_close(plain(images, labels)["loss"], ours(images, labels)["loss"], rtol=1e-5, atol=1e-5)
+    # and the recipe's dropout, in training, as often in one forward (after the embedding, on each sublayer's output;
+    # none inside attention)
+    calls = _dropout_calls(ours, plain, images, labels)
+    assert calls["plain"] == calls["ours"] == ([0.1] * (1 + 2 * 2), [0.0] * 2)
 
 
 # our BERT's parameter names -> the plain loop's
@@ -90,11 +104,8 @@ def _bert_batch(vocab: int, batch: int = 4, seq: int = 12) -> dict[str, torch.Te
 
 def test_the_plain_bert_is_our_bert_written_plainly():
     torch.manual_seed(0)
-    ours = models.create("bert-tiny", num_layers=2, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=50,
-                         max_position_embeddings=16)
-    with torch.no_grad():  # weights of a trained size (the init's 0.02 would hide an other GELU or LayerNorm eps)
-        for p in ours.parameters():
-            p.normal_(0.0, 0.5)
+    ours = _trained_size_(models.create("bert-tiny", num_layers=2, hidden_size=32, num_heads=2, intermediate_size=64,
+                                        vocab_size=50, max_position_embeddings=16))
     plain = PlainBERT.like(ours.config)
     theirs = dict(plain.named_parameters())
     renamed = [_plain_name(k, _BERT_RENAMES) for k in dict(ours.named_parameters())]
@@ -107,14 +118,5 @@ def test_the_plain_bert_is_our_bert_written_plainly():
     torch.testing.assert_close(plain(**batch)["loss"], ours(**batch)["loss"], rtol=1e-6, atol=1e-6)
     # the recipe's dropout, in training, as often in one forward: after the embedding and on each sublayer's output
     # (nn.Dropout), and inside attention at the same rate
-    calls = {}
-    for label, model in (("ours", ours), ("plain", plain)):
-        model.train()
-        rates = []
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.register_forward_hook(lambda mod, args, out, rates=rates: rates.append(mod.p))
-        with _sdpa_dropout_rates() as attention:
-            model(**batch)
-        calls[label] = (rates, attention)
+    calls = _dropout_calls(ours, plain, **batch)
     assert calls["plain"] == calls["ours"] == ([0.1] * (1 + 2 * 2), [0.1] * 2)
