@@ -31,11 +31,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pipelines.engine.model_build import ATTENTION_KERNELS  # noqa: E402
+
 #: recipe -> (its GPU config, the seq_len its corpus is prepared with; ViT: its patches + the class token)
 RECIPES = {"gpt": ("configs/train/gpu/gpt2_small.yaml", 1024), "bert": ("configs/train/gpu/bert_base_phase1.yaml", 128),
            "vit": ("configs/train/gpu/vit_b16.yaml", 0)}
 #: the fused kernels a run can prefer (``model.attention_backend``); math is the fallback every call accepts
-FUSED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+FUSED = {name: getattr(SDPBackend, kernel) for name, kernel in ATTENTION_KERNELS.items() if name != "math"}
 
 
 @dataclass

@@ -249,7 +249,8 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     cfg = recipe_config((CPU if args.cpu_smoke else GPU)[name][0], args)
     out = work / f"bare-{name}.json"
     cmd = [sys.executable, "benchmarks/model_step.py", "--model", cfg.model.name, "--batch", str(cfg.data.micro_batch_size),
-           "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1"]
+           "--no-hf", "--json", str(out), *_vocab(corpus), "--steps", str(max(3, args.steps // 3)), "--warmup", "3" if not args.cpu_smoke else "1",
+           "--attention-backend", cfg.model.attention_backend]
     cmd.append("--plain")  # issue #30's baseline, the model as a plain PyTorch loop writes it, in the same process
     if name == "gpt":
         cmd.append("--trainer-reads")  # the bare step with clipping, and with the trainer's two host reads

@@ -32,6 +32,7 @@ from benchmarks.plain_bert import PlainBERT  # noqa: E402
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
 from benchmarks.plain_vit import PlainViT  # noqa: E402
 from monitoring.throughput import cpu_peak_flops, peak_flops_for  # noqa: E402
+from pipelines.engine.model_build import ATTENTION_KERNELS, preferred_attention  # noqa: E402
 
 #: issue #30's baselines by model family: the model as a plain PyTorch loop writes it (``--plain``)
 PLAIN = {"gpt": PlainGPT, "bert": PlainBERT, "vit": PlainViT}
@@ -126,11 +127,17 @@ def main() -> None:
                    "ours / plain")
     p.add_argument("--trainer-reads", action="store_true", help="also time ours (compiled with --compile) with the "
                    "recipes' clipping, and with clipping and the trainer's two host reads per step")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", *ATTENTION_KERNELS],
+                   help="the attention kernel SDPA tries first, as a run's model.attention_backend")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     p.add_argument("--overrides", default="", help="model overrides k=v,k=v (e.g. a smaller model to try on CPU, "
                    "the recipe's hidden_dropout=0.0)")
     args = p.parse_args()
+    with preferred_attention(args.attention_backend):  # for every model of the process, as for a run's
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     overrides = {k: _number(v) for k, v in (kv.split("=") for kv in args.overrides.split(",") if kv)}
     dev, dtype = torch.device(args.device), torch.bfloat16 if args.precision == "bf16" else None
     torch.manual_seed(0)

@@ -17,7 +17,10 @@ from core import families
 from core.config import ConfigError
 from pipelines.engine.config import RunConfig
 
-__all__ = ["build_model", "preferred_attention"]
+__all__ = ["ATTENTION_KERNELS", "build_model", "preferred_attention"]
+
+#: ``model.attention_backend`` -> the ``torch.nn.attention.SDPBackend`` a run tries first (besides ``auto``)
+ATTENTION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
 def _init_from(model: torch.nn.Module, path: str) -> None:
@@ -93,8 +96,7 @@ def preferred_attention(name: str) -> Iterator[None]:
         return
     from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
 
-    first = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                                 "math": "MATH"}[name])
+    first = getattr(SDPBackend, ATTENTION_KERNELS[name])
     order = [first] + [b for b in _cur_sdpa_kernel_backends(with_priority=True) if b != first]
     with sdpa_kernel(order, set_priority=True):
         yield

@@ -8,6 +8,7 @@ the order SDPA sees when a run's attention is called; that the GPU selector foll
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 
 from core.config import ConfigError
-from pipelines.engine.config import load_run_config
-from pipelines.engine.model_build import preferred_attention
+from pipelines.engine.config import ModelConfig, load_run_config
+from pipelines.engine.model_build import ATTENTION_KERNELS, preferred_attention
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,10 @@ def test_the_preferred_kernel_comes_first_with_torchs_order_after_it():
             # first, then the others as torch ordered them; none turned off (a call it cannot serve falls back)
             assert during == [backend] + [b for b in before if b != backend]
         assert _cur_sdpa_kernel_backends(with_priority=True) == before
+
+
+def test_the_config_offers_every_kernel_the_run_can_prefer():
+    assert typing.get_args(typing.get_type_hints(ModelConfig)["attention_backend"]) == ("auto", *ATTENTION_KERNELS)
 
 
 def test_an_unknown_kernel_is_refused_with_the_choices(tmp_path):
