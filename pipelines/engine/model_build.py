@@ -94,9 +94,15 @@ def preferred_attention(name: str) -> Iterator[None]:
     if name == "auto":
         yield
         return
-    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    try:  # the priority order is torch >= 2.6's (sdpa_kernel's set_priority)
+        from torch.nn.attention import _cur_sdpa_kernel_backends
+
+        current = _cur_sdpa_kernel_backends(with_priority=True)
+    except (ImportError, TypeError):
+        raise ConfigError(f"model.attention_backend={name} needs torch >= 2.6 (a priority order for attention kernels); "
+                          f"this is torch {torch.__version__}. Use model.attention_backend=auto.") from None
     first = getattr(SDPBackend, ATTENTION_KERNELS[name])
-    order = [first] + [b for b in _cur_sdpa_kernel_backends(with_priority=True) if b != first]
-    with sdpa_kernel(order, set_priority=True):
+    with sdpa_kernel([first] + [b for b in current if b != first], set_priority=True):
         yield
