@@ -67,6 +67,9 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
                     # torch.compile replaying CUDA graphs: the host's launches per step go, if the engine allows it
                     "ddp-cudagraphs": ["distributed.engine=ddp", "model.compile_mode=reduce-overhead"],
                     "zero2-cudagraphs": ["model.compile_mode=reduce-overhead"],
+                    # inductor launching the kernels from C++ instead of Python: less host time per kernel, no graphs
+                    "ddp-cppwrapper": ["distributed.engine=ddp", "model.compile_options={cpp_wrapper: true}"],
+                    "zero2-cppwrapper": ["model.compile_options={cpp_wrapper: true}"],
                     # inductor's Triton matmul templates, autotuned, with the pointwise work after a matmul fused into it
                     # (GELU, bias, dropout + residual: one pass fewer over their outputs; minutes of autotuning first)
                     "zero2-autotune": ["model.compile_mode=max-autotune-no-cudagraphs"],
@@ -195,7 +198,7 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
     # one micro-batch per optimizer step: each GPU's step of the recipe on the GPUs it is written for (one GPU alone
     # accumulates the rest of the recipe's train.global_batch_size, which amortizes the update further)
     cmd += [f"train.global_batch_size={micro}"]
-    cmd += [o.format(work=work) for o in ENGINE_OVERRIDES[engine]] + list(args.set)
+    cmd += [o.replace("{work}", str(work)) for o in ENGINE_OVERRIDES[engine]] + list(args.set)
     if args.profile:  # three steps after compilation, before the timed half (steps // 2 + 1 ..): the figures stay unprofiled
         first = max(3, args.steps // 2 - 4)
         cmd += [f"logging.profile_steps={first}-{first + 2}"]

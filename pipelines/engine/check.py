@@ -172,12 +172,15 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
             "model.compile=true is not supported with distributed.zero_stage=3 in this engine (ZeRO-3 gathers parameters "
             "with module hooks that torch.compile graph-breaks on). Use zero_stage<=2 or compile=false."
         )
-    mode = getattr(getattr(cfg, "model", None), "compile_mode", "default")
-    if compile_ and mode in CUDA_GRAPH_MODES and accum > 1:
+    model = getattr(cfg, "model", None)
+    mode = getattr(model, "compile_mode", "default")
+    graphs = (f"model.compile_mode={mode}" if mode in CUDA_GRAPH_MODES else "model.compile_options.triton.cudagraphs"
+              if (getattr(model, "compile_options", None) or {}).get("triton.cudagraphs") else "")  # what those modes set
+    if compile_ and graphs and accum > 1:
         derived = (f" (train.global_batch_size {global_batch} over {world_size} rank(s) in micro-batches of {mb})"
                    if t.global_batch_size else "")
         raise ConfigError(
-            f"model.compile_mode={mode} replays CUDA graphs, and with train.grad_accum_steps={accum}{derived} the "
+            f"{graphs} replays CUDA graphs, and with train.grad_accum_steps={accum}{derived} the "
             f"gradients of one micro-batch live in the graph's memory that the next replay overwrites (torch's cudagraph "
             f"trees hand their backward outputs to autograd as the .grad buffers: an error at best, silently wrong "
             f"accumulated gradients on some torch versions, pytorch/pytorch#96693, #169545). Use one micro-batch per "

@@ -98,6 +98,9 @@ class ModelConfig:
     compile: bool = option(False, help="Wrap the model with torch.compile.")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = option(
         "default", help="torch.compile's mode; reduce-overhead replays CUDA graphs (wants data.fixed_shapes for BERT).")
+    compile_options: dict[str, Any] = option(
+        {}, help="torch.compile's inductor options in place of a compile_mode, e.g. {cpp_wrapper: true} (kernels launched "
+                 "from C++: less host time a step), {combo_kernels: true}; torch._inductor.list_options() lists them.")
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = option(
         "auto", help="The attention kernel SDPA tries first in this run, then torch's own order (a call it cannot serve "
                      "falls back); auto: torch's order. benchmarks/attention_backends.py times them on the recipes' shapes.")
@@ -108,6 +111,10 @@ class ModelConfig:
                                      "start fresh (e.g. BERT phase 2 at seq 512 from phase 1). Ignored when resuming.")
 
     def __post_init__(self) -> None:
+        if self.compile_options and self.compile_mode != "default":
+            raise ConfigError(f"model.compile_options and model.compile_mode={self.compile_mode} are both set; torch.compile "
+                              f"takes one of them. Keep compile_mode=default with compile_options (a mode is a set of "
+                              f"options: add its options there), or drop compile_options.")
         if self.pad_vocab_multiple < 1:
             raise ConfigError(f"model.pad_vocab_multiple must be >= 1 (1 = no padding), got {self.pad_vocab_multiple}.")
 

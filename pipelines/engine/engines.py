@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from core.config import ConfigError
+from core.registry import did_you_mean
 from monitoring.diagnostics import ParameterReads
 from pipelines.engine.config import RunConfig
 from pipelines.engine.deepspeed_reads import deepspeed_getters
@@ -415,9 +417,20 @@ def _drop_accelerate_deepspeed_env() -> None:
 
 
 def compile_kwargs(cfg: Any) -> dict[str, Any]:
-    """``torch.compile``'s arguments: the configured mode; with ``data.fixed_shapes`` never a dynamic graph
-    (a rare other shape, such as an epoch's short last batch, gets its own static one)."""
-    return {"mode": cfg.model.compile_mode, "dynamic": False if cfg.data.fixed_shapes else None}
+    """``torch.compile``'s arguments: the configured mode, or inductor options in its place (each checked against
+    this torch's, so a misspelt one stops the run here and not at its first forward); with ``data.fixed_shapes`` never
+    a dynamic graph (a rare other shape, such as an epoch's short last batch, gets its own static one)."""
+    dynamic = False if cfg.data.fixed_shapes else None
+    options = dict(cfg.model.compile_options)
+    if not options:
+        return {"mode": cfg.model.compile_mode, "dynamic": dynamic}
+    from torch._inductor import list_options
+
+    for name in options:
+        if name not in list_options():
+            raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
+                              f"{did_you_mean(name, list_options())} torch._inductor.list_options() lists them.")
+    return {"options": options, "dynamic": dynamic}
 
 
 #: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.

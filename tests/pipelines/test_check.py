@@ -211,3 +211,22 @@ def test_deepspeed_gradient_bucket_is_the_models_size_up_to_deepspeeds_default(t
         ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": given}}))
         cfg = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}"])
         assert distributed.deepspeed_config(cfg, 2, param_numel=4_000_000)["zero_optimization"]["reduce_bucket_size"] == expect
+
+
+def test_inductor_options_replace_the_mode_and_are_checked_by_name():
+    """``model.compile_options``: torch.compile's inductor options in place of a mode (torch takes one of the two), each
+    name checked against this torch's before the run builds anything; the CUDA-graph option refuses accumulation as
+    the CUDA-graph modes do."""
+    from pipelines.engine.engines import compile_kwargs
+
+    cfg = load_run_config(CONFIG, ["model.compile=true", "model.compile_options={cpp_wrapper: true}"])
+    assert compile_kwargs(cfg) == {"options": {"cpp_wrapper": True}, "dynamic": None}
+    assert "mode" in compile_kwargs(load_run_config(CONFIG, ["model.compile=true"]))
+    with pytest.raises(ConfigError, match="model.compile_options and model.compile_mode=reduce-overhead are both set"):
+        load_run_config(CONFIG, ["model.compile_options={cpp_wrapper: true}", "model.compile_mode=reduce-overhead"])
+    with pytest.raises(ConfigError, match=r"inductor has no option `cpp_wraper`\. Did you mean `cpp_wrapper`\?"):
+        compile_kwargs(load_run_config(CONFIG, ["model.compile_options={cpp_wraper: true}"]))
+    graphs = ["model.compile=true", "model.compile_options={triton.cudagraphs: true}"]
+    with pytest.raises(ConfigError, match=r"model.compile_options.triton.cudagraphs replays CUDA graphs.*grad_accum_steps=2"):
+        check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=2"]))
+    check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=1"]))

@@ -134,3 +134,37 @@ def test_matrix_two_ranks_loss_falls_and_same_config_runs_as_one_process(family,
         state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
         assert state["engine"] == "deepspeed" and state["zero_stage"] == stage
         _falls(run)
+
+
+def test_inductor_options_compile_the_same_training(gpt_corpus, tmp_path, monkeypatch):
+    """``model.compile_options={cpp_wrapper: true}`` (inductor launching the kernels from C++, the host time a step
+    gives back on a GPU) reaches torch.compile through the shipped engine (DeepSpeed compiles the module itself) and
+    trains exactly as the default compile does: the same losses, bitwise, without dropout (inductor's dropout draws
+    its masks from another seed stream under the C++ wrapper)."""
+    import torch
+
+    from pipelines.engine.config import load_run_config
+    from pipelines.engine.distributed import in_process_run
+    from pipelines.engine.trainer import train
+
+    compiled, compile_ = [], torch.compile
+
+    def recorded(*args, **kwargs):  # the model's compile (DeepSpeed also compiles small helpers of its own, bare)
+        if "mode" in kwargs or "options" in kwargs:
+            compiled.append({k: v for k, v in kwargs.items() if k in ("mode", "options")})
+        return compile_(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    losses = {}
+    for options in ("{}", "{cpp_wrapper: true}"):
+        run = tmp_path / f"run{len(options)}"
+        cfg = load_run_config(CONFIGS["gpt"], [
+            f"data.corpus={gpt_corpus}", f"train.run_dir={run}", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
+            "data.eval_split=none", "train.checkpoint_every=0", "data.micro_batch_size=4", "data.num_workers=0",
+            "distributed.zero_stage=2", "model.compile=true", f"model.compile_options={options}",
+            "model.overrides={hidden_dropout: 0.0, attention_dropout: 0.0}"])
+        with in_process_run():
+            assert train(cfg)["steps"] == 3
+        losses[options] = train_losses(run)
+    assert compiled == [{"mode": "default"}, {"options": {"cpp_wrapper": True}}]
+    assert len(losses["{}"]) == 3 and losses["{cpp_wrapper: true}"] == losses["{}"]
