@@ -32,6 +32,8 @@ added ("bare + clip + 2 reads"): what those reads cost on the device's side, apa
 periodic checkpoints are off (not per-step costs; a compiled model would also recompile for eval mode);
 the run's final checkpoint comes after the timed steps and counts in the wall time only. Under each row the log
 repeats what torch said of the run's compiled graphs (CUDA graphs skipped and why, recompiles, graph breaks).
+Before each recipe's rows, ``attention_backends.py`` prints which attention kernel SDPA picks for the recipe's
+attention on this device and what cuDNN's, flash's and the cutlass kernel cost on it.
 
 ``--cpu-smoke`` runs the same pipeline end to end on the CPU with the tiny CPU configs, tiny corpora and
 a few steps (fp32): it proves the script, not a speed.
