@@ -103,7 +103,7 @@ def time_backend(a: Attention, q, k, v, mask, backend: SDPBackend | None, steps:
                         sync()
                         t0 = time.perf_counter()
                     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=a.dropout, is_causal=a.causal)
-                    out.backward(grad)
+                    torch.autograd.grad(out, (q, k, v), grad)  # fresh gradients, as a layer's backward makes them
                 sync()
         except RuntimeError as exc:  # "No available kernel": torch warns why (the kernel's constraint that failed)
             reasons = [re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", str(w.message)) for w in said]
