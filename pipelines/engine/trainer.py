@@ -339,8 +339,7 @@ class Trainer:
             # a mixture: samples each corpus has given so far (global: the mixture is over global sample slots)
             extra.update({f"samples/{name}": n for name, n in data.get("consumed", {}).items()})
             run.logger.log(number, {"loss": step.loss, "lr": step.result["lr"], "grad_norm": step.result["grad_norm"],
-                                       "tokens": self.tokens, "epoch": data.get("epoch", 0),
-                                       **extra, **step.rates})
+                                       "tokens": self.tokens, "epoch": data.get("epoch", 0), **extra, **step.rates})
 
     def _stop_reason(self, step: _StepResult, verdict: str | None) -> str | None:
         """Why to stop after this step, if at all (identical on every rank: from the all-reduce)."""
