@@ -36,10 +36,12 @@ class PlainBlock(nn.Module):
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.causal and mask is not None:
+            raise ValueError("A causal plain block takes no padding mask (GPT-2's plain loop trains on packed windows).")
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
                                            dropout_p=self.attn_dropout if self.training else 0.0)
         return self.drop(self.out(y.transpose(1, 2).contiguous().view(B, T, C)))
 

@@ -185,7 +185,8 @@ def _check_distributed(cfg: Any, world_size: int) -> None:
             f"trees hand their backward outputs to autograd as the .grad buffers: an error at best, silently wrong "
             f"accumulated gradients on some torch versions, pytorch/pytorch#96693, #169545). Use one micro-batch per "
             f"step (a larger data.micro_batch_size, or a smaller train.global_batch_size / more processes) or "
-            f"compile_mode=default / max-autotune-no-cudagraphs."
+            + ("compile_mode=default / max-autotune-no-cudagraphs." if graphs.startswith("model.compile_mode")
+               else "compile_options without triton.cudagraphs.")
         )
     chunked = (getattr(getattr(cfg, "model", None), "overrides", None) or {}).get("loss_chunk_tokens", 0)
     if d.engine == "deepspeed" and d.zero_stage == 3 and chunked:

@@ -426,10 +426,12 @@ def compile_kwargs(cfg: Any) -> dict[str, Any]:
         return {"mode": cfg.model.compile_mode, "dynamic": dynamic}
     from torch._inductor import list_options
 
+    known = list_options()
     for name in options:
-        if name not in list_options():
+        if name not in known:
             raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
-                              f"{did_you_mean(name, list_options())} torch._inductor.list_options() lists them.")
+                              f"{did_you_mean(name, known)} Names are flat and dotted ({{triton.cudagraphs: true}}, not "
+                              f"{{triton: {{cudagraphs: true}}}}); torch._inductor.list_options() lists them.")
     return {"options": options, "dynamic": dynamic}
 
 

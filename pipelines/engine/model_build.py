@@ -90,12 +90,18 @@ def preferred_attention(name: str) -> Iterator[None]:
     as it would with every kernel allowed; ``auto`` leaves torch's order. It holds for the whole run, because
     torch.compile bakes the kernel SDPA picks while tracing (the first forward) into the graph. Why prefer one:
     torch's order differs between builds (cuDNN first on Hopper in some, flash in others) and so do the kernels'
-    speeds on a card (benchmarks/attention_backends.py, docs/benchmarks.md)."""
+    speeds on a card (benchmarks/attention_backends.py, docs/benchmarks.md). On the CPU the selector has flash and
+    math only and does not read the order."""
     if name == "auto":
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if torch.cuda.is_available():  # CUDA's selector writes its default order (cuDNN first on some builds and cards) at
+        # its first call in a process, over whatever order was set before it: have it do so now, so the order read
+        # below is torch's real one and the one set after it stays
+        probe = torch.zeros(1, 1, 16, 64, device="cuda", dtype=torch.float16)
+        torch._fused_sdp_choice(probe, probe, probe)
     try:  # the priority order is torch >= 2.6's (sdpa_kernel's set_priority)
         from torch.nn.attention import _cur_sdpa_kernel_backends
 

@@ -40,7 +40,7 @@ def test_the_config_offers_every_kernel_the_run_can_prefer():
 
 
 def test_an_unknown_kernel_is_refused_with_the_choices(tmp_path):
-    with pytest.raises(ConfigError, match=r"model.attention_backend.*cudn"):
+    with pytest.raises(ConfigError, match=r"model.attention_backend.*cudn.*flash"):  # the value, then the choices
         load_run_config(str(REPO / "configs/train/gpt_tiny_cpu.yaml"), ["model.attention_backend=cudn"])
 
 
