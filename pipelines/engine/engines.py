@@ -417,9 +417,8 @@ def _drop_accelerate_deepspeed_env() -> None:
 
 
 def compile_kwargs(cfg: Any) -> dict[str, Any]:
-    """``torch.compile``'s arguments: the configured mode, or inductor options in its place (each checked against
-    this torch's, so a misspelt one stops the run here and not at its first forward); with ``data.fixed_shapes`` never
-    a dynamic graph (a rare other shape, such as an epoch's short last batch, gets its own static one)."""
+    """``torch.compile``'s arguments: the mode, or inductor options in its place (names checked against this torch's: a
+    misspelt one stops the run here, not at its first forward); with ``data.fixed_shapes`` static graphs only."""
     dynamic = False if cfg.data.fixed_shapes else None
     options = dict(cfg.model.compile_options)
     if not options:
@@ -427,11 +426,10 @@ def compile_kwargs(cfg: Any) -> dict[str, Any]:
     from torch._inductor import list_options
 
     known = list_options()
-    for name in options:
-        if name not in known:
-            raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
-                              f"{did_you_mean(name, known)} Names are flat and dotted ({{triton.cudagraphs: true}}, not "
-                              f"{{triton: {{cudagraphs: true}}}}); torch._inductor.list_options() lists them.")
+    for name in (n for n in options if n not in known):
+        raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
+                          f"{did_you_mean(name, known)} Names are flat and dotted ({{triton.cudagraphs: true}}, not "
+                          f"{{triton: {{cudagraphs: true}}}}); torch._inductor.list_options() lists them.")
     return {"options": options, "dynamic": dynamic}
 
 
