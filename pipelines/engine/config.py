@@ -217,6 +217,11 @@ class DistributedConfig:
                                       "of one (DDP's gradient all-reduce; DeepSpeed's collectives, bucket copy and "
                                       "per-parameter norm loops; same weights bitwise, pipelines/engine/one_rank.py). "
                                       "false runs the stock DDP wrapper and stock DeepSpeed.")
+    zero_step_on_device: bool = option(True, help="ZeRO-1/2, any number of ranks: the optimizer step takes the gradient "
+                                       "norm in one multi-tensor call and clips and (with optim.kernel=fused) skips a "
+                                       "non-finite step on the device, reading nothing back; same weights bitwise, "
+                                       "pipelines/engine/zero_step.py. false: DeepSpeed's own step (on one rank, "
+                                       "one_rank_fast_path=false also runs it).")
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

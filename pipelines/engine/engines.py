@@ -40,15 +40,10 @@ from pipelines.engine.config import RunConfig
 from pipelines.engine.deepspeed_reads import deepspeed_getters
 from pipelines.engine.distributed import DistEnv, deepspeed_config
 from pipelines.engine.host_reads import HostCopy, StepOutcome, skipped_if
-from pipelines.engine.one_rank import (
-    device_step,
-    host_grad_norm,
-    one_rank_fast_path_,
-    skip_one_rank_allreduce_,
-    unwrap_one_rank_ddp,
-)
+from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
+from pipelines.engine.zero_step import device_step, host_grad_norm, zero_step_on_device_
 
 __all__ = ["Engine", "DDPEngine", "DeepSpeedEngine", "build_engine", "deepspeed_getters", "skip_one_rank_allreduce_"]
 
@@ -307,8 +302,11 @@ class DeepSpeedEngine(Engine):
         super().__init__(accelerator, model, optimizer, scheduler, cfg)
         self.zero_stage = cfg.distributed.zero_stage
         self.world_free = cfg.distributed.world_free_checkpoints and self.zero_stage >= 1
-        # identities on a world of one, removed (one_rank.py); distributed.one_rank_fast_path=false: stock DeepSpeed
-        self.one_rank_patches = one_rank_fast_path_(model) if cfg.distributed.one_rank_fast_path else []
+        # the identities on a world of one removed (one_rank.py), the ZeRO step without host waits on any (zero_step.py);
+        # distributed.one_rank_fast_path=false (one rank) or zero_step_on_device=false (more): stock DeepSpeed
+        d = cfg.distributed
+        self.patches = (one_rank_fast_path_(model, d.zero_step_on_device) if self.world_size == 1 and d.one_rank_fast_path
+                        else zero_step_on_device_(model) if self.world_size > 1 and d.zero_step_on_device else [])
         # ZeRO-1/2 drop a step with non-finite gradients in their overflow check (bf16: unless the user's
         # JSON turned it off); fp16 would also lower its loss scale on a NaN loss: the loop reads it first
         zero_opt = getattr(model, "optimizer", None)
@@ -332,12 +330,12 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> StepOutcome:
         """DeepSpeed's ZeRO and bf16/fp16 optimizers drop a step with non-finite gradients (their
-        overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None. On one
-        rank with the fused optimizer the check is on the device (``one_rank``): the norm is read later."""
+        overflow check); under fp16 that is a loss-scale overflow, routine, so the norm is None. Under
+        ZeRO-1/2 with the fused optimizer the check is on the device (``zero_step``): the norm is read later."""
         pending = device_step(self.model)
         if pending is not None:
             return self._read_later(pending)
-        norm = host_grad_norm(self.model)  # read before the update on one rank (one_rank.py), else DeepSpeed's
+        norm = host_grad_norm(self.model)  # read before the update (zero_step.py), else DeepSpeed's
         skipped = not self.model.was_step_applied()
         if skipped and self.fp16:
             norm = None

@@ -130,14 +130,14 @@ def _precision_bytes(precision: str) -> tuple[int, int]:
 
 
 def memory_rows(P: int, largest_layer: int, *, engine: str, precision: str, moments: int, gpus: int, gpus_per_node: int,
-                activations: dict[bool, float], head_transient: float, limit: float, cuda: bool = True) -> list[MemoryRow]:
+                activations: dict[bool, float], head_transient: float, limit: float, overlap: bool = False) -> list[MemoryRow]:
     """ZeRO 0-3 (+ offload) x activation checkpointing.
 
     Mixed precision (DeepSpeed bf16/fp16): bf16 weights 2P and grads 2P, an fp32 master 4P, fp32 grads
     4P and the moments 4 m P, partitioned by stage (1: optimizer state; 2: + gradients; 3: + weights).
     fp32: weights and grads 4P, the master only under ZeRO >= 1. ZeRO-0 is plain data parallelism (nothing
     partitioned; DeepSpeed's bf16 optimizer at stage 0 partitions like ZeRO-1, so its row is an upper bound).
-    Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm, our CUDA default), ZeRO-3 two gathered
+    Buffers: ZeRO-1/2 reduce buckets (two with ``overlap``: distributed.overlap_comm), ZeRO-3 two gathered
     copies of the largest layer (DeepSpeed's estimate) + the prefetch bucket.
     """
     w, mixed = _precision_bytes(precision)
@@ -155,7 +155,7 @@ def memory_rows(P: int, largest_layer: int, *, engine: str, precision: str, mome
             optimizer = (master + 4 * mixed + 4 * moments) * P / (N if stage >= 1 else 1)
             rb = min(K.DEEPSPEED["reduce_bucket_size"].value, P)
             if stage in (1, 2):
-                buffers = rb * (2 if cuda else 1) * (4 if stage == 1 else w)
+                buffers = rb * (2 if overlap else 1) * (4 if stage == 1 else w)
             elif stage == 3:
                 buffers = 2 * w * largest_layer + w * K.DEEPSPEED["zero3_prefetch_bucket_size"].value + rb * w
             else:
@@ -270,9 +270,12 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     head_transient = loss_backward_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, compiled=compiled,
                                          mlm_fraction=mlm)
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
+    # ZeRO-1/2 overlap a gradient bucket's reduction with the backward only eager and with more than one bucket
+    # (pipelines/engine/distributed.overlap_comm, which sets DeepSpeed's overlap_comm so on GPUs)
+    overlap = d.engine == "deepspeed" and opts.gpus > 1 and not compiled and P > K.DEEPSPEED["reduce_bucket_size"].value
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
-                       head_transient=head_transient, limit=limit)
+                       head_transient=head_transient, limit=limit, overlap=overlap)
     offload = "optimizer+params" if d.offload_params else "optimizer" if d.offload_optimizer else ""
     stage = d.zero_stage if d.engine == "deepspeed" else 0
     run_row = next(r for r in rows if r.stage == stage and r.offload == offload and
@@ -291,7 +294,18 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     ring = (opts.gpus - 1) / opts.gpus
     volume = {0: 2 * w * P, 1: 2 * w * P, 2: (accum + 1) * w * P, 3: 3 * accum * w * P}[stage] * ring
     comm_s = volume / bw
-    step_s = max(compute_s, comm_s)
+    # what of it the step waits for (benchmarks/comm_overlap.py): DDP reduces each bucket while the backward goes on
+    # (compiled too: dynamo cuts the graph at DDP's buckets) and ZeRO-3 prefetches, so theirs hides under the compute;
+    # DeepSpeed ZeRO-0-2 reduce after the backward -- compiled, its gradients all arrive once the compiled backward
+    # ends -- unless ``overlap``, and gather the updated weights after the step: that adds to the step
+    gather_s = w * P * ring / bw if d.engine == "deepspeed" and stage in (1, 2) else 0.0
+    if d.engine == "ddp" or stage == 3:
+        exposed_s = max(0.0, comm_s - compute_s)
+    elif overlap:
+        exposed_s = max(0.0, comm_s - gather_s - compute_s) + gather_s
+    else:
+        exposed_s = comm_s
+    step_s = compute_s + exposed_s
     samples_s = global_batch / step_s
     tokens_step = global_batch * (seq if family != "vit" else 1)
     budget = float(cfg.train.max_tokens) if cfg.train.max_tokens else float(cfg.train.max_steps * tokens_step)
@@ -328,6 +342,11 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     notes = []
     if stage == 3 and opts.gpus == 1 and not d.offload_params:
         notes.append(ONE_RANK_ZERO3)
+    if d.engine == "deepspeed" and stage < 3 and opts.gpus > 1 and exposed_s > 0.1 * compute_s and comm_s <= compute_s:
+        notes.append(f"ZeRO-{stage} reduces the gradients after the {'compiled ' if compiled else ''}backward and gathers "
+                     f"the weights after the update: {_dur(exposed_s)} of communication per step add to {_dur(compute_s)} "
+                     f"of compute. distributed.engine=ddp overlaps its reduction with the backward, where the model "
+                     f"state fits without partitioning (the ZeRO-0 row).")
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
                      f"{bw / 1e9:.0f} GB/s = {_dur(comm_s)} > {_dur(compute_s)} of compute; raise the micro batch, or use "
@@ -368,7 +387,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                  "daly_steps": tau_d / step_s, "config_s": config_tau, "wall_best_s": wall_best,
                  "wall_config_s": wall_config},
         throughput={"mfu": mfu.value, "flops_per_sample": flops_sample, "tokens_per_sample": tokens_sample,
-                    "compute_s": compute_s, "comm_s": comm_s, "comm_bytes": volume, "step_s": step_s,
+                    "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s, "comm_bytes": volume,
+                    "step_s": step_s,
                     "samples_s": samples_s, "tokens_s": samples_s * (seq if family != "vit" else 1),
                     "steps": steps, "solve_s": solve_s},
         loader={"cpu_s_per_sample": cpu_s, "cores_per_gpu": cores, "workers": workers, "config_workers": cfg.data.num_workers},
@@ -435,7 +455,7 @@ def render_plan(p: Plan) -> str:
         "",
         f"throughput: MFU {t['mfu']:.1%} x {gpu.bf16_flops.value / 1e12:,.1f} TFLOP/s, {t['flops_per_sample'] / 1e9:,.1f} "
         f"GFLOP/sample -> compute {t['compute_s']:.3f} s/step; communication {t['comm_bytes'] / 1e9:.2f} GB/GPU/step "
-        f"-> {t['comm_s']:.3f} s",
+        f"-> {t['comm_s']:.3f} s, {t['exposed_comm_s']:.3f} s of it not hidden by the compute",
         f"  {t['tokens_s']:,.0f} {unit}/s ({t['tokens_s'] / o.gpus:,.0f} per GPU), {t['step_s']:.3f} s/step",
         f"  budget {p.token_budget:,.0f} {unit} = {t['steps']:,.0f} steps: {_dur(t['solve_s'])} of compute; with "
         f"checkpoints + failures {_dur(f['wall_best_s'])} at the optimum interval, {_dur(f['wall_config_s'])} at the "

@@ -213,6 +213,26 @@ def test_deepspeed_gradient_bucket_is_the_models_size_up_to_deepspeeds_default(t
         assert distributed.deepspeed_config(cfg, 2, param_numel=4_000_000)["zero_optimization"]["reduce_bucket_size"] == expect
 
 
+def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp_path, monkeypatch):
+    """ZeRO-1/2's overlap_comm (a device synchronize in every backward) is on only on several GPUs, eager, with a
+    model larger than one gradient bucket; a DeepSpeed JSON that sets it keeps its own."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    eager, compiled = (load_run_config(CONFIG, [f"model.compile={c}"]) for c in ("false", "true"))
+    big, small = 1_300_000_000, 124_000_000  # more than DeepSpeed's 5e8-element bucket, and less
+    assert distributed.overlap_comm(eager, 8, big)
+    assert distributed.deepspeed_config(eager, 8, param_numel=big)["zero_optimization"]["overlap_comm"] is True
+    for cfg, world, numel in ((eager, 8, small), (eager, 1, big), (compiled, 8, big), (compiled, 8, small)):
+        assert distributed.deepspeed_config(cfg, world, param_numel=numel)["zero_optimization"]["overlap_comm"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not distributed.overlap_comm(eager, 8, big)  # CPU (gloo): no side stream
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
+    user = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}", "model.compile=true"])
+    assert distributed.deepspeed_config(user, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True
+
+
 def test_inductor_options_replace_the_mode_and_are_checked_by_name():
     """``model.compile_options``: torch.compile's inductor options in place of a mode (torch takes one of the two), each
     name checked against this torch's before the run builds anything; the CUDA-graph option refuses accumulation as

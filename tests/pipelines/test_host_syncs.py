@@ -40,10 +40,10 @@ ENGINE_NORM = "Tensor.__float__ @ pipelines/engine/engines.py:step"
 OWN_READS = {  # what a non-log step reads of its own (world of 1; 2 ranks add the agreement's all_reduce)
     "ddp": {ENGINE_NORM: 1},  # torch's default Adam: the update waits for the norm
     "ddp_fused": {},  # optim.kernel=fused: the skip is decided on the device, the norm read a step late
-    # one rank: the norm is read before the update, where DeepSpeed's overflow check waits for the device anyway
-    # (pipelines/engine/one_rank.py), and the engine's step after the update reads nothing
-    "deepspeed": {"Tensor.__float__ @ pipelines/engine/one_rank.py:scaled_global_norm": 1},
-    "deepspeed_fused": {},  # one rank, optim.kernel=fused: the ZeRO step's skip is decided on the device too
+    # the norm is read before the update, where DeepSpeed's overflow check waits for the device anyway
+    # (pipelines/engine/zero_step.py), and the engine's step after the update reads nothing
+    "deepspeed": {"Tensor.__float__ @ pipelines/engine/zero_step.py:scaled_global_norm": 1},
+    "deepspeed_fused": {},  # optim.kernel=fused: the ZeRO step's skip is decided on the device too
     "deepspeed_stock": {ENGINE_NORM: 1},
 }
 LATE_READS = {"ddp": {LATE: 1}, "ddp_fused": {LATE: 2}, "deepspeed": {LATE: 1}, "deepspeed_fused": {LATE: 2},
@@ -152,10 +152,26 @@ def test_stock_deepspeed_on_request_makes_its_own_collectives(gpt_corpus, tmp_pa
         assert [site for site in trace["steps"].get(step, {}) if site.startswith("dist.") and "<library>" in site], trace["steps"].get(step, {})
 
 
+DEEPSPEED_READS = "Tensor.__bool__ @ <library> via pipelines/engine/engines.py:backward"  # is_invalid_grad_norm
+
+
 @pytest.mark.slow
-def test_two_ranks_add_only_the_agreement_collective(gpt_corpus, tmp_path):
+@pytest.mark.parametrize("kind", ["deepspeed", "deepspeed_fused", "deepspeed_stock"])
+def test_two_ranks_wait_where_one_rank_waits(kind, gpt_corpus, tmp_path):
+    """2 ranks: the ZeRO step reads what it reads on one (``zero_step``, any number of ranks) -- the norm once
+    before the update with torch's default AdamW, nothing with the fused one -- and DeepSpeed's own reads of the
+    norm's validity are gone but the one that decides the update. The only collective of ours is the agreement.
+    ``distributed.zero_step_on_device=false`` runs DeepSpeed's own step: its reads (one in the step, one per
+    parameter group in the clip) and our read of the norm after the update come back."""
     agreement = {"dist.all_reduce @ pipelines/engine/engines.py:all_reduce": 1}
-    for trace in _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=2):
+    extra = {"deepspeed": (), "deepspeed_fused": ("optim.kernel=fused",),
+             "deepspeed_stock": ("distributed.zero_step_on_device=false",)}[kind]
+    library_reads = {"deepspeed": {DEEPSPEED_READS: 1}, "deepspeed_fused": {}, "deepspeed_stock": {DEEPSPEED_READS: 3}}[kind]
+    for trace in _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=2, extra=extra):
         for step in _non_log_steps():
-            expected = _expected("deepspeed_stock", int(step), agreement)  # stock: the patches are for one rank
-            assert _ours(trace["steps"].get(step, {})) == expected, f"step {step}: {trace['steps'][step]}"
+            reads = trace["steps"].get(step, {})
+            assert _ours(reads) == _expected(kind, int(step), agreement), f"step {step}: {reads}"
+            library = {site: n for site, n in reads.items() if site.startswith("Tensor.") and "<library>" in site}
+            if kind != "deepspeed_fused":  # torch's default Adam reads its step counters: CPU tensors, no device wait
+                library.pop("Tensor.item @ <library> via pipelines/engine/engines.py:backward", None)
+            assert library == library_reads, f"step {step}: {reads}"

@@ -5,11 +5,11 @@ untested DeepSpeed) nothing is patched."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from zero_train import same, train
 
 import models
 from pipelines.engine.config import OptimConfig
@@ -19,7 +19,6 @@ ALL = ["skip_allreduce", "identity_ipg_reduction", "grads_stay_in_place", "gradi
        "overflow_from_the_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept"]
 # (``hook_count_left_to_the_callback`` applies only where the hooks stay: test_the_epilogue_runs_once_...)
 FP32 = {"fp32": ["fp32_master_is_the_weights"], "bf16": []}  # the master is the weights only where both are fp32
-STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
 @pytest.fixture(autouse=True)
@@ -32,49 +31,10 @@ def one_thread():
 
 
 def _train(deepspeed, stage: int, precision: str, stock: bool, extra: dict | None = None, kernel: str = "default"):
-    """Weights, reported norms and skipped steps after ``STEPS`` clipped optimizer steps of a tiny GPT
-    (``ACCUM`` micro-batches each; step ``NAN_STEP`` gets a NaN gradient, as the trainer makes one).
-    ``kernel="fused"``: torch's fused AdamW, with which one rank decides the skip on the device."""
-    from pipelines.engine.one_rank import device_step, host_grad_norm, one_rank_fast_path_
+    """``zero_train.train`` on one rank: stock DeepSpeed (as with distributed.one_rank_fast_path=false) or patched."""
+    from pipelines.engine.one_rank import one_rank_fast_path_
 
-    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1, grad_clip=0.05, kernel=kernel)  # small: every step clips
-    torch.manual_seed(0)
-    model = models.create("gpt-tiny", vocab_size=64)
-    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM,
-                 # a small bucket: stock DeepSpeed reduces it several times within one backward
-                 "zero_optimization": {"stage": stage, "contiguous_gradients": True, "overlap_comm": False,
-                                       "reduce_bucket_size": 20_000},
-                 "bf16": {"enabled": precision == "bf16"}, **deepspeed_optimizer_fields(cfg), **(extra or {})}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds_config)
-    installed = [] if stock else one_rank_fast_path_(engine)  # stock: as with distributed.one_rank_fast_path=false
-    g = torch.Generator().manual_seed(1)
-    norms, skipped = [], []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            ids = torch.randint(0, 64, (2, 8), generator=g)
-            loss = engine(input_ids=ids, labels=ids)["loss"]
-            if step == NAN_STEP and micro == ACCUM - 1:
-                loss = loss * float("nan")
-            engine.backward(loss)
-            engine.step()
-        pending = device_step(engine)  # as DeepSpeedEngine.step reads them: a step later, or before the update
-        if pending is not None:
-            (norm,) = pending.tolist()
-            norms.append(norm)
-            skipped.append(not math.isfinite(norm))
-        else:
-            norms.append(host_grad_norm(engine))
-            skipped.append(not engine.was_step_applied())
-    weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return weights, norms, skipped, installed
-
-
-def _same(a, b):
-    (wa, na, sa, _), (wb, nb, sb, _) = a, b
-    assert sa == sb == [i == NAN_STEP for i in range(STEPS)]
-    assert [float(x) for x in na] == pytest.approx([float(x) for x in nb], nan_ok=True)
-    assert all(float(x) == float(y) for x, y in zip(na, nb, strict=True) if math.isfinite(float(x)))  # bitwise norms
-    assert all(torch.equal(wa[n], wb[n]) for n in wa), [n for n in wa if not torch.equal(wa[n], wb[n])]
+    return train(deepspeed, stage, precision, install=None if stock else one_rank_fast_path_, extra=extra, kernel=kernel)
 
 
 @pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "fp32"), (2, "bf16")])
@@ -84,7 +44,7 @@ def test_one_rank_zero_is_stock_deepspeed_bitwise(ds_world, stage, precision):
     assert stock[3] == []
     # bf16 checks for overflow before the norm (check_grad_overflow); fp32 does not, so there is no pass to drop
     assert patched[3] == [n for n in ALL[1:] if precision == "bf16" or n != "overflow_from_the_norm"] + FP32[precision]
-    _same(stock, patched)
+    same(stock, patched)
 
 
 @pytest.mark.parametrize(("stage", "precision"), [(2, "fp32"), (2, "bf16")])
@@ -96,7 +56,7 @@ def test_one_rank_zero_with_the_fused_optimizer_skips_on_the_device_as_stock_ski
     on_device = [n for n in ALL[1:] if n != "norm_read_before_the_update"]
     on_device.insert(on_device.index("bit16_views_kept"), "update_skipped_on_the_device")
     assert patched[3] == [n for n in on_device if precision == "bf16" or n != "overflow_from_the_norm"] + FP32[precision]
-    _same(stock, patched)
+    same(stock, patched)
 
 
 def test_a_parameter_moved_off_its_slice_is_pointed_back_after_the_step(ds_world):
@@ -218,8 +178,8 @@ def test_the_epilogue_runs_once_a_backward_without_gradient_hooks(ds_world, monk
     assert all(fired == hooks for fired, _ in _epilogues(ds_world, stock=True)[0])
     walks.clear()
     assert _epilogues(ds_world, stock=False) == ([(0, True)] * 3, 0, 0) and walks == []
-    kept = one_rank.Patch("reduce_ipg_grads", one_rank.PATCHES["gradient_hooks_removed"].build, lambda opt: False)
-    monkeypatch.setitem(one_rank.PATCHES, "gradient_hooks_removed", kept)  # a layout where the hooks must stay
+    kept = one_rank.Patch("reduce_ipg_grads", one_rank.ONE_RANK_PATCHES["gradient_hooks_removed"].build, lambda opt: False)
+    monkeypatch.setitem(one_rank.ONE_RANK_PATCHES, "gradient_hooks_removed", kept)  # a layout where the hooks must stay
     epilogues, _, registered = _epilogues(ds_world, stock=False)
     assert epilogues == [(hooks, True)] * 3 and registered == hooks and walks == []
 
@@ -264,7 +224,7 @@ def test_no_patch_where_it_would_not_be_an_identity(ds_world, monkeypatch):
         stock = _train(ds_world, stage, "bf16", stock=True, extra=fp32_accum)
         patched = _train(ds_world, stage, "bf16", stock=False, extra=fp32_accum)
         assert patched[3] == []
-        _same(stock, patched)
+        same(stock, patched)
     import deepspeed
 
     monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
