@@ -287,13 +287,20 @@ def bare_step(name: str, args: argparse.Namespace, work: Path, corpus: Path) -> 
     return {**ours, "wall_s": time.perf_counter() - t0, "extra": {k: v for k, v in extra.items() if v}}
 
 
+ATTENTION_TABLE_S = 120
+
+
 def attention_kernels(name: str, args: argparse.Namespace) -> None:
     """Print which SDPA kernel the recipe's attention gets on this device and what the others cost on its shape
     (``attention_backends.py``; a few seconds): whether a ``zero2-cudnn`` / ``zero2-flash`` row is worth its run."""
     cmd = [sys.executable, "benchmarks/attention_backends.py", "--recipes", name, *(f"--set={kv}" for kv in args.set)]
     if args.cpu_smoke:
         cmd += ["--device", "cpu", "--precision", "fp32", "--batch", "2", "--steps", "2", "--warmup", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    try:  # a few seconds; a hang must not take the call's budget from the recipe's rows
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ATTENTION_TABLE_S)
+    except subprocess.TimeoutExpired:
+        print(f"attention_backends.py: stopped after {ATTENTION_TABLE_S} s", flush=True)
+        return
     print(proc.stdout if proc.returncode == 0 else f"attention_backends.py: rc {proc.returncode}\n{proc.stderr[-2000:]}",
           flush=True)
 

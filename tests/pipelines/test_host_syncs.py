@@ -156,22 +156,23 @@ DEEPSPEED_READS = "Tensor.__bool__ @ <library> via pipelines/engine/engines.py:b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["deepspeed", "deepspeed_fused", "deepspeed_stock"])
+@pytest.mark.parametrize("kind", ["deepspeed", "deepspeed_fused", "deepspeed_stock", "ddp_fused"])
 def test_two_ranks_wait_where_one_rank_waits(kind, gpt_corpus, tmp_path):
     """2 ranks: the ZeRO step reads what it reads on one (``zero_step``, any number of ranks) -- the norm once
     before the update with torch's default AdamW, nothing with the fused one -- and DeepSpeed's own reads of the
     norm's validity are gone but the one that decides the update. The only collective of ours is the agreement.
     ``distributed.zero_step_on_device=false`` runs DeepSpeed's own step: its reads (one in the step, one per
-    parameter group in the clip) and our read of the norm after the update come back."""
+    parameter group in the clip) and our read of the norm after the update come back. DDP with the fused AdamW
+    (its reduction is DDP's own, in C++) reads nothing either."""
     agreement = {"dist.all_reduce @ pipelines/engine/engines.py:all_reduce": 1}
-    extra = {"deepspeed": (), "deepspeed_fused": ("optim.kernel=fused",),
+    extra = {"deepspeed": (), "deepspeed_fused": ("optim.kernel=fused",), "ddp_fused": ("optim.kernel=fused",),
              "deepspeed_stock": ("distributed.zero_step_on_device=false",)}[kind]
-    library_reads = {"deepspeed": {DEEPSPEED_READS: 1}, "deepspeed_fused": {}, "deepspeed_stock": {DEEPSPEED_READS: 3}}[kind]
-    for trace in _traced_run(tmp_path, gpt_corpus, "deepspeed", processes=2, extra=extra):
+    library_reads = {"deepspeed": {DEEPSPEED_READS: 1}, "deepspeed_stock": {DEEPSPEED_READS: 3}}.get(kind, {})
+    for trace in _traced_run(tmp_path, gpt_corpus, kind.split("_")[0], processes=2, extra=extra):
         for step in _non_log_steps():
             reads = trace["steps"].get(step, {})
             assert _ours(reads) == _expected(kind, int(step), agreement), f"step {step}: {reads}"
             library = {site: n for site, n in reads.items() if site.startswith("Tensor.") and "<library>" in site}
-            if kind != "deepspeed_fused":  # torch's default Adam reads its step counters: CPU tensors, no device wait
+            if not kind.endswith("fused"):  # torch's default Adam reads its step counters: CPU tensors, no device wait
                 library.pop("Tensor.item @ <library> via pipelines/engine/engines.py:backward", None)
             assert library == library_reads, f"step {step}: {reads}"
