@@ -5,7 +5,8 @@ is still computing: on a GPU it then runs on its own stream beside the backward'
 backward of a small GPT on each rank under ``torch.profiler`` and counts the collectives that start before
 the backward's last compute node ends (the host's order is the order the streams get their work). Eager,
 both engines reduce buckets as they fill. Under ``torch.compile`` the backward is one autograd node unless
-dynamo splits the graph: it does for DDP (its DDPOptimizer cuts the graph at DDP's buckets), not for DeepSpeed,
+dynamo splits the graph: it does for DDP (its DDPOptimizer cuts the graph at DDP's buckets, whether DDP wraps the
+compiled module, as our DDP engine builds it, or is compiled itself), not for DeepSpeed,
 whose gradient hooks then all fire after the compiled backward has queued its last kernel.
 
     torchrun --nproc_per_node 2 benchmarks/comm_overlap.py      # gloo on CPU; nccl on GPUs
@@ -40,8 +41,9 @@ def _model():
 def _ddp(compiled: bool):
     model = _model()
     cap_mb = max(1.0, sum(p.numel() * p.element_size() for p in model.parameters()) / BUCKETS / 2**20)  # >= DDP's first bucket
-    ddp = torch.nn.parallel.DistributedDataParallel(model.to(_device()), bucket_cap_mb=cap_mb)
-    return torch.compile(ddp) if compiled else ddp, lambda loss: loss.backward()
+    model = model.to(_device())  # compiled, then wrapped: the order the DDP engine builds it in (engines.build_engine)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(model) if compiled else model, bucket_cap_mb=cap_mb)
+    return ddp, lambda loss: loss.backward()
 
 
 def _deepspeed(compiled: bool):

@@ -265,21 +265,26 @@ def reduce_bucket_size(param_numel: int) -> int:
     return min(int(DeepSpeedZeroConfig.model_fields["reduce_bucket_size"].default), param_numel)
 
 
-def overlap_comm(cfg: RunConfig, world_size: int, param_numel: int = 0) -> bool:
-    """ZeRO-1/2's ``overlap_comm``: on only where it can overlap something.
+def overlap_comm(cfg: RunConfig, world_size: int, param_numel: int = 0, bucket: int = 0) -> bool:
+    """DeepSpeed's ``overlap_comm``: under ZeRO-1/2 on only where it can overlap something.
 
-    It reduces each full gradient bucket on a side stream while backward goes on, and pays for that with a
+    ZeRO-1/2 reduce each full gradient bucket on a side stream while backward goes on, and pay for that with a
     full device synchronize in every backward's epilogue (``independent_gradient_partition_epilogue``) and a
     second bucket. A bucket is reduced when the next gradient would overflow it, or after backward. So nothing
-    overlaps on one rank (nothing to reduce), with a model no larger than one bucket (``reduce_bucket_size``:
-    every model under DeepSpeed's 5e8 elements) and under ``model.compile``: the compiled backward is one
-    autograd node whose gradients all arrive, with their hooks, after its last kernel is queued (2 CPU ranks,
-    2026-11-28: eager, 12 of 16 bucket reductions began during backward's compute; compiled, 0 of 18). Same
-    results either way: overlap only changes which stream reduces. ``param_numel`` 0: the count is unknown.
+    overlaps on one rank (nothing to reduce), with a model no larger than one bucket (``bucket``, default
+    ``reduce_bucket_size``: every model under DeepSpeed's 5e8 elements) and under ``model.compile``: the compiled
+    backward is one autograd node whose gradients all arrive, with their hooks, after its last kernel is queued
+    (``torchrun --nproc_per_node 2 benchmarks/comm_overlap.py``, 2 CPU ranks). Same results either way: overlap
+    only changes which stream reduces. ZeRO-3 prefetches and reduces on its own streams with it: on, as before,
+    on several GPUs. ``param_numel`` 0: the count is unknown.
     """
-    if not torch.cuda.is_available() or world_size <= 1 or cfg.model.compile:
+    if not torch.cuda.is_available() or world_size <= 1:
         return False
-    return not param_numel or param_numel > reduce_bucket_size(param_numel)
+    if cfg.distributed.zero_stage not in (1, 2):
+        return True
+    if cfg.model.compile:
+        return False
+    return not param_numel or param_numel > (bucket or reduce_bucket_size(param_numel))
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:
@@ -342,6 +347,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> d
 
     merged = merge(base, ours, "")
     zero = merged.get("zero_optimization", {})
+    if "overlap_comm" not in base.get("zero_optimization", {}) and isinstance(zero.get("reduce_bucket_size"), (int, float)):
+        zero["overlap_comm"] = overlap_comm(cfg, world_size, param_numel, int(zero["reduce_bucket_size"]))  # the JSON's bucket
     for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
         if zero.get(key, {}).get("device", "none") != "none" and not getattr(d, flag):
             raise ConfigError(f"{path} offloads ({key}) but distributed.{flag} is false. Set distributed.{flag}=true "

@@ -272,7 +272,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
     # ZeRO-1/2 overlap a gradient bucket's reduction with the backward only eager and with more than one bucket
     # (pipelines/engine/distributed.overlap_comm, which sets DeepSpeed's overlap_comm so on GPUs)
-    overlap = d.engine == "deepspeed" and opts.gpus > 1 and not compiled and P > K.DEEPSPEED["reduce_bucket_size"].value
+    overlap = (d.engine == "deepspeed" and d.zero_stage in (1, 2) and opts.gpus > 1 and not compiled
+               and P > K.DEEPSPEED["reduce_bucket_size"].value)
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
                        head_transient=head_transient, limit=limit, overlap=overlap)
@@ -294,15 +295,20 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     ring = (opts.gpus - 1) / opts.gpus
     volume = {0: 2 * w * P, 1: 2 * w * P, 2: (accum + 1) * w * P, 3: 3 * accum * w * P}[stage] * ring
     comm_s = volume / bw
-    # what of it the step waits for (benchmarks/comm_overlap.py): DDP reduces each bucket while the backward goes on
-    # (compiled too: dynamo cuts the graph at DDP's buckets) and ZeRO-3 prefetches, so theirs hides under the compute;
-    # DeepSpeed ZeRO-0-2 reduce after the backward -- compiled, its gradients all arrive once the compiled backward
-    # ends -- unless ``overlap``, and gather the updated weights after the step: that adds to the step
+    # what of it the step waits for (benchmarks/comm_overlap.py): a reduction hides only under the backward that is
+    # still computing when it starts (~2/3 of a micro-batch's compute). DDP reduces its buckets during the last
+    # micro-batch's backward (no_sync before it; compiled too: dynamo cuts the graph at DDP's buckets); eager ZeRO-2
+    # with ``overlap`` reduce-scatters during every micro-batch's backward but gathers the updated weights after the
+    # step; ZeRO-3 prefetches through forward and backward. DeepSpeed ZeRO-0/1, and ZeRO-2 compiled (its gradients
+    # all arrive once the compiled backward ends) or in one bucket, reduce after the backward: all of it adds.
+    backward_s = 2 / 3 * compute_s
     gather_s = w * P * ring / bw if d.engine == "deepspeed" and stage in (1, 2) else 0.0
-    if d.engine == "ddp" or stage == 3:
+    if d.engine == "ddp":
+        exposed_s = max(0.0, comm_s - backward_s / accum)
+    elif stage == 3:
         exposed_s = max(0.0, comm_s - compute_s)
-    elif overlap:
-        exposed_s = max(0.0, comm_s - gather_s - compute_s) + gather_s
+    elif overlap and stage == 2:
+        exposed_s = max(0.0, comm_s - gather_s - backward_s) + gather_s
     else:
         exposed_s = comm_s
     step_s = compute_s + exposed_s
@@ -343,10 +349,12 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if stage == 3 and opts.gpus == 1 and not d.offload_params:
         notes.append(ONE_RANK_ZERO3)
     if d.engine == "deepspeed" and stage < 3 and opts.gpus > 1 and exposed_s > 0.1 * compute_s and comm_s <= compute_s:
-        notes.append(f"ZeRO-{stage} reduces the gradients after the {'compiled ' if compiled else ''}backward and gathers "
-                     f"the weights after the update: {_dur(exposed_s)} of communication per step add to {_dur(compute_s)} "
-                     f"of compute. distributed.engine=ddp overlaps its reduction with the backward, where the model "
-                     f"state fits without partitioning (the ZeRO-0 row).")
+        what = ("the weights gathered after the update" if overlap and stage == 2
+                else f"its gradients reduced after the {'compiled ' if compiled else ''}backward")
+        notes.append(f"ZeRO-{stage}: {_dur(exposed_s)} of communication per step are not hidden by the backward and add "
+                     f"to {_dur(compute_s)} of compute ({what}). "
+                     f"distributed.engine=ddp overlaps its reduction with the backward, where the model state fits "
+                     f"without partitioning (the ZeRO-0 row).")
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
                      f"{bw / 1e9:.0f} GB/s = {_dur(comm_s)} > {_dur(compute_s)} of compute; raise the micro batch, or use "

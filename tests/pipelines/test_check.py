@@ -215,7 +215,8 @@ def test_deepspeed_gradient_bucket_is_the_models_size_up_to_deepspeeds_default(t
 
 def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp_path, monkeypatch):
     """ZeRO-1/2's overlap_comm (a device synchronize in every backward) is on only on several GPUs, eager, with a
-    model larger than one gradient bucket; a DeepSpeed JSON that sets it keeps its own."""
+    model larger than one gradient bucket (the JSON's bucket where it sets one); a DeepSpeed JSON that sets it keeps
+    its own; ZeRO-3 keeps it on several GPUs (its prefetch stream)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -225,12 +226,18 @@ def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp
     assert distributed.deepspeed_config(eager, 8, param_numel=big)["zero_optimization"]["overlap_comm"] is True
     for cfg, world, numel in ((eager, 8, small), (eager, 1, big), (compiled, 8, big), (compiled, 8, small)):
         assert distributed.deepspeed_config(cfg, world, param_numel=numel)["zero_optimization"]["overlap_comm"] is False
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not distributed.overlap_comm(eager, 8, big)  # CPU (gloo): no side stream
+    assert distributed.overlap_comm(eager, 8)  # the count unknown (the pre-launch check): as before
+    zero3 = load_run_config(CONFIG, ["distributed.zero_stage=3", "model.compile=false"])
+    assert distributed.overlap_comm(zero3, 8, small)  # ZeRO-3's prefetch and reduce streams stay
     ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10_000_000}}))
+    bucketed = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}", "model.compile=false"])
+    assert distributed.deepspeed_config(bucketed, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
     user = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}", "model.compile=true"])
     assert distributed.deepspeed_config(user, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not distributed.overlap_comm(eager, 8, big)  # CPU (gloo): no side stream
 
 
 def test_inductor_options_replace_the_mode_and_are_checked_by_name():

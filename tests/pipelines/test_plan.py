@@ -279,11 +279,14 @@ def test_the_plan_hides_communication_only_where_the_engine_overlaps_it():
     """benchmarks/comm_overlap.py (2 ranks): DDP reduces its buckets while the backward runs, compiled or not; DeepSpeed
     ZeRO-2 does eager, but compiled its gradients all arrive after the backward. So the 1.3B recipe's step (64 GPUs)
     waits for all of ZeRO-2's communication compiled, only for the weights' all-gather after the update eager (3 buckets
-    of 5e8: its reduce-scatters overlap), and for none of DDP's; overlap_comm's second bucket is counted only eager."""
+    of 5e8: its reduce-scatters overlap), for all of ZeRO-0's (reduced after the backward) and for none of DDP's
+    (under the backward's ~2/3 of the compute); overlap_comm's second bucket is counted only eager."""
     opts = P.PlanOptions(gpus=64, fs_gbps=10)
-    compiled, eager, ddp = (P.make_plan(load_run_config(GPU / "gpt3_xl.yaml", o), opts)
-                            for o in ([], ["model.compile=false"], ["distributed.engine=ddp"]))
+    compiled, eager, ddp, zero0 = (P.make_plan(load_run_config(GPU / "gpt3_xl.yaml", o), opts)
+                                   for o in ([], ["model.compile=false"], ["distributed.engine=ddp"],
+                                             ["model.compile=false", "distributed.zero_stage=0"]))
     c, e, d = compiled.throughput, eager.throughput, ddp.throughput
+    assert zero0.throughput["exposed_comm_s"] == zero0.throughput["comm_s"]  # all-reduced after the backward, eager too
     assert c["exposed_comm_s"] == c["comm_s"] > 0.1 * c["compute_s"]
     assert any("distributed.engine=ddp overlaps" in n for n in compiled.notes)
     gather = e["comm_s"] / (eager.grad_accum + 1)  # ZeRO-2: a reduce-scatter per micro-batch, one all-gather

@@ -17,10 +17,12 @@ STEPS, ACCUM, NAN_STEP = 4, 2, 2
 
 
 def train(deepspeed, stage: int, precision: str, install: Callable[[Any], list[str]] | None, extra: dict | None = None,
-          kernel: str = "default", rank: int = 0, nan_rank: int = 0):
+          kernel: str = "default", rank: int = 0, nan_rank: int = 0, nan_in: str = "loss"):
     """Weights, reported norms and skipped steps after ``STEPS`` clipped optimizer steps of a tiny GPT
-    (``ACCUM`` micro-batches each, each rank its own; at step ``NAN_STEP`` rank ``nan_rank`` gets a NaN gradient,
-    as the trainer makes one), and the patches ``install`` put in (None: stock DeepSpeed).
+    (``ACCUM`` micro-batches each, each rank its own; at step ``NAN_STEP`` rank ``nan_rank`` gets a NaN gradient:
+    ``nan_in="loss"`` everywhere, as the trainer makes one; ``"embedding"`` in the token embedding's only, so that
+    after the reduction one rank's partition holds it and only the all-reduced norm tells the other), and the
+    patches ``install`` put in (None: stock DeepSpeed).
     ``kernel="fused"``: torch's fused AdamW, with which the skip is decided on the device."""
     from pipelines.engine.zero_step import device_step, host_grad_norm
 
@@ -40,9 +42,14 @@ def train(deepspeed, stage: int, precision: str, install: Callable[[Any], list[s
         for micro in range(ACCUM):
             ids = torch.randint(0, 64, (2, 8), generator=g)
             loss = engine(input_ids=ids, labels=ids)["loss"]
-            if step == NAN_STEP and micro == ACCUM - 1 and rank == nan_rank:
+            poisoned = step == NAN_STEP and micro == ACCUM - 1 and rank == nan_rank
+            if poisoned and nan_in == "loss":
                 loss = loss * float("nan")
+            hook = (engine.module.wte.weight.register_hook(lambda g: g * float("nan"))
+                    if poisoned and nan_in == "embedding" else None)
             engine.backward(loss)
+            if hook is not None:
+                hook.remove()
             engine.step()
         pending = device_step(engine)  # as DeepSpeedEngine.step reads them: a step later, or before the update
         if pending is not None:
