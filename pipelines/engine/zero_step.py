@@ -37,8 +37,8 @@ TESTED_DEEPSPEED = ("0.19",)
 def plain_layout(opt: Any) -> bool:
     """The layout every patch assumes, whatever the number of data-parallel ranks: no sequence / model / expert /
     pipeline parallelism, gradients in the parameters' dtype on the device (no offload, no ZenFlow, no fp32
-    accumulation buffer for bf16 parameters)."""
-    return (opt.sequence_parallel_size == 1 and not opt.has_moe_layers and opt.model_parallel_rank == 0 and opt.mpu is None
+    accumulation buffer for bf16 parameters), no Muon optimizer (its momentum staging is part of stock's step)."""
+    return ("muon" not in type(opt.optimizer).__name__.lower() and opt.sequence_parallel_size == 1 and not opt.has_moe_layers and opt.model_parallel_rank == 0 and opt.mpu is None
             and not opt.cpu_offload and not opt.zenflow and not opt._offload_gradient_safety_enabled
             and not opt.use_grad_accum_attribute
             and not any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
@@ -326,6 +326,13 @@ def install(opt: Any, patches: dict[str, Patch]) -> list[str]:
 def zero_step_on_device_(ds_engine: Any) -> list[str]:
     """Install the step patches that apply to this DeepSpeed engine, on any number of ranks; returns their names
     (none under ZeRO-0/3, another layout or an untested DeepSpeed). The same on every rank: the conditions are the
-    run's config, so every rank makes the same collectives."""
+    run's config -- and, as a check that costs one collective at start-up, every rank must find them met, or none
+    installs anything: the ranks then make the same collectives."""
+    from deepspeed import comm as dist
+
     opt = installable(ds_engine, STEP_PATCHES, NEEDS)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([opt is not None], dtype=torch.int32, device=ds_engine.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        opt = opt if agreed.item() else None
     return [] if opt is None else install(opt, STEP_PATCHES)
