@@ -55,13 +55,11 @@ def skip_one_rank_allreduce_(ds_engine: Any) -> bool:
     return False
 
 
-def _one_rank(opt: Any) -> bool:
-    """One data-parallel rank per group and reductions on the current stream (no ``overlap_comm`` side stream): the
-    layout of the patches below, beside ``zero_step.plain_layout`` (checked by ``installable``)."""
+def _world_of_one(opt: Any) -> bool:
+    """One data-parallel rank in every group."""
     from deepspeed import comm as dist
 
-    groups = [opt.dp_process_group, *opt.real_dp_process_group]
-    return all(dist.get_world_size(group=g) == 1 for g in groups) and not opt.overlap_comm
+    return all(dist.get_world_size(group=g) == 1 for g in [opt.dp_process_group, *opt.real_dp_process_group])
 
 
 def _identity_average_tensor(opt: Any) -> Callable[..., None]:
@@ -209,12 +207,14 @@ def one_rank_fast_path_(ds_engine: Any, step_on_device: bool = True) -> list[str
     installed = ["skip_allreduce"] if skip_one_rank_allreduce_(ds_engine) else []
     every = {**ONE_RANK_PATCHES, **STEP_PATCHES, **HOOK_COUNT}
     opt = installable(ds_engine, every, _NEEDS)
-    if opt is None or not _one_rank(opt):
+    if opt is None or not _world_of_one(opt):
         return installed
-    installed += install(opt, ONE_RANK_PATCHES)
-    if step_on_device:
-        installed += install(opt, STEP_PATCHES)
-    installed += install(opt, HOOK_COUNT)
-    if fp32_master_shared_(opt):
+    # the identities also need the reductions on the current stream: not with a DeepSpeed JSON's overlap_comm,
+    # where the step's patches still hold
+    one = not opt.overlap_comm
+    installed += install(opt, ONE_RANK_PATCHES) if one else []
+    installed += install(opt, STEP_PATCHES) if step_on_device else []
+    installed += install(opt, HOOK_COUNT) if one else []
+    if one and fp32_master_shared_(opt):
         installed.append("fp32_master_is_the_weights")
     return installed

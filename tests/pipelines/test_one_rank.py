@@ -296,3 +296,15 @@ def test_deepspeed_gets_a_gradient_bucket_no_larger_than_the_model(ds_world, tmp
             numel = sum(p.numel() for p in model.parameters())
             engine = build_engine(cfg, dist.init_env(), model, build_optimizer(model, cfg.optim), lambda step: 1.0)
             assert engine.model.optimizer.reduce_bucket_size == (expect or numel) < 5e8
+
+
+def test_a_json_with_overlap_comm_keeps_the_step_patches_not_the_identities(ds_world):
+    """One rank whose DeepSpeed JSON turns ``overlap_comm`` on: the bucket is reduced on a side stream, so the one-rank
+    identities (which assume the current stream) stay out; the step's patches (``zero_step``) hold there and go in,
+    and the weights are stock DeepSpeed's bitwise."""
+    overlap = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
+                                     "reduce_bucket_size": 20_000}}
+    stock = _train(ds_world, 2, "fp32", stock=True, extra=overlap)
+    patched = _train(ds_world, 2, "fp32", stock=False, extra=overlap)
+    assert patched[3] == ["foreach_grad_norm", "clip_without_host_reads", "norm_read_before_the_update", "bit16_views_kept"]
+    same(stock, patched)
