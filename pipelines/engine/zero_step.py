@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TESTED_DEEPSPEED", "STEP_PATCHES", "Patch", "device_step", "host_grad_norm", "installable", "plain_layout",
-           "zero_step_on_device_"]
+__all__ = ["NEEDS", "TESTED_DEEPSPEED", "STEP_PATCHES", "Patch", "device_step", "host_grad_norm", "install", "installable",
+           "plain_layout", "zero_step_on_device_"]
 
 #: DeepSpeed releases whose ZeRO-1/2 optimizer the patches were read against (major.minor).
 TESTED_DEEPSPEED = ("0.19",)
@@ -38,9 +38,9 @@ def plain_layout(opt: Any) -> bool:
     """The layout every patch assumes, whatever the number of data-parallel ranks: no sequence / model / expert /
     pipeline parallelism, gradients in the parameters' dtype on the device (no offload, no ZenFlow, no fp32
     accumulation buffer for bf16 parameters), no Muon optimizer (its momentum staging is part of stock's step)."""
-    return ("muon" not in type(opt.optimizer).__name__.lower() and opt.sequence_parallel_size == 1 and not opt.has_moe_layers and opt.model_parallel_rank == 0 and opt.mpu is None
-            and not opt.cpu_offload and not opt.zenflow and not opt._offload_gradient_safety_enabled
-            and not opt.use_grad_accum_attribute
+    return ("muon" not in type(opt.optimizer).__name__.lower() and opt.sequence_parallel_size == 1
+            and not opt.has_moe_layers and opt.model_parallel_rank == 0 and opt.mpu is None and not opt.cpu_offload
+            and not opt.zenflow and not opt._offload_gradient_safety_enabled and not opt.use_grad_accum_attribute
             and not any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
             and not any(hasattr(p, "ds_pipe_replicated") for g in opt.bit16_groups for p in g))
 
