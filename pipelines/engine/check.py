@@ -30,7 +30,7 @@ from core.config import ConfigError, check_registry_names
 from core.families import UnknownModel, families_for_task, family_of_model, model_catalog, model_names
 from pipelines.engine.schedules import build_schedule
 
-__all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "check", "check_accelerate_file", "check_inputs",
+__all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "bucket_overlap", "check", "check_accelerate_file", "check_inputs",
            "is_pretraining_task", "model_catalog", "model_width", "run_schedule", "split_batch"]
 
 
@@ -132,6 +132,17 @@ def split_batch(micro_cap: int, accum: int, global_batch: int, world_size: int, 
                           f"multiple of {world_size}, or a number of ranks that divides {global_batch}.")
     micro = max(d for d in range(1, min(micro_cap, per_rank) + 1) if per_rank % d == 0)
     return micro, per_rank // micro, global_batch
+
+
+def bucket_overlap(stage: int, world_size: int, compiled: bool, param_numel: int, bucket: int) -> bool:
+    """Whether DeepSpeed's ``overlap_comm`` can overlap anything (the rule the engine's JSON and ``pretrain plan``
+    share; ``distributed.overlap_comm`` says why): under ZeRO-1/2 only on several ranks, eager, with more gradients
+    than one bucket of ``bucket`` elements (``param_numel`` 0: unknown); ZeRO-0/3 keep it on several ranks."""
+    if world_size <= 1:
+        return False
+    if stage not in (1, 2):
+        return True
+    return not compiled and (not param_numel or param_numel > bucket)
 
 
 def batch_split(cfg: Any, world_size: int) -> tuple[int, int, int]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
-from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file
+from pipelines.engine.check import ACCELERATE_PRECISION, bucket_overlap, check_accelerate_file
 from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
 from pipelines.engine.registries import OPTIMIZERS
@@ -278,13 +278,8 @@ def overlap_comm(cfg: RunConfig, world_size: int, param_numel: int = 0, bucket: 
     only changes which stream reduces. ZeRO-3 prefetches and reduces on its own streams with it: on, as before,
     on several GPUs. ``param_numel`` 0: the count is unknown.
     """
-    if not torch.cuda.is_available() or world_size <= 1:
-        return False
-    if cfg.distributed.zero_stage not in (1, 2):
-        return True
-    if cfg.model.compile:
-        return False
-    return not param_numel or param_numel > (bucket or reduce_bucket_size(param_numel))
+    return torch.cuda.is_available() and bucket_overlap(cfg.distributed.zero_stage, world_size, bool(cfg.model.compile),
+                                                        param_numel, bucket or reduce_bucket_size(param_numel))
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:

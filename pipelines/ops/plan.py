@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
-from pipelines.engine.check import ONE_RANK_ZERO3, batch_split, check, is_pretraining_task, split_batch
+from pipelines.engine.check import ONE_RANK_ZERO3, batch_split, bucket_overlap, check, is_pretraining_task, split_batch
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
@@ -270,10 +270,9 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     head_transient = loss_backward_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, compiled=compiled,
                                          mlm_fraction=mlm)
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
-    # ZeRO-1/2 overlap a gradient bucket's reduction with the backward only eager and with more than one bucket
-    # (pipelines/engine/distributed.overlap_comm, which sets DeepSpeed's overlap_comm so on GPUs)
-    overlap = (d.engine == "deepspeed" and d.zero_stage in (1, 2) and opts.gpus > 1 and not compiled
-               and P > K.DEEPSPEED["reduce_bucket_size"].value)
+    # ZeRO-1/2's overlap_comm: on only where a bucket's reduction can overlap the backward (as the engine sets it on GPUs)
+    overlap = d.engine == "deepspeed" and d.zero_stage in (1, 2) and bucket_overlap(
+        d.zero_stage, opts.gpus, compiled, P, K.DEEPSPEED["reduce_bucket_size"].value)
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
                        head_transient=head_transient, limit=limit, overlap=overlap)
