@@ -7,7 +7,8 @@ the backward's last compute node ends (the host's order is the order the streams
 both engines reduce buckets as they fill. Under ``torch.compile`` the backward is one autograd node unless
 dynamo splits the graph: it does for DDP (its DDPOptimizer cuts the graph at DDP's buckets, whether DDP wraps the
 compiled module, as our DDP engine builds it, or is compiled itself), not for DeepSpeed,
-whose gradient hooks then all fire after the compiled backward has queued its last kernel.
+whose gradient hooks then all fire after the compiled backward has queued its last kernel -- unless the blocks are
+compiled one graph each (``model.compile_regions``, ``pipelines.engine.model_build.compile_each_block_``).
 
     torchrun --nproc_per_node 2 benchmarks/comm_overlap.py      # gloo on CPU; nccl on GPUs
 
@@ -58,6 +59,10 @@ def _deepspeed(compiled: bool):
                                                                           "reduce_bucket_size": numel // BUCKETS},
           **deepspeed_optimizer_fields(cfg)}
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg), config=ds)
+    if compiled == "blocks":  # as the engine compiles it with model.compile_regions=blocks (auto on several GPUs)
+        from pipelines.engine.model_build import compile_each_block_
+
+        compile_each_block_(engine.module, {})
     if compiled:
         engine.compile()
     return engine, engine.backward
@@ -90,12 +95,13 @@ def main() -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(_device())
-    for name, build in (("deepspeed zero2", _deepspeed), ("ddp", _ddp)):
-        for compiled in (False, True):
+    modes = {False: "eager", True: "compiled", "blocks": "compiled block by block"}
+    for name, build, compiles in (("deepspeed zero2", _deepspeed, (False, True, "blocks")), ("ddp", _ddp, (False, True))):
+        for compiled in compiles:
             torch._dynamo.reset()  # no compiled code shared between cases (dynamo would reuse DDP's split graph)
             total, early = overlapped(*build(compiled))
             if td.get_rank() == 0:
-                print(f"{name:15s} {'compiled' if compiled else 'eager':8s}: {total:2d} collectives in the backward, "
+                print(f"{name:15s} {modes[compiled]:23s}: {total:2d} collectives in the backward, "
                       f"{early:2d} started during its compute", flush=True)
     return 0
 

@@ -79,7 +79,10 @@ ENGINE_OVERRIDES = {"deepspeed": [], "ddp": ["distributed.engine=ddp"], "zero0":
                     "zero2-synced-timer": ["distributed.deepspeed_config={work}/timer_on.json"],
                     # the attention kernel SDPA tries first (attention_backends.py's table, printed before each recipe's
                     # rows, says which one torch picks and what the others cost on the recipe's shape)
-                    "zero2-cudnn": ["model.attention_backend=cudnn"], "zero2-flash": ["model.attention_backend=flash"]}
+                    "zero2-cudnn": ["model.attention_backend=cudnn"], "zero2-flash": ["model.attention_backend=flash"],
+                    # one compiled graph per transformer block, as ZeRO-1/2 compile on several GPUs (model.compile_regions
+                    # auto): what the split costs on one GPU, where auto keeps the one graph
+                    "zero2-blocks": ["model.compile_regions=blocks"]}
 TIMER_ON = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}  # DeepSpeed's defaults
 
 # recipe -> train config, data config, prepare overrides, text or images; the tiny CPU stand-ins for --cpu-smoke

@@ -17,7 +17,7 @@ from core.families.bert import BertConfig
 
 from . import init as inits
 from .heads import MLMHead
-from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
+from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm, run_blocks
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_module
 from .vocab import pad_vocab_rows_
@@ -70,8 +70,7 @@ class BertEncoder(nn.Module):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> dict[str, torch.Tensor]:
         mask, _ = attention_mask_for_sdpa(attention_mask, input_ids.shape[1], causal=False)
         h = self.embeddings(input_ids, token_type_ids)
-        for block in self.blocks:
-            h = block(h, mask)
+        h = run_blocks(self.blocks, h, mask)
         h = self.final_norm(h)
         out = {"last_hidden_state": h}
         if self.pooler is not None:

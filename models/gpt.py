@@ -16,7 +16,7 @@ from core.families.gpt import GPTConfig
 
 from . import init as inits
 from .bert import masked_mean_cross_entropy
-from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm
+from .layers import Block, SinusoidalPositionEmbedding, attention_mask_for_sdpa, make_norm, run_blocks
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_module
 from .vocab import pad_vocab_rows_
@@ -72,8 +72,7 @@ class GPT(nn.Module):
         mask, is_causal = attention_mask_for_sdpa(attention_mask, T, causal=True)
         positions = torch.arange(T, device=input_ids.device)
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
-        for block in self.blocks:
-            h = block(h, mask, is_causal)
+        h = run_blocks(self.blocks, h, mask, is_causal)
         h = self.ln_f(h)
         training_step = labels is not None and self.training and torch.is_grad_enabled()
         if training_step and self.config.loss_chunk_tokens:

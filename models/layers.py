@@ -32,6 +32,8 @@ __all__ = [
     "make_norm",
     "attention_mask_for_sdpa",
     "set_activation_checkpointing",
+    "run_blocks",
+    "ONE_GRAPH_PER_BLOCK",
 ]
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:
@@ -150,3 +152,27 @@ def set_activation_checkpointing(blocks: nn.ModuleList, enabled: bool = True, la
     chosen = set(range(len(blocks))) if layers is None else set(layers)
     for i, block in enumerate(blocks):
         block.checkpointing = bool(enabled) and i in chosen
+
+
+#: Set on a model's ``blocks`` by ``pipelines.engine.model_build.compile_each_block_``: each block is compiled on its
+#: own and ``run_blocks`` loops over them outside the model's compiled graph.
+ONE_GRAPH_PER_BLOCK = "one_graph_per_block"
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, *args) -> torch.Tensor:
+    """``x`` through every block in order (the loop of every model here). Traced by ``torch.compile`` it is part of
+    the model's one graph; once the blocks are compiled one by one (``ONE_GRAPH_PER_BLOCK``), the loop stays out of
+    the model's graph, which then ends before the first block and resumes after the last, so the backward is one
+    autograd node per block and each block's gradients are ready as soon as its own backward ends."""
+    if getattr(blocks, ONE_GRAPH_PER_BLOCK, False):
+        return _blocks_outside_the_graph(blocks, x, *args)
+    for block in blocks:
+        x = block(x, *args)
+    return x
+
+
+@torch.compiler.disable
+def _blocks_outside_the_graph(blocks: nn.ModuleList, x: torch.Tensor, *args) -> torch.Tensor:
+    for block in blocks:  # each block's own compiled graph runs here
+        x = block(x, *args)
+    return x

@@ -16,7 +16,7 @@ from torch import nn
 from core.families.vit import ViTConfig
 
 from . import init as inits
-from .layers import Block, make_norm
+from .layers import Block, make_norm, run_blocks
 from .layers import set_activation_checkpointing as _set_ckpt
 from .registry import register_module
 
@@ -79,8 +79,7 @@ class ViT(nn.Module):
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
         x = self.drop(x + self.position_embeddings(H // p, W // p))
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x)
         return self.norm(x)
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from core.families import UnknownModel, families_for_task, family_of_model, mode
 from pipelines.engine.schedules import build_schedule
 
 __all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "bucket_overlap", "check", "check_accelerate_file", "check_inputs",
-           "is_pretraining_task", "model_catalog", "model_width", "run_schedule", "split_batch"]
+           "is_pretraining_task", "model_catalog", "model_width", "one_graph_per_block", "run_schedule", "split_batch"]
 
 
 def is_pretraining_task(task: str) -> bool:
@@ -134,10 +134,23 @@ def split_batch(micro_cap: int, accum: int, global_batch: int, world_size: int, 
     return micro, per_rank // micro, global_batch
 
 
+def one_graph_per_block(cfg: Any, world_size: int, overlaps: bool) -> bool:
+    """``model.compile_regions`` resolved (``model_build.compile_each_block_``). ``overlaps``: DeepSpeed ZeRO-1/2 would
+    reduce gradient buckets during the backward if the compiled graph let it (``bucket_overlap`` not compiled, or a
+    JSON's ``overlap_comm``). Auto compiles block by block exactly there: a whole-model graph's backward is one
+    autograd node, whose gradients all reach DeepSpeed's hooks once it ends. DDP needs no split (dynamo cuts its graph
+    at DDP's buckets); a model in one bucket, or on one rank, has nothing to overlap."""
+    m, d = cfg.model, cfg.distributed
+    if not m.compile or m.compile_regions == "model":
+        return False
+    return m.compile_regions == "blocks" or (d.engine == "deepspeed" and d.zero_stage in (1, 2) and overlaps)
+
+
 def bucket_overlap(stage: int, world_size: int, compiled: bool, param_numel: int, bucket: int) -> bool:
     """Whether DeepSpeed's ``overlap_comm`` can overlap anything (the rule the engine's JSON and ``pretrain plan``
-    share; ``distributed.overlap_comm`` says why): under ZeRO-1/2 only on several ranks, eager, with more gradients
-    than one bucket of ``bucket`` elements (``param_numel`` 0: unknown); ZeRO-0/3 keep it on several ranks."""
+    share; ``distributed.overlap_comm`` says why): under ZeRO-1/2 only on several ranks, not compiled as one graph
+    (``compiled``; block by block is as eager), with more gradients than one bucket of ``bucket`` elements
+    (``param_numel`` 0: unknown); ZeRO-0/3 keep it on several ranks."""
     if world_size <= 1:
         return False
     if stage not in (1, 2):

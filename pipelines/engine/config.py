@@ -101,6 +101,11 @@ class ModelConfig:
     compile_options: dict[str, Any] = option(
         {}, help="torch.compile's inductor options in place of a compile_mode, e.g. {cpp_wrapper: true} (kernels launched "
                  "from C++: less host time a step), {combo_kernels: true}; torch._inductor.list_options() lists them.")
+    compile_regions: Literal["auto", "model", "blocks"] = option(
+        "auto", help="What one compiled graph holds: model (the whole model) | blocks (one graph per transformer block, one "
+                     "before and one after them: each block's gradients are ready when its backward ends, so DeepSpeed "
+                     "ZeRO-1/2 reduces them during the backward) | auto: blocks under DeepSpeed ZeRO-1/2 on several "
+                     "ranks, model elsewhere.")
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = option(
         "auto", help="The attention kernel SDPA tries first in this run, then torch's own order (a call it cannot serve "
                      "falls back); auto: torch's order. benchmarks/attention_backends.py times them on the recipes' shapes.")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
-from pipelines.engine.check import ACCELERATE_PRECISION, bucket_overlap, check_accelerate_file
+from pipelines.engine.check import ACCELERATE_PRECISION, bucket_overlap, check_accelerate_file, one_graph_per_block
 from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
 from pipelines.engine.registries import OPTIMIZERS
@@ -272,14 +272,19 @@ def overlap_comm(cfg: RunConfig, world_size: int, param_numel: int = 0, bucket: 
     full device synchronize in every backward's epilogue (``independent_gradient_partition_epilogue``) and a
     second bucket. A bucket is reduced when the next gradient would overflow it, or after backward. So nothing
     overlaps on one rank (nothing to reduce), with a model no larger than one bucket (``bucket``, default
-    ``reduce_bucket_size``: every model under DeepSpeed's 5e8 elements) and under ``model.compile``: the compiled
-    backward is one autograd node whose gradients all arrive, with their hooks, after its last kernel is queued
-    (``torchrun --nproc_per_node 2 benchmarks/comm_overlap.py``, 2 CPU ranks). Same results either way: overlap
+    ``reduce_bucket_size``: every model under DeepSpeed's 5e8 elements) and with the model compiled as one graph:
+    its backward is one autograd node whose gradients all arrive, with their hooks, after its last kernel is queued
+    (``torchrun --nproc_per_node 2 benchmarks/comm_overlap.py``, 2 CPU ranks); ``model.compile_regions`` auto then
+    compiles block by block, which overlaps as eager does. Same results either way: overlap
     only changes which stream reduces. ZeRO-3 prefetches and reduces on its own streams with it: on, as before,
     on several GPUs. ``param_numel`` 0: the count is unknown.
     """
-    return torch.cuda.is_available() and bucket_overlap(cfg.distributed.zero_stage, world_size, bool(cfg.model.compile),
-                                                        param_numel, bucket or reduce_bucket_size(param_numel))
+    if not torch.cuda.is_available():
+        return False
+    stage, bucket = cfg.distributed.zero_stage, bucket or reduce_bucket_size(param_numel)
+    one_graph = cfg.model.compile and not one_graph_per_block(cfg, world_size, bucket_overlap(stage, world_size, False,
+                                                                                              param_numel, bucket))
+    return bucket_overlap(stage, world_size, one_graph, param_numel, bucket)
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from core.config import ConfigError
-from core.registry import did_you_mean
 from monitoring.diagnostics import ParameterReads
+from pipelines.engine.check import one_graph_per_block
 from pipelines.engine.config import RunConfig
 from pipelines.engine.deepspeed_reads import deepspeed_getters
 from pipelines.engine.distributed import DistEnv, deepspeed_config
 from pipelines.engine.host_reads import HostCopy, StepOutcome, skipped_if
+from pipelines.engine.model_build import compile_blocks_if, compile_kwargs
 from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.engine.reshard import WORLD_FREE_DIR, load_world_free, save_world_free
@@ -414,23 +414,6 @@ def _drop_accelerate_deepspeed_env() -> None:
             del os.environ[k]
 
 
-def compile_kwargs(cfg: Any) -> dict[str, Any]:
-    """``torch.compile``'s arguments: the mode, or inductor options in its place (names checked against this torch's: a
-    misspelt one stops the run here, not at its first forward); with ``data.fixed_shapes`` static graphs only."""
-    dynamic = False if cfg.data.fixed_shapes else None
-    options = dict(cfg.model.compile_options)
-    if not options:
-        return {"mode": cfg.model.compile_mode, "dynamic": dynamic}
-    from torch._inductor import list_options
-
-    known = list_options()
-    for name in (n for n in options if n not in known):
-        raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
-                          f"{did_you_mean(name, known)} Names are flat and dotted ({{triton.cudagraphs: true}}, not "
-                          f"{{triton: {{cudagraphs: true}}}}); torch._inductor.list_options() lists them.")
-    return {"options": options, "dynamic": dynamic}
-
-
 #: What DeepSpeed prints (with print(), on every rank) when it loads its CPU shared-memory collectives.
 _DS_OP_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
 
@@ -476,7 +459,8 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         os.environ.pop("ACCELERATE_USE_CPU", None)  # forcing cpu=True would disable DeepSpeed in accelerate
         mp = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
         param_numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, env.world_size, param_numel))
+        ds_json = deepspeed_config(cfg, env.world_size, param_numel)
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_json)
         with _joining_quietly():
             # DeepSpeed accumulates (its JSON's gradient_accumulation_steps); accelerate is told the same, so that it
             # does not warn of a mismatch with its own default of 1 and then take DeepSpeed's value anyway
@@ -485,12 +469,15 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
         engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
         if cfg.model.compile:
+            compile_blocks_if(one_graph_per_block(cfg, env.world_size, ds_json["zero_optimization"]["overlap_comm"]),
+                               model.module, cfg)
             model.compile(compile_kwargs=compile_kwargs(cfg))
         return engine
     # DDP: mixed precision is ours (DDPEngine's autocast + GradScaler), not accelerate's
     with _joining_quietly():
         acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
     if cfg.model.compile:
+        compile_blocks_if(one_graph_per_block(cfg, env.world_size, False), model, cfg)
         model = torch.compile(model, **compile_kwargs(cfg))
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
     if d.one_rank_fast_path:

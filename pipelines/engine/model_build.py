@@ -1,13 +1,15 @@
 """The model a run trains: ``models.create`` with what the data imposes, checked against the family spec.
 
 ``build_model`` is shared by pretraining (``trainer.train``) and the benchmarks; ``model.init_from``
-starts from another checkpoint's full weights; ``preferred_attention`` sets the attention kernel a run tries first.
+starts from another checkpoint's full weights; ``preferred_attention`` sets the attention kernel a run tries first;
+``compile_each_block_`` compiles a model's blocks one graph each (``model.compile_regions``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +17,12 @@ import torch
 
 from core import families
 from core.config import ConfigError
+from core.registry import did_you_mean
 from pipelines.engine.config import RunConfig
 
-__all__ = ["ATTENTION_KERNELS", "build_model", "preferred_attention"]
+__all__ = ["ATTENTION_KERNELS", "build_model", "compile_blocks_if", "compile_each_block_", "compile_kwargs", "preferred_attention"]
+
+log = logging.getLogger(__name__)
 
 #: ``model.attention_backend`` -> the ``torch.nn.attention.SDPBackend`` a run tries first (besides ``auto``)
 ATTENTION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -112,3 +117,55 @@ def preferred_attention(name: str) -> Iterator[None]:
     first = getattr(SDPBackend, ATTENTION_KERNELS[name])
     with sdpa_kernel([first] + [b for b in current if b != first], set_priority=True):
         yield
+
+
+def compile_each_block_(model: torch.nn.Module, compile_kwargs: dict[str, Any]) -> int:
+    """Compile every block of the model's ``blocks`` stacks on its own, in place (parameter names unchanged), and
+    mark the stacks so that ``models.layers.run_blocks`` keeps their loop out of the model's own compiled graph:
+    compiled afterwards, the model is one graph before the blocks, one per block and one after them. Why: the
+    backward of one compiled graph is one autograd node, and DeepSpeed's ZeRO-1/2 gradient hooks then all fire once
+    it ends, so no bucket reduction overlaps the backward (benchmarks/comm_overlap.py: 0 of 5 compiled whole, as
+    many as eager block by block); torchtitan compiles its blocks one by one for the same reason (FSDP's per-block
+    hooks). Identical blocks share one compiled graph. Returns the number of stacks (0: no ``blocks`` to split)."""
+    from models.layers import ONE_GRAPH_PER_BLOCK
+
+    stacks = [m for name, m in model.named_modules()
+              if name.rpartition(".")[2] == "blocks" and isinstance(m, torch.nn.ModuleList)]
+    for stack in stacks:
+        for block in stack:
+            block.compile(**compile_kwargs)
+        setattr(stack, ONE_GRAPH_PER_BLOCK, True)
+    return len(stacks)
+
+
+def compile_kwargs(cfg: Any) -> dict[str, Any]:
+    """``torch.compile``'s arguments: the mode, or inductor options in its place (names checked against this torch's: a
+    misspelt one stops the run here, not at its first forward); with ``data.fixed_shapes`` static graphs only."""
+    dynamic = False if cfg.data.fixed_shapes else None
+    options = dict(cfg.model.compile_options)
+    if not options:
+        return {"mode": cfg.model.compile_mode, "dynamic": dynamic}
+    from torch._inductor import list_options
+
+    known = list_options()
+    for name in (n for n in options if n not in known):
+        raise ConfigError(f"model.compile_options: torch {torch.__version__}'s inductor has no option `{name}`."
+                          f"{did_you_mean(name, known)} Names are flat and dotted ({{triton.cudagraphs: true}}, not "
+                          f"{{triton: {{cudagraphs: true}}}}); torch._inductor.list_options() lists them.")
+    return {"options": options, "dynamic": dynamic}
+
+
+def compile_blocks_if(per_block: bool, model: torch.nn.Module, cfg: Any) -> None:
+    """``model.compile_regions`` (``check.one_graph_per_block``): the blocks compiled one graph each before the model
+    is compiled around them; a model without ``blocks`` to split is compiled whole, and said so."""
+    if not per_block:
+        return
+    if compile_each_block_(model, compile_kwargs(cfg)):
+        log.info("model.compile_regions=%s: %s compiled one graph per block, so that its gradients are reduced during "
+                 "the backward", cfg.model.compile_regions, cfg.model.name)
+    elif cfg.model.compile_regions == "blocks":
+        raise ConfigError(f"model.compile_regions=blocks: {cfg.model.name} has no `blocks` module list looped with "
+                          f"models.layers.run_blocks to compile one by one. Use model.compile_regions=auto or model.")
+    else:
+        log.info("%s has no `blocks` to compile one by one: compiled as one graph, so its gradient reduction waits "
+                 "for the whole backward", cfg.model.name)

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.config import ConfigError
-from pipelines.engine.check import ONE_RANK_ZERO3, batch_split, bucket_overlap, check, is_pretraining_task, split_batch
+from pipelines.engine.check import (
+    ONE_RANK_ZERO3,
+    batch_split,
+    bucket_overlap,
+    check,
+    is_pretraining_task,
+    one_graph_per_block,
+    split_batch,
+)
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
 from pipelines.ops.model_shapes import (
@@ -270,9 +278,12 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     head_transient = loss_backward_bytes(shape, micro_batch=micro, seq_len=seq, act_bytes=w, compiled=compiled,
                                          mlm_fraction=mlm)
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
-    # ZeRO-1/2's overlap_comm: on only where a bucket's reduction can overlap the backward (as the engine sets it on GPUs)
+    # ZeRO-1/2's overlap_comm: on only where a bucket's reduction can overlap the backward (as the engine sets it on GPUs);
+    # model.compile_regions auto compiles block by block there, which overlaps as eager does
+    bucket = K.DEEPSPEED["reduce_bucket_size"].value
+    per_block = one_graph_per_block(cfg, opts.gpus, bucket_overlap(d.zero_stage, opts.gpus, False, P, bucket))
     overlap = d.engine == "deepspeed" and d.zero_stage in (1, 2) and bucket_overlap(
-        d.zero_stage, opts.gpus, compiled, P, K.DEEPSPEED["reduce_bucket_size"].value)
+        d.zero_stage, opts.gpus, compiled and not per_block, P, bucket)
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
                        head_transient=head_transient, limit=limit, overlap=overlap)
@@ -298,8 +309,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     # still computing when it starts (~2/3 of a micro-batch's compute). DDP reduces its buckets during the last
     # micro-batch's backward (no_sync before it; compiled too: dynamo cuts the graph at DDP's buckets); eager ZeRO-2
     # with ``overlap`` reduce-scatters during every micro-batch's backward but gathers the updated weights after the
-    # step; ZeRO-3 prefetches through forward and backward. DeepSpeed ZeRO-0/1, and ZeRO-2 compiled (its gradients
-    # all arrive once the compiled backward ends) or in one bucket, reduce after the backward: all of it adds.
+    # step; ZeRO-3 prefetches through forward and backward. DeepSpeed ZeRO-0/1, and ZeRO-2 compiled as one graph (its
+    # gradients all arrive once the compiled backward ends) or in one bucket, reduce after the backward: all of it adds.
     backward_s = 2 / 3 * compute_s
     gather_s = w * P * ring / bw if d.engine == "deepspeed" and stage in (1, 2) else 0.0
     if d.engine == "ddp":
@@ -349,7 +360,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
         notes.append(ONE_RANK_ZERO3)
     if d.engine == "deepspeed" and stage < 3 and opts.gpus > 1 and exposed_s > 0.1 * compute_s and comm_s <= compute_s:
         what = ("the weights gathered after the update" if overlap and stage == 2
-                else f"its gradients reduced after the {'compiled ' if compiled else ''}backward")
+                else f"its gradients reduced after the {'compiled ' if compiled and not per_block else ''}backward")
         notes.append(f"ZeRO-{stage}: {_dur(exposed_s)} of communication per step are not hidden by the backward and add "
                      f"to {_dur(compute_s)} of compute ({what}). "
                      f"distributed.engine=ddp overlaps its reduction with the backward, where the model state fits "

@@ -57,3 +57,14 @@ def read_trace(trace_dir: Path, rank: int) -> dict[int, dict]:
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if r.get("split") == "train" and "loss" in r]
+
+
+def two_rank_results(job: Path, out: Path, timeout: int = 300) -> list[dict]:
+    """Run ``job OUT`` on 2 ranks (torchrun; gloo on the CPU), each of which writes ``OUT.rank-N.json``; their contents."""
+    from pipelines.engine.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(job), str(out)], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads(out.with_suffix(f".rank-{rank}.json").read_text()) for rank in range(2)]

@@ -214,17 +214,21 @@ def test_deepspeed_gradient_bucket_is_the_models_size_up_to_deepspeeds_default(t
 
 
 def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp_path, monkeypatch):
-    """ZeRO-1/2's overlap_comm (a device synchronize in every backward) is on only on several GPUs, eager, with a
-    model larger than one gradient bucket (the JSON's bucket where it sets one); a DeepSpeed JSON that sets it keeps
-    its own; ZeRO-3 keeps it on several GPUs (its prefetch stream)."""
+    """ZeRO-1/2's overlap_comm (a device synchronize in every backward) is on only on several GPUs, eager or compiled
+    block by block (model.compile_regions auto does so there), with a model larger than one gradient bucket (the
+    JSON's bucket where it sets one); a DeepSpeed JSON that sets it keeps its own; ZeRO-3 keeps it on several GPUs
+    (its prefetch stream)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    eager, compiled = (load_run_config(CONFIG, [f"model.compile={c}"]) for c in ("false", "true"))
+    eager, compiled, one_graph = (load_run_config(CONFIG, o) for o in (
+        ["model.compile=false"], ["model.compile=true"], ["model.compile=true", "model.compile_regions=model"]))
     big, small = 1_300_000_000, 124_000_000  # more than DeepSpeed's 5e8-element bucket, and less
-    assert distributed.overlap_comm(eager, 8, big)
-    assert distributed.deepspeed_config(eager, 8, param_numel=big)["zero_optimization"]["overlap_comm"] is True
-    for cfg, world, numel in ((eager, 8, small), (eager, 1, big), (compiled, 8, big), (compiled, 8, small)):
+    for cfg in (eager, compiled):
+        assert distributed.overlap_comm(cfg, 8, big)
+        assert distributed.deepspeed_config(cfg, 8, param_numel=big)["zero_optimization"]["overlap_comm"] is True
+    for cfg, world, numel in ((eager, 8, small), (eager, 1, big), (compiled, 1, big), (compiled, 8, small),
+                              (one_graph, 8, big)):
         assert distributed.deepspeed_config(cfg, world, param_numel=numel)["zero_optimization"]["overlap_comm"] is False
     assert distributed.overlap_comm(eager, 8)  # the count unknown (the pre-launch check): as before
     zero3 = load_run_config(CONFIG, ["distributed.zero_stage=3", "model.compile=false"])
@@ -240,11 +244,27 @@ def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp
     assert not distributed.overlap_comm(eager, 8, big)  # CPU (gloo): no side stream
 
 
+def test_compile_regions_auto_splits_only_where_zero_reduces_during_the_backward():
+    """``model.compile_regions`` auto: one graph per block only under DeepSpeed ZeRO-1/2 with buckets to overlap
+    (several ranks, more than one bucket: what ``overlaps`` says); explicit values hold anywhere compile is on."""
+    from pipelines.engine.check import one_graph_per_block
+
+    def cfg(*overrides):
+        return load_run_config(CONFIG, ["model.compile=true", *overrides])
+
+    assert one_graph_per_block(cfg(), 8, overlaps=True)
+    for c, overlaps in ((cfg(), False), (cfg("distributed.engine=ddp"), True), (cfg("distributed.zero_stage=3"), True),
+                        (cfg("distributed.zero_stage=0"), True), (cfg("model.compile_regions=model"), True),
+                        (cfg("model.compile=false"), True), (cfg("model.compile=false", "model.compile_regions=blocks"), True)):
+        assert not one_graph_per_block(c, 8, overlaps)
+    assert one_graph_per_block(cfg("model.compile_regions=blocks", "distributed.engine=ddp"), 1, overlaps=False)
+
+
 def test_inductor_options_replace_the_mode_and_are_checked_by_name():
     """``model.compile_options``: torch.compile's inductor options in place of a mode (torch takes one of the two), each
     name checked against this torch's before the run builds anything; the CUDA-graph option refuses accumulation as
     the CUDA-graph modes do."""
-    from pipelines.engine.engines import compile_kwargs
+    from pipelines.engine.model_build import compile_kwargs
 
     cfg = load_run_config(CONFIG, ["model.compile=true", "model.compile_options={cpp_wrapper: true}"])
     assert compile_kwargs(cfg) == {"options": {"cpp_wrapper": True}, "dynamic": None}

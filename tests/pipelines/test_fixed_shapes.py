@@ -22,7 +22,7 @@ from core.config import load_config
 from core.corpus import load_manifest
 from pipelines.engine import objectives as tasks
 from pipelines.engine.config import RunConfig
-from pipelines.engine.engines import compile_kwargs
+from pipelines.engine.model_build import compile_kwargs
 from pipelines.loading import loader as data
 
 SEQ_LEN, ROWS = 32, 4

@@ -17,6 +17,7 @@ import pytest
 
 from core.config import ConfigError
 from pipelines import cli
+from pipelines.engine.check import bucket_overlap, one_graph_per_block
 from pipelines.engine.config import load_run_config
 from pipelines.ops import plan as P
 from pipelines.ops import plan_constants as K
@@ -266,8 +267,10 @@ def test_plan_of_the_1_3b_recipe_is_consistent(capsys):
     assert plan.checkpoint["world_free"] == 12 * plan.params
     assert plan.failure["job_mtbf_s"] == 1000 * 3600 / 8
     t = plan.throughput
-    # compiled ZeRO-2 reduces after the backward: its communication adds to the measured MFU's compute
-    assert t["exposed_comm_s"] == t["comm_s"] and t["step_s"] == pytest.approx(t["compute_s"] + t["comm_s"])
+    # compiled block by block (model.compile_regions auto), ZeRO-2 reduce-scatters during the backward; the weights'
+    # all-gather after the update adds to the measured MFU's compute
+    gather = t["comm_s"] / (plan.grad_accum + 1)
+    assert t["exposed_comm_s"] == pytest.approx(gather) and t["step_s"] == pytest.approx(t["compute_s"] + gather)
     assert t["tokens_s"] == pytest.approx(64 * K.MEASURED_MFU["gpt"].value * 989.5e12 / (t["flops_per_sample"] / 2048)
                                           * t["compute_s"] / t["step_s"], rel=1e-9)
     assert plan.token_budget == 286102 * 512 * 2048
@@ -277,23 +280,31 @@ def test_plan_of_the_1_3b_recipe_is_consistent(capsys):
 
 def test_the_plan_hides_communication_only_where_the_engine_overlaps_it():
     """benchmarks/comm_overlap.py (2 ranks): DDP reduces its buckets while the backward runs, compiled or not; DeepSpeed
-    ZeRO-2 does eager, but compiled its gradients all arrive after the backward. So the 1.3B recipe's step (64 GPUs)
-    waits for all of ZeRO-2's communication compiled, only for the weights' all-gather after the update eager (3 buckets
-    of 5e8: its reduce-scatters overlap), for all of ZeRO-0's (reduced after the backward) and for none of DDP's
-    (under the backward's ~2/3 of the compute); overlap_comm's second bucket is counted only eager."""
+    ZeRO-2 does eager and compiled block by block, but compiled as one graph its gradients all arrive after the
+    backward. So the 1.3B recipe's step (64 GPUs) waits for all of ZeRO-2's communication compiled as one graph, only
+    for the weights' all-gather after the update as the recipe compiles (model.compile_regions auto: block by block
+    here) and eager (3 buckets of 5e8: its reduce-scatters overlap), for all of ZeRO-0's (reduced after the backward)
+    and for none of DDP's (under the backward's ~2/3 of the compute); overlap_comm's second bucket is counted only
+    where it is on."""
     opts = P.PlanOptions(gpus=64, fs_gbps=10)
-    compiled, eager, ddp, zero0 = (P.make_plan(load_run_config(GPU / "gpt3_xl.yaml", o), opts)
-                                   for o in ([], ["model.compile=false"], ["distributed.engine=ddp"],
-                                             ["model.compile=false", "distributed.zero_stage=0"]))
-    c, e, d = compiled.throughput, eager.throughput, ddp.throughput
+    one_graph, recipe, eager, ddp, zero0 = (P.make_plan(load_run_config(GPU / "gpt3_xl.yaml", o), opts) for o in (
+        ["model.compile_regions=model"], [], ["model.compile=false"], ["distributed.engine=ddp"],
+        ["model.compile=false", "distributed.zero_stage=0"]))
+    c, r, e, d = one_graph.throughput, recipe.throughput, eager.throughput, ddp.throughput
     assert zero0.throughput["exposed_comm_s"] == zero0.throughput["comm_s"]  # all-reduced after the backward, eager too
     assert c["exposed_comm_s"] == c["comm_s"] > 0.1 * c["compute_s"]
-    assert any("distributed.engine=ddp overlaps" in n for n in compiled.notes)
+    assert any("distributed.engine=ddp overlaps" in n and "compiled backward" in n for n in one_graph.notes)
     gather = e["comm_s"] / (eager.grad_accum + 1)  # ZeRO-2: a reduce-scatter per micro-batch, one all-gather
     assert e["exposed_comm_s"] == pytest.approx(gather) and e["step_s"] == pytest.approx(e["compute_s"] + gather)
+    assert r["exposed_comm_s"] == pytest.approx(gather) and r["step_s"] < c["step_s"]
     assert d["comm_s"] < d["compute_s"] and d["exposed_comm_s"] == 0 and d["step_s"] == d["compute_s"]
     bucket = 5e8 * 2  # bf16 elements of DeepSpeed's default bucket
-    assert eager.run_row.buffers == 2 * bucket and compiled.run_row.buffers == bucket
+    assert eager.run_row.buffers == recipe.run_row.buffers == 2 * bucket and one_graph.run_row.buffers == bucket
+    # one GPU, or a model in one bucket: nothing to overlap, so auto keeps the one graph
+    cfg = load_run_config(GPU / "gpt3_xl.yaml", [])
+    assert one_graph_per_block(cfg, 64, bucket_overlap(2, 64, False, 1_315_575_808, 5e8))
+    for gpus, numel in ((1, 1_315_575_808), (64, 124_439_808)):
+        assert not one_graph_per_block(cfg, gpus, bucket_overlap(2, gpus, False, numel, 5e8))
 
 
 def test_the_plan_counts_the_lm_head_as_the_recipe_runs_it():

@@ -5,16 +5,11 @@ skipped on every rank -- with the norm read once before the update (torch's defa
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from job_helpers import REPO, job_env
+from job_helpers import two_rank_results
 from zero_train import NAN_STEP, STEPS
-
-from pipelines.engine.distributed import free_port
 
 JOB = Path(__file__).with_name("zero_step_job.py")
 SKIPPED = [i == NAN_STEP for i in range(STEPS)]
@@ -28,12 +23,7 @@ def _installed(precision: str, kernel: str) -> list[str]:
 
 @pytest.mark.slow
 def test_two_ranks_step_without_host_waits_as_stock_deepspeed_bitwise(tmp_path):
-    out = tmp_path / "zero_step.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(JOB), str(out)], cwd=REPO, env=job_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    ranks = [json.loads(out.with_suffix(f".rank-{r}.json").read_text()) for r in range(2)]
+    ranks = two_rank_results(JOB, tmp_path / "zero_step.json")
     assert ranks[0].keys() == ranks[1].keys() and len(ranks[0]) == 6
     for case, result in ranks[0].items():
         stage, precision, kernel = case.split("-")
