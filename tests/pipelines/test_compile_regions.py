@@ -44,10 +44,11 @@ def _batch(name: str) -> dict:
             "next_sentence_label": torch.tensor([0, 1]), "masked_positions": torch.tensor([3, 9, 19, 25])}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, checkpointing", [("gpt-tiny", True), ("bert-tiny", False), ("vit-tiny", False)])
+@pytest.mark.parametrize("name, checkpointing", [("gpt-tiny", True), pytest.param("bert-tiny", False, marks=pytest.mark.slow),
+                                                 pytest.param("vit-tiny", False, marks=pytest.mark.slow)])
 def test_a_model_compiled_block_by_block_is_the_eager_model_in_one_graph_per_block(name, checkpointing):
-    """GPT with activation checkpointing (the 7B plan's setting); the 2-rank test below compiles GPT without it."""
+    """GPT with activation checkpointing (the 7B plan's setting; in the fast suite, so that the lowest torch runs it
+    too); the 2-rank test below compiles GPT without it."""
     torch.manual_seed(0)
     extra = dict(image_size=8, patch_size=4, num_labels=3) if name == "vit-tiny" else dict(vocab_size=64)
     eager = models.create(name, **TINY, **extra)
