@@ -47,7 +47,7 @@ def _ddp(compiled: bool):
     return ddp, lambda loss: loss.backward()
 
 
-def _deepspeed(compiled: bool):
+def _deepspeed(compiled: bool | str):
     import deepspeed
 
     from pipelines.engine.config import OptimConfig

@@ -33,6 +33,7 @@ __all__ = [
     "attention_mask_for_sdpa",
     "set_activation_checkpointing",
     "run_blocks",
+    "loop_blocks",
     "ONE_GRAPH_PER_BLOCK",
 ]
 
@@ -154,8 +155,8 @@ def set_activation_checkpointing(blocks: nn.ModuleList, enabled: bool = True, la
         block.checkpointing = bool(enabled) and i in chosen
 
 
-#: Set on a model's ``blocks`` by ``pipelines.engine.model_build.compile_each_block_``: each block is compiled on its
-#: own and ``run_blocks`` loops over them outside the model's compiled graph.
+#: The attribute ``pipelines.engine.model_build.compile_each_block_`` sets on a model's ``blocks`` once each block is
+#: compiled on its own: ``loop_blocks`` wrapped in ``torch.compiler.disable``, which ``run_blocks`` then calls.
 ONE_GRAPH_PER_BLOCK = "one_graph_per_block"
 
 
@@ -164,15 +165,13 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, *args) -> torch.Tensor:
     the model's one graph; once the blocks are compiled one by one (``ONE_GRAPH_PER_BLOCK``), the loop stays out of
     the model's graph, which then ends before the first block and resumes after the last, so the backward is one
     autograd node per block and each block's gradients are ready as soon as its own backward ends."""
-    if getattr(blocks, ONE_GRAPH_PER_BLOCK, False):
-        return _blocks_outside_the_graph(blocks, x, *args)
+    outside_the_graph = getattr(blocks, ONE_GRAPH_PER_BLOCK, None)
+    if outside_the_graph is not None:
+        return outside_the_graph(blocks, x, *args)
+    return loop_blocks(blocks, x, *args)
+
+
+def loop_blocks(blocks: nn.ModuleList, x: torch.Tensor, *args) -> torch.Tensor:
     for block in blocks:
-        x = block(x, *args)
-    return x
-
-
-@torch.compiler.disable
-def _blocks_outside_the_graph(blocks: nn.ModuleList, x: torch.Tensor, *args) -> torch.Tensor:
-    for block in blocks:  # each block's own compiled graph runs here
         x = block(x, *args)
     return x

@@ -139,11 +139,15 @@ def one_graph_per_block(cfg: Any, world_size: int, overlaps: bool) -> bool:
     reduce gradient buckets during the backward if the compiled graph let it (``bucket_overlap`` not compiled, or a
     JSON's ``overlap_comm``). Auto compiles block by block exactly there: a whole-model graph's backward is one
     autograd node, whose gradients all reach DeepSpeed's hooks once it ends. DDP needs no split (dynamo cuts its graph
-    at DDP's buckets); a model in one bucket, or on one rank, has nothing to overlap."""
+    at DDP's buckets); a model in one bucket, or on one rank, has nothing to overlap. Nor does auto split a graph
+    that CUDA graphs replay (``compile_mode`` reduce-overhead or max-autotune, ``triton.cudagraphs``): untried with
+    DeepSpeed's side stream."""
     m, d = cfg.model, cfg.distributed
     if not m.compile or m.compile_regions == "model":
         return False
-    return m.compile_regions == "blocks" or (d.engine == "deepspeed" and d.zero_stage in (1, 2) and overlaps)
+    cudagraphs = m.compile_mode in ("reduce-overhead", "max-autotune") or bool(m.compile_options.get("triton.cudagraphs"))
+    return m.compile_regions == "blocks" or (d.engine == "deepspeed" and d.zero_stage in (1, 2) and world_size > 1
+                                             and overlaps and not cudagraphs)
 
 
 def bucket_overlap(stage: int, world_size: int, compiled: bool, param_numel: int, bucket: int) -> bool:

@@ -104,8 +104,8 @@ class ModelConfig:
     compile_regions: Literal["auto", "model", "blocks"] = option(
         "auto", help="What one compiled graph holds: model (the whole model) | blocks (one graph per transformer block, one "
                      "before and one after them: each block's gradients are ready when its backward ends, so DeepSpeed "
-                     "ZeRO-1/2 reduces them during the backward) | auto: blocks under DeepSpeed ZeRO-1/2 on several "
-                     "ranks, model elsewhere.")
+                     "ZeRO-1/2 reduces them during the backward) | auto: blocks where DeepSpeed ZeRO-1/2 overlaps its "
+                     "reduction (several GPUs, a model of more than one gradient bucket), model elsewhere.")
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = option(
         "auto", help="The attention kernel SDPA tries first in this run, then torch's own order (a call it cannot serve "
                      "falls back); auto: torch's order. benchmarks/attention_backends.py times them on the recipes' shapes.")

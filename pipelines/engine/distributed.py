@@ -347,7 +347,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> d
 
     merged = merge(base, ours, "")
     zero = merged.get("zero_optimization", {})
-    if "overlap_comm" not in base.get("zero_optimization", {}) and isinstance(zero.get("reduce_bucket_size"), (int, float)):
+    if (base.get("zero_optimization", {}).get("overlap_comm", "auto") == "auto"  # ours, for the JSON's own bucket
+            and isinstance(zero.get("reduce_bucket_size"), (int, float))):
         zero["overlap_comm"] = overlap_comm(cfg, world_size, param_numel, int(zero["reduce_bucket_size"]))  # the JSON's bucket
     for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
         if zero.get(key, {}).get("device", "none") != "none" and not getattr(d, flag):

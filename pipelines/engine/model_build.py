@@ -127,14 +127,15 @@ def compile_each_block_(model: torch.nn.Module, compile_kwargs: dict[str, Any]) 
     it ends, so no bucket reduction overlaps the backward (benchmarks/comm_overlap.py: 0 of 5 compiled whole, as
     many as eager block by block); torchtitan compiles its blocks one by one for the same reason (FSDP's per-block
     hooks). Identical blocks share one compiled graph. Returns the number of stacks (0: no ``blocks`` to split)."""
-    from models.layers import ONE_GRAPH_PER_BLOCK
+    from models.layers import ONE_GRAPH_PER_BLOCK, loop_blocks
 
     stacks = [m for name, m in model.named_modules()
               if name.rpartition(".")[2] == "blocks" and isinstance(m, torch.nn.ModuleList)]
+    outside_the_graph = torch.compiler.disable(loop_blocks)  # each block's own compiled graph runs inside
     for stack in stacks:
         for block in stack:
             block.compile(**compile_kwargs)
-        setattr(stack, ONE_GRAPH_PER_BLOCK, True)
+        setattr(stack, ONE_GRAPH_PER_BLOCK, outside_the_graph)
     return len(stacks)
 
 

@@ -1,6 +1,7 @@
 """One rank of a 2-rank world (``torchrun --nproc_per_node 2``, gloo): the engine as a run builds it (DeepSpeed
 ZeRO-2, ``model.compile``, a 4-layer tiny GPT, gradient buckets of about a block each), once per
-``model.compile_regions`` (``model``: one graph; ``blocks``: one graph per block), trained a few steps on this rank's
+``model.compile_regions`` (``model``: one graph; ``blocks``: one graph per block; ``auto`` where a DeepSpeed JSON
+sets ``overlap_comm``: blocks), trained a few steps on this rank's
 own batches, then one backward profiled as ``benchmarks/comm_overlap.py`` profiles it.
 
     torchrun --nproc_per_node 2 compile_regions_job.py OUT.json     # writes OUT.rank-N.json
@@ -66,9 +67,13 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     with tempfile.TemporaryDirectory() as tmp:
-        bucket_json = Path(tmp) / "ds.json"  # buckets of about one block's gradients (the model has ~1.8 M)
-        bucket_json.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 200_000}}))
-        results = {regions: run(regions, bucket_json, rank) for regions in ("model", "blocks")}
+        results = {}
+        # buckets of about one block's gradients (the model has ~1.8 M); auto splits where DeepSpeed overlaps, which
+        # on the CPU only a JSON's overlap_comm turns on
+        for regions, overlap in (("model", {}), ("blocks", {}), ("auto", {"overlap_comm": True})):
+            ds_json = Path(tmp) / f"ds-{regions}.json"
+            ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 200_000, **overlap}}))
+            results[regions] = run(regions, ds_json, rank)
     out.with_suffix(f".rank-{rank}.json").write_text(json.dumps(results, indent=1))
 
 

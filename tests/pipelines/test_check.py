@@ -237,6 +237,8 @@ def test_overlap_comm_only_where_a_bucket_reduction_can_overlap_the_backward(tmp
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10_000_000}}))
     bucketed = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}", "model.compile=false"])
     assert distributed.deepspeed_config(bucketed, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10_000_000, "overlap_comm": "auto"}}))
+    assert distributed.deepspeed_config(bucketed, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
     user = load_run_config(CONFIG, [f"distributed.deepspeed_config={ds}", "model.compile=true"])
     assert distributed.deepspeed_config(user, 8, param_numel=small)["zero_optimization"]["overlap_comm"] is True

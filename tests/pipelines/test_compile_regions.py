@@ -67,7 +67,9 @@ def test_a_model_compiled_block_by_block_is_the_eager_model_in_one_graph_per_blo
     params = len(list(eager.parameters()))
     compiled = nodes.pop("CompiledFunctionBackward")
     assert nodes == {"AccumulateGrad": params}, f"operators left out of every compiled graph: {nodes}"
-    assert compiled >= TINY["num_layers"] + 2  # before the blocks, one per block, after them
+    # one graph per block, one before and one after them, and one more after a nested module whose forward loops
+    # over the blocks (BERT's encoder, ViT's forward_features): the rest of the caller's forward resumes on its own
+    assert compiled == TINY["num_layers"] + {"gpt-tiny": 2, "bert-tiny": 3, "vit-tiny": 3}[name], nodes
     assert losses["split"] == pytest.approx(losses["eager"], rel=1e-6)
     for (n, a), b in zip(eager.named_parameters(), split.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
@@ -77,8 +79,10 @@ def test_a_model_compiled_block_by_block_is_the_eager_model_in_one_graph_per_blo
 @pytest.mark.slow
 def test_zero2_reduces_buckets_during_the_backward_only_when_compiled_block_by_block(tmp_path):
     for r in two_rank_results(JOB, tmp_path / "regions.json"):
-        one_graph, blocks = r["model"], r["blocks"]
+        one_graph, blocks, auto = r["model"], r["blocks"], r["auto"]
         assert one_graph["compiled_nodes"] == 1 and one_graph["started_during_backward"] == 0, one_graph
-        assert blocks["compiled_nodes"] == 4 + 2, blocks  # the job's 4 blocks, the graphs before and after them
-        assert blocks["collectives"] == one_graph["collectives"] > 2 and blocks["started_during_backward"] >= 2, blocks
-        assert blocks["losses"] == pytest.approx(one_graph["losses"], rel=1e-6)
+        for split in (blocks, auto):  # auto: the engine's JSON overlaps, so the engine compiles block by block
+            assert split["compiled_nodes"] == 4 + 2, split  # the job's 4 blocks, the graphs before and after them
+            # 9 bucket reductions in a backward, 3 of them started while it still computes (the later blocks' buckets)
+            assert split["collectives"] == one_graph["collectives"] == 9 and split["started_during_backward"] == 3, split
+            assert split["losses"] == one_graph["losses"]  # bitwise: the same kernels, cut into more graphs

@@ -17,7 +17,6 @@ import pytest
 
 from core.config import ConfigError
 from pipelines import cli
-from pipelines.engine.check import bucket_overlap, one_graph_per_block
 from pipelines.engine.config import load_run_config
 from pipelines.ops import plan as P
 from pipelines.ops import plan_constants as K
@@ -300,11 +299,9 @@ def test_the_plan_hides_communication_only_where_the_engine_overlaps_it():
     assert d["comm_s"] < d["compute_s"] and d["exposed_comm_s"] == 0 and d["step_s"] == d["compute_s"]
     bucket = 5e8 * 2  # bf16 elements of DeepSpeed's default bucket
     assert eager.run_row.buffers == recipe.run_row.buffers == 2 * bucket and one_graph.run_row.buffers == bucket
-    # one GPU, or a model in one bucket: nothing to overlap, so auto keeps the one graph
-    cfg = load_run_config(GPU / "gpt3_xl.yaml", [])
-    assert one_graph_per_block(cfg, 64, bucket_overlap(2, 64, False, 1_315_575_808, 5e8))
-    for gpus, numel in ((1, 1_315_575_808), (64, 124_439_808)):
-        assert not one_graph_per_block(cfg, gpus, bucket_overlap(2, gpus, False, numel, 5e8))
+    # a model in one bucket (124M): nothing to overlap, so auto keeps the one graph and all of it adds
+    small = P.make_plan(load_run_config(GPU / "gpt2_small.yaml"), opts).throughput  # one bucket: nothing to overlap
+    assert small["exposed_comm_s"] == small["comm_s"] > 0
 
 
 def test_the_plan_counts_the_lm_head_as_the_recipe_runs_it():
