@@ -124,9 +124,10 @@ def compile_each_block_(model: torch.nn.Module, compile_kwargs: dict[str, Any]) 
     mark the stacks so that ``models.layers.run_blocks`` keeps their loop out of the model's own compiled graph:
     compiled afterwards, the model is one graph before the blocks, one per block and one after them. Why: the
     backward of one compiled graph is one autograd node, and DeepSpeed's ZeRO-1/2 gradient hooks then all fire once
-    it ends, so no bucket reduction overlaps the backward (benchmarks/comm_overlap.py: 0 of 5 compiled whole, as
-    many as eager block by block); torchtitan compiles its blocks one by one for the same reason (FSDP's per-block
-    hooks). Identical blocks share one compiled graph. Returns the number of stacks (0: no ``blocks`` to split)."""
+    it ends, so no bucket reduction overlaps the backward (benchmarks/comm_overlap.py, a 2-block GPT: 0 of 5 compiled
+    whole, 1 block by block, 2 eager; tests/pipelines/test_compile_regions.py); torchtitan compiles its blocks one by
+    one for the same reason (FSDP's per-block hooks). Identical blocks share one compiled graph. Returns the number of
+    stacks (0: no ``blocks`` to split)."""
     from models.layers import ONE_GRAPH_PER_BLOCK, loop_blocks
 
     stacks = [m for name, m in model.named_modules()
