@@ -31,7 +31,8 @@ from core.families import UnknownModel, families_for_task, family_of_model, mode
 from pipelines.engine.schedules import build_schedule
 
 __all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "bucket_overlap", "check", "check_accelerate_file", "check_inputs",
-           "is_pretraining_task", "model_catalog", "model_width", "one_graph_per_block", "run_schedule", "split_batch"]
+           "is_pretraining_task", "model_catalog", "model_width", "one_graph_per_block", "run_schedule", "split_batch",
+           "zero_overlap"]
 
 
 def is_pretraining_task(task: str) -> bool:
@@ -148,6 +149,14 @@ def one_graph_per_block(cfg: Any, world_size: int, overlaps: bool) -> bool:
     cudagraphs = m.compile_mode in ("reduce-overhead", "max-autotune") or bool(m.compile_options.get("triton.cudagraphs"))
     return m.compile_regions == "blocks" or (d.engine == "deepspeed" and d.zero_stage in (1, 2) and world_size > 1
                                              and overlaps and not cudagraphs)
+
+
+def zero_overlap(cfg: Any, world_size: int, param_numel: int, bucket: int) -> tuple[bool, bool]:
+    """(whether ZeRO-1/2's bucket reductions can overlap the backward, whether the model compiles block by block so
+    that they do): the rule the engine's DeepSpeed JSON and ``pretrain plan`` share (GPUs assumed)."""
+    stage = cfg.distributed.zero_stage
+    per_block = one_graph_per_block(cfg, world_size, bucket_overlap(stage, world_size, False, param_numel, bucket))
+    return bucket_overlap(stage, world_size, bool(cfg.model.compile) and not per_block, param_numel, bucket), per_block
 
 
 def bucket_overlap(stage: int, world_size: int, compiled: bool, param_numel: int, bucket: int) -> bool:

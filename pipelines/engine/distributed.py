@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
-from pipelines.engine.check import ACCELERATE_PRECISION, bucket_overlap, check_accelerate_file, one_graph_per_block
+from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file, zero_overlap
 from pipelines.engine.config import RunConfig
 from pipelines.engine.launch_output import LaunchOutput
 from pipelines.engine.registries import OPTIMIZERS
@@ -279,12 +279,7 @@ def overlap_comm(cfg: RunConfig, world_size: int, param_numel: int = 0, bucket: 
     only changes which stream reduces. ZeRO-3 prefetches and reduces on its own streams with it: on, as before,
     on several GPUs. ``param_numel`` 0: the count is unknown.
     """
-    if not torch.cuda.is_available():
-        return False
-    stage, bucket = cfg.distributed.zero_stage, bucket or reduce_bucket_size(param_numel)
-    one_graph = cfg.model.compile and not one_graph_per_block(cfg, world_size, bucket_overlap(stage, world_size, False,
-                                                                                              param_numel, bucket))
-    return bucket_overlap(stage, world_size, one_graph, param_numel, bucket)
+    return torch.cuda.is_available() and zero_overlap(cfg, world_size, param_numel, bucket or reduce_bucket_size(param_numel))[0]
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, param_numel: int = 0) -> dict[str, Any]:

@@ -469,16 +469,18 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
         model, optimizer = acc.prepare(model, optimizer)  # our LambdaLR is stepped by DeepSpeedEngine.step
         engine: Engine = DeepSpeedEngine(acc, model, optimizer, scheduler, cfg)
         if cfg.model.compile:
+            kwargs = compile_kwargs(cfg)
             compile_blocks_if(one_graph_per_block(cfg, env.world_size, ds_json["zero_optimization"]["overlap_comm"]),
-                               model.module, cfg)
-            model.compile(compile_kwargs=compile_kwargs(cfg))
+                              model.module, cfg, kwargs)
+            model.compile(compile_kwargs=kwargs)
         return engine
     # DDP: mixed precision is ours (DDPEngine's autocast + GradScaler), not accelerate's
     with _joining_quietly():
         acc = Accelerator(cpu=env.device == "cpu", mixed_precision="no", kwargs_handlers=[pg])
     if cfg.model.compile:
-        compile_blocks_if(one_graph_per_block(cfg, env.world_size, False), model, cfg)
-        model = torch.compile(model, **compile_kwargs(cfg))
+        kwargs = compile_kwargs(cfg)
+        compile_blocks_if(one_graph_per_block(cfg, env.world_size, False), model, cfg, kwargs)
+        model = torch.compile(model, **kwargs)
     model, optimizer = acc.prepare(model, optimizer)  # the raw LambdaLR steps once per optimizer step
     if d.one_rank_fast_path:
         model = unwrap_one_rank_ddp(acc, model)

@@ -157,12 +157,13 @@ def compile_kwargs(cfg: Any) -> dict[str, Any]:
     return {"options": options, "dynamic": dynamic}
 
 
-def compile_blocks_if(per_block: bool, model: torch.nn.Module, cfg: Any) -> None:
-    """``model.compile_regions`` (``check.one_graph_per_block``): the blocks compiled one graph each before the model
-    is compiled around them; a model without ``blocks`` to split is compiled whole, and said so."""
+def compile_blocks_if(per_block: bool, model: torch.nn.Module, cfg: Any, kwargs: dict[str, Any]) -> None:
+    """``model.compile_regions`` (``check.one_graph_per_block``): the blocks compiled one graph each (``kwargs``: the
+    run's ``compile_kwargs``) before the model is compiled around them; a model without ``blocks`` to split is
+    compiled whole, and said so."""
     if not per_block:
         return
-    if compile_each_block_(model, compile_kwargs(cfg)):
+    if compile_each_block_(model, kwargs):
         log.info("model.compile_regions=%s: %s compiled one graph per block, so that its gradients are reduced during "
                  "the backward", cfg.model.compile_regions, cfg.model.name)
     elif cfg.model.compile_regions == "blocks":

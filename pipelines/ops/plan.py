@@ -27,11 +27,10 @@ from core.config import ConfigError
 from pipelines.engine.check import (
     ONE_RANK_ZERO3,
     batch_split,
-    bucket_overlap,
     check,
     is_pretraining_task,
-    one_graph_per_block,
     split_batch,
+    zero_overlap,
 )
 from pipelines.engine.registries import OPTIMIZERS
 from pipelines.ops import plan_constants as K
@@ -280,10 +279,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     limit = (1 - K.MEMORY_RESERVE.value) * gpu.memory_bytes.value
     # ZeRO-1/2's overlap_comm: on only where a bucket's reduction can overlap the backward (as the engine sets it on GPUs);
     # model.compile_regions auto compiles block by block there, which overlaps as eager does
-    bucket = K.DEEPSPEED["reduce_bucket_size"].value
-    per_block = one_graph_per_block(cfg, opts.gpus, bucket_overlap(d.zero_stage, opts.gpus, False, P, bucket))
-    overlap = d.engine == "deepspeed" and d.zero_stage in (1, 2) and bucket_overlap(
-        d.zero_stage, opts.gpus, compiled and not per_block, P, bucket)
+    overlap, per_block = zero_overlap(cfg, opts.gpus, P, K.DEEPSPEED["reduce_bucket_size"].value)
+    overlap = overlap and d.engine == "deepspeed" and d.zero_stage in (1, 2)
     rows = memory_rows(P, largest_layer_params(shape), engine=d.engine, precision=cfg.train.precision, moments=moments,
                        gpus=opts.gpus, gpus_per_node=min(opts.gpus, opts.gpus_per_node), activations=acts,
                        head_transient=head_transient, limit=limit, overlap=overlap)
