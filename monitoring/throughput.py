@@ -132,8 +132,11 @@ def cpu_peak_flops(dtype: Any = "fp32", seconds: float = 0.2, *, fresh: bool = F
         return _cpu_peak_cache[key]
     tdtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key[0]]
     n = 512
-    a = torch.randn(n, n).to(tdtype)
-    b = torch.randn(n, n).to(tdtype)
+    # the probe's own generator: a re-probe comes when a step beats the peak, a moment set by timing, and drawing
+    # from the global one there would shift every later dropout mask (a run would not repeat, nor resume exactly)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(tdtype)
+    b = torch.randn(n, n, generator=gen).to(tdtype)
     torch.mm(a, b)  # warm-up: thread pool, kernel selection
     best = 0.0
     deadline = time.perf_counter() + seconds

@@ -126,6 +126,20 @@ def test_cpu_peak_is_measured_once() -> None:
     assert time.perf_counter() - t0 < 0.01  # cached: no second probe
 
 
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_cpu_peak_probe_leaves_the_training_rng_alone(dtype: str) -> None:
+    """The probe runs again when a step beats the peak, at a moment the machine's speed decides (a bf16 run on a CPU
+    without bf16 matmuls beats its first probe within a few steps): drawing its matrices from torch's global
+    generator there shifted every later dropout mask, so a resumed bf16 run left the run it resumed from at the
+    step after a re-probe. Its matrices come from a generator of its own."""
+    import torch
+
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    cpu_peak_flops(dtype, seconds=0.01, fresh=True)
+    assert torch.equal(torch.get_rng_state(), state)
+
 # ----------------------------------------------------------------------------- 2-process skew
 def _free_port() -> int:
     with socket.socket() as s:
