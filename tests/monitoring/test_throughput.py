@@ -126,7 +126,6 @@ def test_cpu_peak_is_measured_once() -> None:
     assert time.perf_counter() - t0 < 0.01  # cached: no second probe
 
 
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_cpu_peak_probe_leaves_the_training_rng_alone(dtype: str) -> None:
     """The probe runs again when a step beats the peak, at a moment the machine's speed decides (a bf16 run on a CPU
@@ -139,6 +138,7 @@ def test_a_cpu_peak_probe_leaves_the_training_rng_alone(dtype: str) -> None:
     state = torch.get_rng_state()
     cpu_peak_flops(dtype, seconds=0.01, fresh=True)
     assert torch.equal(torch.get_rng_state(), state)
+
 
 # ----------------------------------------------------------------------------- 2-process skew
 def _free_port() -> int:
