@@ -42,6 +42,7 @@ a few steps (fp32): it proves the script, not a speed.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -191,12 +192,11 @@ def recipe_config(config: str, args: argparse.Namespace):
     return load_config(REPO / config, list(args.set), cls=RunConfig)
 
 
-def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace, micro: int) -> dict:
-    """One recipe run as a user runs it, at micro batch ``micro`` (the recipe's); the run's own last train record (+ wall time)."""
+def run_command(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace, micro: int) -> list[str]:
+    """The command line of one row's run: the recipe as a user runs it, at micro batch ``micro`` (the recipe's)."""
     config = (CPU if args.cpu_smoke else GPU)[name][0]
-    run_dir = work / f"{name}-{engine}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone",
-           "-m", "pipelines.pretrain", config, f"data.corpus={corpus}", f"train.run_dir={run_dir}",
+           "-m", "pipelines.pretrain", config, f"data.corpus={corpus}", f"train.run_dir={work / f'{name}-{engine}'}",
            f"train.max_steps={args.steps}", f"train.log_every={args.steps // 2}", "train.eval_every=0",
            "data.eval_split=none", "train.checkpoint_every=0", "distributed.world_free_checkpoints=false",
            "logging.tensorboard=false", "train.resume=never", "train.overwrite=true"]
@@ -209,6 +209,51 @@ def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.
         cmd += [f"logging.profile_steps={first}-{first + 2}"]
     if args.cpu_smoke:
         cmd += ["data.num_workers=1", "data.micro_batch_size=8"]
+    return cmd
+
+
+def micro_batch(name: str, args: argparse.Namespace) -> int:
+    """The micro batch of a recipe's rows: the recipe's own (after ``--set``); 8 in a CPU smoke run."""
+    return 8 if args.cpu_smoke else recipe_config(GPU[name][0], args).data.micro_batch_size
+
+
+def write_row_files(work: Path) -> None:
+    """The files rows point at (``{work}`` in ENGINE_OVERRIDES): DeepSpeed's timer as it ships, for ``zero2-synced-timer``."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "timer_on.json").write_text(json.dumps(TIMER_ON))
+
+
+def check_rows(args: argparse.Namespace, corpora: Path, work: Path) -> list[str]:
+    """Every row's run config loaded and checked as ``pretrain`` checks it on one GPU, before the first run: a
+    misspelt row or ``--set`` costs seconds, not the minutes of the rows before it (a lease is short)."""
+    from core.config import ConfigError
+    from pipelines.engine.check import check
+    from pipelines.engine.config import load_run_config
+
+    errors = []
+    for name in args.recipes.split(","):
+        if name not in RECIPES:
+            errors.append(f"--recipes {name}: no such recipe (one of {', '.join(RECIPES)})")
+            continue
+        for engine in args.engines.split(","):
+            if engine not in ENGINE_OVERRIDES:
+                near = difflib.get_close_matches(engine, ENGINE_OVERRIDES, n=1)
+                errors.append(f"--engines {engine}: no such row{f' (did you mean {near[0]}?)' if near else ''}; "
+                              f"the rows are {', '.join(ENGINE_OVERRIDES)}")
+                continue
+            try:
+                cmd = run_command(name, engine, corpora / name, work, args, micro_batch(name, args))
+                at = cmd.index("pipelines.pretrain") + 1
+                check(load_run_config(REPO / cmd[at], cmd[at + 1:]), world_size=1)
+            except ConfigError as exc:
+                errors.append(f"{name} {engine}: {exc}")
+    return list(dict.fromkeys(errors))  # a misspelt row once, not once per recipe
+
+
+def train_once(name: str, engine: str, corpus: Path, work: Path, args: argparse.Namespace, micro: int) -> dict:
+    """One recipe run as a user runs it, at micro batch ``micro`` (the recipe's); the run's own last train record (+ wall time)."""
+    run_dir = work / f"{name}-{engine}"
+    cmd = run_command(name, engine, corpus, work, args, micro)
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     # torch logs recompiles and graph breaks only when asked (compile time only: the timed steps are unaffected)
@@ -330,13 +375,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "timer_on.json").write_text(json.dumps(TIMER_ON))
+    write_row_files(work)
+    errors = check_rows(args, corpora, work)
+    if errors:
+        print("error: no run started; fix these rows first:\n" + "\n".join(f"- {e}" for e in errors), file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results: list[tuple[str, str, int, dict]] = []
     for name in args.recipes.split(","):
-        batch = recipe_config(GPU[name][0], args).data.micro_batch_size if not args.cpu_smoke else 8
+        batch = micro_batch(name, args)
         attention_kernels(name, args)
         for engine in args.engines.split(","):
             results.append((name, engine, batch, train_once(name, engine, corpora / name, work, args, batch)))
@@ -374,7 +422,7 @@ def _print_table(results: list, device: str, started: str) -> None:
     sys.stdout.flush()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="write the corpora (CPU, needs Ray)")
@@ -394,7 +442,11 @@ def main() -> int:
     for q in (pp, pr):
         q.add_argument("--recipes", default=",".join(RECIPES))
         q.add_argument("--cpu-smoke", action="store_true", help="tiny CPU configs and corpora: proves the script")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     os.environ.setdefault("PYTHONPATH", str(REPO))
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PROGRAMS = ("pretrain", "accelerate", "torchrun", "deepspeed", "python", "sbatch", "make")
+PROGRAMS = ("pretrain", "accelerate", "torchrun", "deepspeed", "python", "python3", "sbatch", "make", "bash")
 
 
 def help_examples() -> list[tuple[str, str]]:
@@ -48,10 +48,23 @@ def doc_examples() -> list[tuple[str, str]]:
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for body in re.findall(r"```[a-z]*\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
             for line in body.replace("\\\n", " ").splitlines():
-                words = shlex.split(line, comments=True)
+                words = _without_prefix(shlex.split(line, comments=True))
                 if words and words[0] in PROGRAMS:
                     out.append((path.name, shlex.join(words)))
     return out
+
+
+def _without_prefix(words: list[str]) -> list[str]:
+    """The command itself, without the ``NAME=value`` assignments and the ``timeout [-k N] LIMIT`` before it
+    (how the device tool's calls are written, e.g. ``OUT=$OUT/gpt timeout -k 10 260 bash ...``)."""
+    while words and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[0]):
+        words = words[1:]
+    if words[:1] == ["timeout"]:
+        words = words[1:]
+        while words and words[0].startswith("-"):
+            words = words[2:] if words[0] in ("-k", "-s") else words[1:]
+        words = words[1:]
+    return words
 
 
 def _load(kind: str, config: str, overrides: list[str]) -> None:
@@ -158,6 +171,36 @@ def check_python(words: list[str]) -> str:
     return "compiles; needs a release directory (the slow chain runs the fill-mask example)"
 
 
+#: The lease plan's placeholders (docs/benchmarks.md, "The next lease"): R, the recipe whose attention table showed
+#: a faster kernel than SDPA's pick, and K, that kernel.
+LEASE_PLACEHOLDERS = {r"(?<=--recipes )R\b": "gpt,bert", r"\bzero2-K\b": "zero2-cudnn,zero2-flash"}
+
+
+def check_bash(words: list[str]) -> str:
+    """``bash benchmarks/X.sh --flag ...``; ``gpu_check.sh`` lines (the lease plan) have every row's run config
+    loaded and checked as ``gpu_check.py run`` checks them before its first run."""
+    script = REPO / words[1]
+    assert script.is_file(), words[1]
+    if words[1] != "benchmarks/gpu_check.sh":
+        for flag in (w for w in words[2:] if w.startswith("--")):
+            assert flag in script.read_text(encoding="utf-8"), f"{words[1]} has no option {flag}"
+        return "the script and its options exist; it needs a GPU (figures in the doc it is in)"
+    import tempfile
+
+    from benchmarks.gpu_check import build_parser, check_rows, write_row_files
+
+    line = shlex.join(words[2:])
+    for placeholder, values in LEASE_PLACEHOLDERS.items():
+        line = re.sub(placeholder, values, line)
+    args = build_parser().parse_args(["run", *shlex.split(line)])
+    with tempfile.TemporaryDirectory() as work:
+        write_row_files(Path(work))
+        errors = check_rows(args, Path(args.corpora), Path(work))
+    assert not errors, errors
+    rows = len(args.recipes.split(",")) * len(args.engines.split(","))
+    return f"every row's run config ({rows}) loads and passes `pretrain`'s check for one process; running needs a GPU"
+
+
 def check_make(words: list[str]) -> str:
     targets = re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), re.M)
     assert words[1] in targets, f"make {words[1]}: no such target ({targets})"
@@ -165,7 +208,8 @@ def check_make(words: list[str]) -> str:
 
 
 CHECKS = {"pretrain": check_pretrain, "accelerate": check_launcher, "torchrun": check_launcher,
-          "deepspeed": check_launcher, "sbatch": check_sbatch, "python": check_python, "make": check_make}
+          "deepspeed": check_launcher, "sbatch": check_sbatch, "python": check_python, "python3": check_python,
+          "make": check_make, "bash": check_bash}
 
 EXAMPLES = help_examples() + doc_examples()
 
