@@ -158,16 +158,16 @@ def prepare(args: argparse.Namespace) -> int:
     table, (text_mb, n_images, px) = (CPU if args.cpu_smoke else GPU), SIZES[mode]
     out = Path(args.out).resolve()
     src = out / "sources"
-    if not (src / "text").is_dir():
+    todo = [name for name in args.recipes.split(",") if not (out / name / "manifest.json").is_file()]
+    for name in sorted(set(args.recipes.split(",")) - set(todo)):
+        print(f"{out / name}: prepared already", flush=True)
+    if todo and not (src / "text").is_dir():  # the synthetic sources only where a corpus is still to make
         write_text(src / "text", text_mb)
-    if not (src / "images").is_dir():
+    if todo and not (src / "images").is_dir():
         write_images(src / "images", n_images, px)
-    for name in args.recipes.split(","):
+    for name in todo:
         _, data_cfg, extra = table[name]
         target = out / name
-        if (target / "manifest.json").is_file():
-            print(f"{target}: prepared already", flush=True)
-            continue
         source = ("[{type: image_folder, paths: [" + str(src / "images") + "]}]" if name == "vit"
                   else "[{type: text, paths: [" + str(src / "text") + "/*.txt], text_mode: " +
                   ("paragraphs" if name == "bert" else "file") + "}]")
@@ -177,7 +177,7 @@ def prepare(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         subprocess.run(cmd, cwd=REPO, check=True)
         print(f"{name}: prepared in {time.perf_counter() - t0:.0f} s", flush=True)
-    shutil.rmtree(src)
+    shutil.rmtree(src, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {size / 2**20:.1f} MiB", flush=True)
     return 0

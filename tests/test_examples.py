@@ -182,8 +182,9 @@ def check_bash(words: list[str]) -> str:
     script = REPO / words[1]
     assert script.is_file(), words[1]
     if words[1] != "benchmarks/gpu_check.sh":
+        source = script.read_text(encoding="utf-8")
         for flag in (w for w in words[2:] if w.startswith("--")):
-            assert flag in script.read_text(encoding="utf-8"), f"{words[1]} has no option {flag}"
+            assert flag in source, f"{words[1]} has no option {flag}"
         return "the script and its options exist; it needs a GPU (figures in the doc it is in)"
     import tempfile
 
