@@ -184,7 +184,7 @@ class TrainConfig:
                                             "accumulated (0: data.micro_batch_size x grad_accum_steps x ranks).")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", help="fp16 uses dynamic loss scaling.")
     seed: int = option(0, help="Seed for model init, masking and data order.")
-    deterministic: bool = option(False, help="Use deterministic kernels (bitwise-reproducible on CPU in fp32).")
+    deterministic: bool = option(False, help="Use deterministic kernels: bitwise-reproducible on CPU in fp32 at a given thread count, compiled or not.")
     eval_every: int = option(0, help="Evaluate every N steps (0 = only at the end).")
     eval_batches: int = option(20, help="Batches per rank per evaluation (0 = the whole split: every sample once, the last partial batch included).")
     checkpoint_every: int = option(0, help="Checkpoint every N steps (0 = only at the end and on signals).")
