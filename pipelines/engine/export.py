@@ -16,10 +16,14 @@ checkpoint's run directory (or containing it) is refused.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from core.config import ConfigError
 from core.families import family_of_model
 from core.files import MARKER, atomic_write_text, check_output_dir, copy_file, replace_dir
 from pipelines.engine.release_card import model_card
+
+log = logging.getLogger(__name__)
 
 __all__ = ["export_checkpoint", "consolidated_state_dict", "resolve_checkpoint", "write_release", "tokenizer_special_ids"]
 
@@ -67,13 +73,30 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
         quiet_libraries()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
+        printed = io.StringIO()  # its print()s ("Detected checkpoint of type ...") and tqdm bar go to the debug log
+        try:
+            with weights_only_loads(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")  # its loader asks for weights_only=False
+        finally:
+            log.debug("DeepSpeed's consolidation of %s printed:\n%s", ckpt, printed.getvalue())
     files = sorted(engine.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ConfigError(f"{engine} holds no model states; the checkpoint is incomplete. Export another checkpoint.")
     states = safe_torch_load(files[0], map_location="cpu")  # ZeRO-0: the full module, replicated
     return {k: v.float() for k, v in states["module"].items()}
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _refuse_overlap(ckpt: Path, out: Path) -> None:
@@ -165,7 +188,8 @@ def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | o
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        hf.save_pretrained(str(tmp), safe_serialization=True)
+        with _no_progress_bar():  # one file written: transformers' "Writing model shards" bar says nothing
+            hf.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer_dir) / name
