@@ -67,12 +67,14 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
     if (engine / "model.pt").is_file():  # DDP engine
         sd = safe_torch_load(engine / "model.pt", map_location="cpu")
         return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
-    if list(engine.glob("*zero_pp_rank_*optim_states.pt")) and state.get("zero_stage") != 0:
+    partitions = sorted(engine.glob("*zero_pp_rank_*optim_states.pt"))
+    if partitions and state.get("zero_stage") != 0:
         from pipelines.engine.distributed import quiet_libraries
 
         quiet_libraries()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        log.info("Consolidating %s: ZeRO-%s, %d partition file(s)", ckpt, state.get("zero_stage"), len(partitions))
         printed = io.StringIO()  # its print()s ("Detected checkpoint of type ...") and tqdm bar go to the debug log
         try:
             with weights_only_loads(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
