@@ -34,7 +34,7 @@ import torch
 from core.config import ConfigError
 from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file, zero_overlap
 from pipelines.engine.config import RunConfig
-from pipelines.engine.launch_output import LaunchOutput
+from pipelines.engine.launch_output import LaunchOutput, forwarding_signals
 from pipelines.engine.registries import OPTIMIZERS
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
@@ -481,10 +481,14 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
     proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stderr=None if debug else subprocess.PIPE)
     output = None if debug else LaunchOutput(proc.stderr)  # each rank's error line once, not the launcher's report
     try:
-        code = proc.wait()
+        with forwarding_signals(proc, output) as received:
+            code = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
         code = proc.wait()
+    else:
+        if received and code:  # stopped as asked (the ranks checkpointed); the agent re-raised the signal
+            code = 128 + received[0]
     if output is None:
         return code
     output.join()

@@ -1,4 +1,5 @@
-"""The launcher's stderr as a user should read it: each rank's error line once, no launcher report after it.
+"""The launcher as a user should meet it: each rank's error line once, no launcher report after it, and
+a signal sent to ``pretrain`` passed on to the ranks (``forwarding_signals``).
 
 When ranks stop on a problem the user must fix, each prints one ``error: ...`` line and exits with
 code 2. torch's elastic agent (behind ``accelerate launch`` and ``torchrun``) then adds its own
@@ -11,12 +12,16 @@ report when no rank explained itself) passes unchanged. ``PRETRAIN_DEBUG=1`` tur
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
+import subprocess
 import sys
 import threading
-from typing import IO
+from collections.abc import Iterator
+from typing import IO, Any
 
-__all__ = ["LaunchOutput"]
+__all__ = ["LaunchOutput", "forwarding_signals"]
 
 _AGENT_LINE = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ .*torch/distributed/elastic/")  # glog-style lines of the agent
 _REPORT_RULE = re.compile(r"^={20,}\s*$")
@@ -29,6 +34,7 @@ class LaunchOutput:
         self.stream = stream
         self.errors: list[str] = []  # the distinct error lines the ranks printed
         self.dropped_report = False
+        self.stopping = False  # a signal was passed on: the agent's "death signal" lines and traceback are expected
         self._thread = threading.Thread(target=self._copy, name="launch-output", daemon=True)
         self._thread.start()
 
@@ -54,6 +60,8 @@ class LaunchOutput:
                     continue
                 if "ChildFailedError" in line and self.errors:  # the exception line closes the traceback
                     held, rules_left, self.dropped_report = [], 2, True
+                elif "SignalException" in line and self.stopping:  # the agent re-raising the signal it passed on
+                    held = []
                 else:
                     self._emit(held)
                     held = []
@@ -64,7 +72,38 @@ class LaunchOutput:
                 if line not in self.errors:
                     self.errors.append(line)
                     self._emit([line])
-            elif not (self.errors and _AGENT_LINE.match(line)):
+            elif not ((self.errors or self.stopping) and _AGENT_LINE.match(line)):
                 self._emit([line])
         if held:
             self._emit(held)
+
+
+@contextlib.contextmanager
+def forwarding_signals(proc: subprocess.Popen, output: LaunchOutput | None) -> Iterator[list[int]]:
+    """Pass a SIGTERM sent to this process on to the launcher, and keep waiting; yields the signals passed.
+
+    ``kill PID`` (or a scheduler stopping the job) reaches only this process; by default it would die
+    at once and leave the launcher and its ranks training on, orphaned. The launcher (torchrun,
+    accelerate) hands it to every rank, which checkpoints at its next step boundary and exits; this
+    process then returns (``launch``: 128 + the signal, as a shell reports a terminated command; the
+    ranks' stop line names the checkpoint) and ``output`` leaves out the agent's shutdown report. Only SIGTERM: torch's elastic agent dies of
+    SIGUSR1 without passing it on (SLURM sends its pre-emption warning to every rank itself).
+    """
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if output is not None:
+            output.stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, forward)
+    except ValueError:  # not the main thread: nothing to install
+        previous = None
+    try:
+        yield received
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

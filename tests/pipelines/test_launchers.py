@@ -143,3 +143,44 @@ def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_ta
     with socket.socket() as server:
         server.bind(("127.0.0.1", ports.pop()))
         server.listen()
+
+
+def _job_processes(marker: str) -> list[int]:
+    """Live processes whose command line names ``marker`` (the run dir): the launcher and its ranks."""
+    pids = []
+    for proc_dir in Path("/proc").iterdir():
+        try:
+            cmdline = (proc_dir / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if proc_dir.name.isdigit() and marker in cmdline and "pipelines.pretrain" in cmdline:
+            pids.append(int(proc_dir.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_multi_process_train_stops_every_rank_with_a_checkpoint(bert_corpus, tmp_path):
+    """`kill PID` of `pretrain train --nproc 2` reaches only that process: it must pass the signal on, so the
+    ranks checkpoint and exit (they used to train on, orphaned, while the command had died at once)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", CONFIG, f"data.corpus={bert_corpus}", "train.max_steps=100000",
+           "train.eval_every=0", "train.log_every=1", f"train.run_dir={run_dir}", "--nproc", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and '"split": "train"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    time.sleep(1)
+    assert _job_processes(str(run_dir)) == [], "ranks outlived the command"
+    assert proc.returncode == 128 + signal.SIGTERM, (out[-2000:], err[-4000:])
+    stop = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "stop"' in line]
+    assert stop and stop[-1]["reason"] == "signal"
+    step = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert (run_dir / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").is_file()
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
