@@ -13,7 +13,8 @@ directory an older version wrote is adopted only once its owner adds the marker 
 
 Reading is confined the same way: ``inside`` refuses a file of a corpus, run dir or release that
 resolves outside it (a symlink out), and ``copy_tree`` copies regular files only, never a link.
-``discard`` deletes by renaming into a ``.trash-*`` sibling first, and ``replace_dir`` swaps a
+``lock_dir`` keeps a second job out of a directory one job is writing (an advisory ``flock`` on its
+``.lock``, released when the process ends however it ends). ``discard`` deletes by renaming into a ``.trash-*`` sibling first, and ``replace_dir`` swaps a
 finished directory in with one atomic exchange, so a kill at any moment leaves either the old or the
 new directory under its name — never a missing or half-deleted one.
 """
@@ -21,13 +22,17 @@ new directory under its name — never a missing or half-deleted one.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shlex
 import shutil
+import socket
 import stat
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -35,9 +40,12 @@ from core.errors import ConfigError
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "sha256_file", "MARKER", "OutputDirError", "output_kind",
            "claim_output_dir", "check_output_dir", "mark_command", "inside", "tree_inside", "copy_file", "copy_tree",
-           "OutsideError", "discard", "clean_trash", "replace_dir", "fsync_dir"]
+           "OutsideError", "discard", "clean_trash", "replace_dir", "fsync_dir", "lock_dir", "unlock_dir"]
 
 MARKER = ".pretrain-output.json"
+LOCK = ".lock"
+
+log = logging.getLogger(__name__)
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -276,4 +284,37 @@ def fsync_dir(path: Path) -> None:
     try:
         os.fsync(fd)
     finally:
+        os.close(fd)
+
+
+def lock_dir(directory: str | os.PathLike, *, what: str, fix: str) -> int | None:
+    """Hold an exclusive lock on ``directory`` (ours already) for this process; return its descriptor.
+
+    A second job there (the same command started twice, a rerun while an orphaned one still trains)
+    would interleave its metrics with the first's and overwrite its checkpoints: it is refused, naming
+    the holder. ``flock`` ends with the process, so a killed job never leaves a stale lock. A
+    filesystem without locks (Lustre mounted without ``flock``) gets a warning, not a refusal.
+    """
+    path = Path(directory) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip() or "a process"
+        os.close(fd)
+        raise ConfigError(f"{directory} is in use: {holder} is writing this {what} now. Two jobs in one {what} would "
+                          f"mix their metrics and overwrite each other's checkpoints. Wait for it to end (or stop "
+                          f"it), or {fix}.") from None
+    except OSError as exc:
+        os.close(fd)
+        log.warning("Cannot lock %s (%s): nothing stops a second job from writing it at the same time.", path, exc)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    return fd
+
+
+def unlock_dir(fd: int | None) -> None:
+    """Release ``lock_dir``'s lock (the file stays: removing it would let two jobs lock different files)."""
+    if fd is not None:
         os.close(fd)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from core.config import ConfigError, save_config
 from core.files import (
@@ -45,14 +46,16 @@ from core.files import (
     copy_tree,
     discard,
     fsync_dir,
+    lock_dir,
     replace_dir,
     sha256_file,
+    unlock_dir,
 )
 from models.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
            "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError", "claim_run_dir",
-           "refuse_fresh_start_over_checkpoints", "agree_on_resume"]
+           "refuse_fresh_start_over_checkpoints", "agree_on_resume", "open_run_dir", "param_shapes", "refuse_other_model"]
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +223,43 @@ def refuse_fresh_start_over_checkpoints(run_dir: Path, train_cfg: Any) -> None:
             f"set train.overwrite=true to delete the old checkpoints and metrics and start over."
         )
     log.warning("train.overwrite=true: deleting the old checkpoints and metrics of %s.", run_dir)
-    for name in ("checkpoints", "metrics.jsonl", "tb"):
-        discard(Path(run_dir) / name)
+    ck = Path(run_dir) / "checkpoints"
+    for path in [*old, ck / "latest", Path(run_dir) / "metrics.jsonl", Path(run_dir) / "tb"]:  # only what runs write
+        discard(path)
+
+
+def open_run_dir(run_dir: Path, train_cfg: Any) -> int | None:
+    """Rank 0, before anything is written: claim ``run_dir``, lock it for this job (``core.files.lock_dir``),
+    refuse a fresh start over old checkpoints. Returns the lock (``core.files.unlock_dir`` at the end)."""
+    claim_run_dir(run_dir)
+    lock = lock_dir(run_dir, what="run directory", fix="use another train.run_dir")
+    try:
+        refuse_fresh_start_over_checkpoints(run_dir, train_cfg)
+    except BaseException:
+        unlock_dir(lock)
+        raise
+    return lock
+
+
+def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Name -> full shape of every parameter (ZeRO-3's partitioned ones by their ``ds_shape``)."""
+    return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()}
+
+
+def refuse_other_model(path: Path, state: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+    """A resume whose model differs from the checkpoint's (another ``model.*``, a corpus with another
+    vocabulary) is one message naming the differences, not a state-dict traceback deep in the engine.
+    Checkpoints from before ``param_shapes`` was recorded are not checked."""
+    saved = state.get("param_shapes")
+    if saved is None or saved == shapes:
+        return
+    diffs = [f"{n} {saved.get(n, 'absent')} in the checkpoint, {shapes.get(n, 'absent')} now"
+             for n in sorted(set(saved) | set(shapes)) if saved.get(n) != shapes.get(n)]
+    raise CheckpointError(
+        f"{path} was written by another model than this run builds ({len(diffs)} parameter(s) differ, e.g. "
+        f"{'; '.join(diffs[:3])}). It was built with {state.get('model_build')}. Resume with the model.* settings and "
+        f"corpus that wrote it (see {path / 'config.yaml'}), or start a new run in another train.run_dir."
+    )
 
 
 def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError | None) -> Path | None:
@@ -277,11 +315,11 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, tr
             state = {**trainer_state, "files": checkpoint_files(tmp)}  # every rank's files are complete now
             atomic_write_text(tmp / "trainer_state.json", json.dumps(state, indent=1, default=float))
             _fsync_tree(tmp)
-    except (OSError, RuntimeError) as exc:  # disk full (torch.save says RuntimeError), quota, I/O error
+    except (OSError, RuntimeError, SafetensorError) as exc:  # disk full (torch.save: RuntimeError), quota, I/O error
         shutil.rmtree(tmp, ignore_errors=True)  # drop the partial copy, keep every complete one
         kept = find_resume(run_dir, "auto")
         free = shutil.disk_usage(ck).free
-        reason = (str(exc).splitlines() or [""])[0]
+        reason = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise CheckpointError(
             f"Writing checkpoint {final} failed ({type(exc).__name__}: {reason}; {free} bytes free there). The partial copy was removed; "
             f"{kept if kept else 'no earlier checkpoint'} is the newest complete checkpoint and was not touched. "

@@ -90,12 +90,12 @@ class Engine:
             return
         (norm_copy, outcome), self._unsettled = self._unsettled, None
         (norm,) = norm_copy.tolist()
-        skipped = not math.isfinite(norm)
+        skipped, applied_lr = not math.isfinite(norm), self.lr()
         if skipped:
             self._count_skipped()
         else:
             self.scheduler.step()
-        outcome.resolve({"grad_norm": norm, "lr": self.lr(), "skipped": skipped})
+        outcome.resolve({"grad_norm": norm, "lr": applied_lr, "skipped": skipped})
 
     def _read_later(self, norm: HostCopy) -> StepOutcome:
         """This step's outcome, resolved by ``settle`` from ``norm`` (the next step settles it first)."""
@@ -141,9 +141,18 @@ class Engine:
             torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
 
     def _load_scheduler(self, path: Path) -> None:
+        """The saved schedule position, with this run's base rates and schedule: ``optim.lr``, ``max_steps``
+        or ``schedule.*`` changed on resume apply from the first update on (a loaded LambdaLR would keep
+        the saved base rates, and the optimizer the saved step's rate). Unchanged, the rate is the
+        saved one bit for bit: LambdaLR computes it the same way."""
         from models.safe_load import safe_torch_load
 
+        base_lrs = list(self.scheduler.base_lrs)  # from this run's optimizer groups, as built from its config
         self.scheduler.load_state_dict(safe_torch_load(path / "engine" / "lr_scheduler.pt"))
+        self.scheduler.base_lrs = base_lrs
+        groups = self.scheduler.optimizer.param_groups
+        for group, base, factor in zip(groups, base_lrs, self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = base, base * factor(self.scheduler.last_epoch)
 
     # -- engine-specific
     def optimizer_param_groups(self) -> list[dict[str, Any]]:
@@ -246,10 +255,11 @@ class DDPEngine(Engine):
                 norm = None
         elif not skipped:
             self.optimizer.step()
+        applied_lr = self.lr()  # the step's own rate; the schedule then moves on to the next step's
         if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out})
+        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": applied_lr, "skipped": skipped, **out})
 
     def _step_on_the_device(self, norm: torch.Tensor) -> StepOutcome:
         """The update with the skip decided on the device: the fused kernel reads ``found_inf`` (1 when the
@@ -339,6 +349,7 @@ class DeepSpeedEngine(Engine):
         skipped = not self.model.was_step_applied()
         if skipped and self.fp16:
             norm = None
+        applied_lr = self.lr()  # the step's own rate; the schedule then moves on to the next step's
         if not skipped:  # accelerate hands DeepSpeed only its own scheduler types: we step ours
             self.scheduler.step()
         out: dict[str, Any] = {}
@@ -347,7 +358,7 @@ class DeepSpeedEngine(Engine):
             if isinstance(scale, (int, float)):
                 out["loss_scale"] = float(scale)
         # DeepSpeed reports no norm for ZeRO-0 fp32 (it clips inside torch): None, not a NaN health alarm.
-        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": self.lr(), "skipped": skipped, **out})
+        return StepOutcome({"grad_norm": float(norm) if norm is not None else None, "lr": applied_lr, "skipped": skipped, **out})
 
     def _count_skipped(self) -> None:
         self.model.skipped_steps += 1  # DeepSpeed's own count, as its overflow path keeps it

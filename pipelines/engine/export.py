@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from core.config import ConfigError
 from core.families import family_of_model
 from core.files import MARKER, atomic_write_text, check_output_dir, copy_file, replace_dir
@@ -206,8 +208,14 @@ def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | o
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o755 & ~_umask())  # mkdtemp makes 0700; releases are meant to be shared
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        if isinstance(exc, (OSError, SafetensorError)):  # disk full, quota, I/O error
+            reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+            raise ConfigError(f"Writing the release {out} failed ({type(exc).__name__}: {reason}; "
+                              f"{shutil.disk_usage(out.parent).free} bytes free there). Nothing was left half-written"
+                              f"{' and the old release is untouched' if out.exists() else ''}. Free space under "
+                              f"{out.parent} and export again.") from None
         raise
     check_output_dir(out, "release", what="Release directory", overwrite=overwrite)  # still ours (or gone)?
     replace_dir(tmp, out)

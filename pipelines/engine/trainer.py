@@ -36,6 +36,7 @@ import torch
 
 from core.config import ConfigError, save_config, to_dict
 from core.corpus_kinds import corpus_kind
+from core.files import unlock_dir
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
 from pipelines.engine import engines
@@ -125,6 +126,7 @@ class Trainer:
         self.model_config = getattr(model, "config", None)
         offload = cfg.distributed.engine == "deepspeed" and cfg.distributed.offload_optimizer
         optimizer = build_optimizer(model, cfg.optim, offload=offload, device=self.env.device)  # before prepare() moves it
+        self.param_shapes = ckpt.param_shapes(model)  # before ZeRO-3 partitions them: what a resume must match
         schedule = run_schedule(cfg, d_model=getattr(self.model_config, "hidden_size", 0))
         self.engine = engines.build_engine(cfg, self.env, model, optimizer, schedule)
         self.is_main = self.engine.rank == 0
@@ -135,35 +137,39 @@ class Trainer:
         self.start_loss: float | None = None
         self.last_eval: dict[str, float] = {}
         self._signal: int | None = None
+        self._run_lock: int | None = None  # rank 0's lock on run_dir while fit() runs
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
-        run = self._start()
-        batches = self.train_data.batches()
-        self.engine.train()
-        stop_reason, last_saved, queued = None, None, []
-        while self.step < self.cfg.train.max_steps:
-            read_now = self._reads_now(self.step + 1, run)
-            run.profiler.before(self.step + 1)
-            queued.append(self._train_step(batches, run, read_now))
-            run.profiler.after(self.step)
-            stop_reason = self._finish_steps(queued, run, keep_newest=not read_now)
-            stop_reason = self._maybe_eval(stop_reason, run)
-            last_saved, finished = self._maybe_checkpoint(stop_reason, run, last_saved)
-            if finished:
-                break
-        if stop_reason in (None, "max_tokens", "max_time"):  # the end of the run: final evaluation and checkpoint
-            if self.eval_data is not None:
-                self.last_eval = self.evaluate()
-                run.logger.log(self.step, self.last_eval, split="eval")
-                self.hooks.on_evaluation(self.step, self.last_eval)  # the run ends here whatever it answers
-            if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
-                last_saved = self.save(run.health, run.meter)
-        if run.trace is not None:
-            run.trace.close()
-        run.profiler.close()
-        run.logger.close()
+        try:
+            run = self._start()
+            batches = self.train_data.batches()
+            self.engine.train()
+            stop_reason, last_saved, queued = None, None, []
+            while self.step < self.cfg.train.max_steps:
+                read_now = self._reads_now(self.step + 1, run)
+                run.profiler.before(self.step + 1)
+                queued.append(self._train_step(batches, run, read_now))
+                run.profiler.after(self.step)
+                stop_reason = self._finish_steps(queued, run, keep_newest=not read_now)
+                stop_reason = self._maybe_eval(stop_reason, run)
+                last_saved, finished = self._maybe_checkpoint(stop_reason, run, last_saved)
+                if finished:
+                    break
+            if stop_reason in (None, "max_tokens", "max_time"):  # the end of the run: final evaluation and checkpoint
+                if self.eval_data is not None:
+                    self.last_eval = self.evaluate()
+                    run.logger.log(self.step, self.last_eval, split="eval")
+                    self.hooks.on_evaluation(self.step, self.last_eval)  # the run ends here whatever it answers
+                if last_saved is None or last_saved.name != ckpt.step_dir_name(self.step):
+                    last_saved = self.save(run.health, run.meter)
+            if run.trace is not None:
+                run.trace.close()
+            run.profiler.close()
+            run.logger.close()
+        finally:
+            unlock_dir(self._run_lock)
         return {
             "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
             "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
@@ -173,7 +179,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- fit's steps
     def _start(self) -> _RunState:
-        """Run dir and config.yaml, logger / health / throughput, resume from a checkpoint, signal handlers."""
+        """Run dir (claimed, locked) and config.yaml, logger / health / throughput, resume, signal handlers."""
         from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
         from monitoring.profiler import StepProfiler
 
@@ -181,9 +187,7 @@ class Trainer:
         error = None
         if self.is_main:
             try:
-                ckpt.claim_run_dir(self.run_dir)
-                ckpt.refuse_fresh_start_over_checkpoints(self.run_dir, self.cfg.train)
-                save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
+                self._run_lock = ckpt.open_run_dir(self.run_dir, self.cfg.train)
             except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
                 error = exc
         resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
@@ -200,6 +204,8 @@ class Trainer:
             logger.event(self.step, "resume", f"Resuming from {resume} at step {self.step} ({self.tokens} tokens).", path=str(resume))
             if self.is_main:
                 print(f"Resuming from {resume} (step {self.step}).", flush=True)
+        if self.is_main:  # after the resume: a refused one leaves the config that wrote the checkpoints
+            save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
         self._install_signal_handlers()
         profiler = StepProfiler(self.run_dir, cfg.logging.profile_steps, self.engine.rank, self.engine.device.type)
         return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), profiler=profiler,
@@ -409,7 +415,8 @@ class Trainer:
             "last_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "task": self.task.name,
             "world_size": self.engine.world_size, "engine": self.cfg.distributed.engine,
             "zero_stage": self.cfg.distributed.zero_stage if self.engine.deepspeed else None,
-            "precision": self.cfg.train.precision, "model_build": self.model_build, "data_info": self.data_info,
+            "precision": self.cfg.train.precision, "model_build": self.model_build, "param_shapes": self.param_shapes,
+            "data_info": self.data_info,
             "data": self.train_data.state_dict(), "samples": self.train_data.state_dict().get("samples_seen", 0) * self.engine.world_size,
             "health": health.state_dict() if health is not None else {},
             "throughput": meter.state_dict() if meter is not None else {},
@@ -430,6 +437,7 @@ class Trainer:
 
     def _restore(self, path: Path, health: Any, meter: Any) -> None:
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
+        ckpt.refuse_other_model(path, state, self.param_shapes)
         self.engine.load(path, state)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.last_good_step = self.step

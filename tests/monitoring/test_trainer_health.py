@@ -69,7 +69,7 @@ def test_skip_step_leaves_weights_and_optimizer_unchanged_and_finishes(skipped_r
     assert [e["step"] for e in nan] == [3] and "step 3" in nan[0]["message"] and "skipped" in nan[0]["message"]
     assert not events(run_dir, "nan_stop")
     train = _train_lines(run_dir)
-    assert train[3]["loss"] == "nan" and train[3]["lr"] == train[2]["lr"]  # the schedule waits for a real update
+    assert train[3]["loss"] == "nan" and train[4]["lr"] == train[3]["lr"]  # the schedule waits for a real update
     assert all(math.isfinite(train[s]["loss"]) for s in train if s != 3)
     assert summary["tokens"] == 7 * 2 * 4  # tokens trained on: the skipped step's are not counted
 

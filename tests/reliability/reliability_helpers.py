@@ -46,12 +46,25 @@ class FileEngine:
         torch.save(self.scheduler.state_dict(), path / "engine" / "lr_scheduler.pt")
 
 
+class WorldFreeFileEngine(FileEngine):
+    """``FileEngine`` that first writes a safetensors copy of the weights, as a ZeRO engine writes its
+    world-size-free copy (``engine/world_free``): safetensors reports a full disk as ``SafetensorError``."""
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        (path / "engine" / "world_free").mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone() for k, v in self.module.state_dict().items()}, path / "engine" / "world_free" / "w.safetensors")
+        super().save(path)
+
+
 def trainer_state(step: int) -> dict:
     return {"version": 1, "step": step, "tokens": 100 * step, "task": "mlm_nsp", "world_size": 1, "engine": "ddp",
             "zero_stage": None, "precision": "fp32", "model_build": BUILD, "data_info": {}, "data": {}, "samples": 8 * step}
 
 
-def save_steps(run_dir: Path, steps: list[int], *, keep_last: int = 3, tokenizer: Path | None = None) -> list[Path]:
+def save_steps(run_dir: Path, steps: list[int], *, keep_last: int = 3, tokenizer: Path | None = None,
+               engine_cls: type | None = None) -> list[Path]:
     """Real checkpoints of a tiny BERT at ``steps`` under ``run_dir/checkpoints`` (weights differ per step)."""
     import models
     from pipelines.engine.checkpoint import save_checkpoint
@@ -60,7 +73,7 @@ def save_steps(run_dir: Path, steps: list[int], *, keep_last: int = 3, tokenizer
     out = []
     for step in steps:
         torch.manual_seed(step)
-        engine = FileEngine(models.create(BUILD["name"], **BUILD["overrides"]))
+        engine = (engine_cls or FileEngine)(models.create(BUILD["name"], **BUILD["overrides"]))
         out.append(save_checkpoint(engine, run_dir, step, cfg=RunConfig(), trainer_state=trainer_state(step),
                                    data_state={"samples_seen": step}, keep_last=keep_last, tokenizer_dir=tokenizer))
     return out

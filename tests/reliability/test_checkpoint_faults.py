@@ -134,23 +134,29 @@ def _mount_small_tmpfs(where: Path, size: str) -> bool:
         return False
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(good_run, tmp_path):
-    """ENOSPC mid-save: a clear error naming the checkpoint, the partial copy gone, the previous one intact.
+@pytest.mark.parametrize("writer", ["torch", "safetensors"])
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(writer, good_run, tmp_path):
+    """ENOSPC mid-save: a clear error naming the checkpoint, the partial copy gone, the previous one intact --
+    also when safetensors (a ZeRO run's world-size-free copy, the default) is the writer that hits it.
 
     A small tmpfs when this process may mount one (root), else a child whose ``torch.save`` hits ENOSPC."""
-    from reliability_helpers import save_steps
+    from reliability_helpers import WorldFreeFileEngine, save_steps
 
     from pipelines.engine.checkpoint import CheckpointError, find_resume
 
+    engine_cls = WorldFreeFileEngine if writer == "safetensors" else None
     size = sum(f.stat().st_size for f in (good_run / "checkpoints" / "step-00000010").rglob("*") if f.is_file())
     mnt = tmp_path / "small"
-    if _mount_small_tmpfs(mnt, f"{int(size * 1.6) // 1024}k"):
+    if writer == "safetensors":  # room for one checkpoint and its weights' copy, then a little: the next copy fails
+        probe = save_steps(tmp_path / "probe", [10], engine_cls=engine_cls)[0]
+        size = sum(f.stat().st_size for f in probe.rglob("*") if f.is_file())
+    if _mount_small_tmpfs(mnt, f"{int(size * (1.12 if engine_cls else 1.6)) // 1024}k"):
         try:
             run = mnt / "run"
-            save_steps(run, [10], keep_last=3)
+            save_steps(run, [10], keep_last=3, engine_cls=engine_cls)
             complete = tree(run / "checkpoints" / "step-00000010")
             with pytest.raises(CheckpointError) as err:
-                save_steps(run, [20], keep_last=3)
+                save_steps(run, [20], keep_last=3, engine_cls=engine_cls)
             assert "step-00000020" in str(err.value) and "bytes free" in str(err.value)
             assert "step-00000010" in str(err.value)
             assert tree(run / "checkpoints" / "step-00000010") == complete
@@ -159,6 +165,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(good_run, tmp_path
         finally:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
         return
+    if engine_cls is not None:
+        pytest.skip("needs a small tmpfs (root) to fill")
     run = copy_run(good_run, tmp_path / "run")
     complete = tree(run / "checkpoints" / "step-00000020")
     patch = ("import errno, torch\norig = torch.save\n"

@@ -1,0 +1,114 @@
+"""What a run directory holds up to when a user reruns into it: one job at a time, a resume with another
+model refused (its config kept), a new learning rate on resume applied, the logged rate the applied one,
+and ``train.overwrite`` deleting only what runs wrote."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from job_helpers import job_env
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")
+QUIET = ["train.eval_every=0", "data.num_workers=0", "train.log_every=1", "logging.tensorboard=false"]
+
+
+def _train(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", CONFIG, *QUIET, *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _train_lines(run_dir: Path) -> dict[int, dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if r.get("split") == "train"}
+
+
+@pytest.mark.slow
+def test_a_second_job_in_a_run_dir_in_use_is_refused_and_the_lock_dies_with_the_first(bert_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", "distributed.engine=ddp"]
+    first = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "train", CONFIG, *QUIET, *args, "train.max_steps=100000"],
+                             cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and '"split": "train"' in (run_dir / "metrics.jsonl").read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.5)
+        before = (run_dir / "config.yaml").read_bytes()
+        second = _train(*args, "train.max_steps=3", "optim.lr=0.5")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"{run_dir} is in use: pid {first.pid} on " in second.stderr and "Traceback" not in second.stderr
+        assert (run_dir / "config.yaml").read_bytes() == before  # the running job's config, untouched
+    finally:
+        first.send_signal(signal.SIGTERM)  # it checkpoints and ends
+        first.communicate(timeout=120)
+    assert first.returncode == 0
+    after = _train(*args, f"train.max_steps={max(_train_lines(run_dir)) + 1}")
+    assert after.returncode == 0 and "Resuming from" in after.stdout, after.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resuming_with_another_model_is_one_message_and_keeps_the_config(bert_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", "distributed.engine=ddp"]
+    assert _train(*args, "train.max_steps=2").returncode == 0
+    saved = (run_dir / "config.yaml").read_bytes()
+    other = _train(*args, "train.max_steps=4", "model.overrides={num_layers: 3}")
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "was written by another model than this run builds" in other.stderr
+    assert "bert.blocks.2." in other.stderr and "absent in the checkpoint" in other.stderr
+    assert (run_dir / "config.yaml").read_bytes() == saved  # still the config that wrote the checkpoints
+    assert _train(*args, "train.max_steps=3").returncode == 0  # the same model resumes as before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_the_logged_lr_is_the_applied_one_and_a_new_lr_on_resume_applies(engine, bert_corpus, tmp_path):
+    """Step k logs the rate its update used, lr * f(k-1) (LambdaLR: the first update runs at f(0)); a resume
+    with another ``optim.lr`` and a longer run uses the new base rate and schedule from its first update."""
+    from pipelines.engine.check import run_schedule
+    from pipelines.engine.config import load_run_config
+
+    run_dir = tmp_path / "run"
+    args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", f"distributed.engine={engine}",
+            "schedule.warmup_steps=4"]
+    assert _train(*args, "train.max_steps=3").returncode == 0
+    first = load_run_config(CONFIG, [*QUIET, *args, "train.max_steps=3"])
+    f = run_schedule(first)
+    logged = _train_lines(run_dir)
+    for k in (1, 2, 3):
+        assert logged[k]["lr"] == pytest.approx(first.optim.lr * f(k - 1), rel=1e-6), (k, logged[k]["lr"])
+    resumed = _train(*args, "train.max_steps=8", "optim.lr=0.01")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    second = load_run_config(CONFIG, [*QUIET, *args, "train.max_steps=8", "optim.lr=0.01"])
+    g = run_schedule(second)
+    logged = _train_lines(run_dir)
+    for k in range(4, 9):
+        assert logged[k]["lr"] == pytest.approx(0.01 * g(k - 1), rel=1e-6), (k, logged[k]["lr"])
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["lr"] == 0.01
+
+
+def test_overwrite_deletes_the_runs_checkpoints_but_not_a_folder_of_yours_beside_them(tmp_path):
+    from types import SimpleNamespace
+
+    from pipelines.engine.checkpoint import list_checkpoints, refuse_fresh_start_over_checkpoints
+
+    run_dir = tmp_path / "run"
+    ck = run_dir / "checkpoints"
+    for step in (10, 20):
+        (ck / f"step-{step:08d}").mkdir(parents=True)
+        (ck / f"step-{step:08d}" / "trainer_state.json").write_text("{}")
+    (ck / "latest").write_text("step-00000020\n")
+    (ck / "my_analysis").mkdir()
+    (ck / "my_analysis" / "notes.txt").write_text("mine")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    refuse_fresh_start_over_checkpoints(run_dir, SimpleNamespace(resume="never", overwrite=True))
+    assert list_checkpoints(run_dir) == [] and not (ck / "latest").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert (ck / "my_analysis" / "notes.txt").read_text() == "mine"
