@@ -177,3 +177,25 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(writer, good_run, 
     assert proc.returncode == 1 and "step-00000030" in proc.stderr and "No space left" in proc.stderr
     assert tree(run / "checkpoints" / "step-00000020") == complete
     assert find_resume(run, "auto").name == "step-00000020"
+
+
+def test_disk_full_while_exporting_is_one_message_and_leaves_nothing(good_run, tmp_path):
+    """ENOSPC while the release's safetensors are written: one message (which names the release and the
+    free space), no temporary directory left behind, no release under the final name."""
+    from pipelines.engine.export import export_checkpoint
+
+    weights = (good_run / "checkpoints" / "step-00000020" / "engine" / "model.pt").stat().st_size
+    mnt = tmp_path / "small"
+    if not _mount_small_tmpfs(mnt, f"{max(64, weights // 2 // 1024)}k"):
+        pytest.skip("needs a small tmpfs (root) to fill")
+    try:
+        from core.config import ConfigError
+
+        with pytest.raises(ConfigError) as err:
+            export_checkpoint(good_run / "checkpoints" / "step-00000020", mnt / "release")
+        message = str(err.value)
+        assert f"Writing the release {mnt / 'release'} failed" in message and "bytes free there" in message
+        assert "Free space under" in message and "\n" not in message
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
