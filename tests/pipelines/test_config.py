@@ -181,3 +181,20 @@ def test_non_finite_number_in_yaml_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(cfg)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "`optim.lr` is nan" in proc.stderr and "finite" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "finetune", "sweep", "submit"])
+def test_non_utf8_config_exits_2_naming_the_file(tmp_path, command):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe a: 1\n")  # a UTF-16 byte-order mark: a file saved by the wrong editor setting
+    extra = ["--dry-run"] if command == "submit" else []
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", command, str(bad), *extra], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Config file {bad} is not UTF-8" in proc.stderr and "Save it as UTF-8" in proc.stderr
+
+
+def test_directory_as_config_is_named_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file") as err:
+        load_run_config(tmp_path)
+    assert "does not exist" not in str(err.value)
