@@ -129,8 +129,6 @@ def save_tokenizer(tok, out_dir: str | os.PathLike, type_: str, model_max_length
 
 def load_tokenizer_dir(path: str | os.PathLike):
     """(tokenizer, type) of a directory holding tokenizer.json (or the file itself)."""
-    from tokenizers import Tokenizer
-
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
@@ -138,8 +136,22 @@ def load_tokenizer_dir(path: str | os.PathLike):
             f"Tokenizer {path} has no tokenizer.json. Point `tokenizer.path` at a directory saved by "
             f"`tokenizers`/`transformers` (save_pretrained), or leave it empty to train one."
         )
-    tok = Tokenizer.from_file(str(file))
+    tok = read_tokenizer_file(file, "Point `tokenizer.path` at an intact tokenizer (re-copy or re-save it), or leave "
+                                    "it empty to train one.")
     return tok, ("wordpiece" if type(tok.model).__name__ == "WordPiece" else "bpe")
+
+
+def read_tokenizer_file(file: Path, fix: str):
+    """``tokenizers.Tokenizer.from_file``, with a damaged file (cut short, not JSON, not UTF-8) as one PrepError
+    naming it: the library raises a bare ``Exception("EOF while parsing ...")`` that would reach the user
+    as a traceback."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # the Rust binding raises a plain Exception for every parse error
+        raise PrepError(f"{file} is not a readable tokenizer.json ({exc}): it is damaged or not from "
+                        f"`tokenizers`/`transformers`. {fix}") from None
 
 
 def install_tokenizer(src: str, dest_dir: str | os.PathLike) -> None:
