@@ -177,20 +177,30 @@ def tokenizer_info(corpus_dir: str | os.PathLike, type_: str, tok=None) -> dict[
     tdir = Path(corpus_dir) / "tokenizer"
     if tok is None:
         tok, _ = load_tokenizer_dir(tdir)
-    specials: dict[str, int] = {}
-    cfg_file = tdir / "special_tokens_map.json"
-    names = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    if not names:
-        names = dict(BERT_SPECIALS) if type_ == "wordpiece" else {"eos_token": GPT_EOS}
-    for name, token in sorted(names.items()):
-        token = token["content"] if isinstance(token, dict) else token
-        tid = tok.token_to_id(token)
-        if tid is not None:
-            specials[name] = tid
     return {
         "path": "tokenizer",
         "sha256": _sha256(tdir / "tokenizer.json"),
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "type": type_,
-        "special_tokens": specials,
+        "special_tokens": special_ids(tdir, type_, tok),
     }
+
+
+def special_ids(tdir: Path, type_: str, tok) -> dict[str, int]:
+    """``{"cls_token": id, ...}`` of the tokenizer in ``tdir`` (its special_tokens_map.json, else the type's defaults):
+    also what ``prepare`` checks a reused tokenizer against before copying it into the corpus."""
+    cfg_file = tdir / "special_tokens_map.json"
+    try:
+        names = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PrepError(f"{cfg_file} is not valid JSON ({exc}). Re-save the tokenizer (save_pretrained) or remove "
+                        f"that file to use the default special tokens.") from None
+    if not names:
+        names = dict(BERT_SPECIALS) if type_ == "wordpiece" else {"eos_token": GPT_EOS}
+    specials: dict[str, int] = {}
+    for name, token in sorted(names.items()):
+        token = token["content"] if isinstance(token, dict) else token
+        tid = tok.token_to_id(token)
+        if tid is not None:
+            specials[name] = tid
+    return specials
