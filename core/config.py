@@ -68,6 +68,9 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, registry: Any 
 def load_yaml(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML mapping, resolving ``extends:`` (a path or list, relative to the file)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"Config file {path} is a directory, not a YAML file. Name the .yaml file inside it "
+                          f"(configs live under configs/).")
     if not path.is_file():
         raise ConfigError(f"Config file {path} does not exist. Check the path (configs live under configs/).")
     resolved = path.resolve()
@@ -76,6 +79,9 @@ def load_yaml(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str
         raise ConfigError(f"Config {path} extends itself in a cycle: {chain}. Remove one `extends:`.")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"Config file {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}). "
+                          f"Save it as UTF-8, or check that you named the YAML config and not another file.") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"Config file {path} is not valid YAML: {exc}. Fix the syntax at the line shown.") from None
     if data is None:

@@ -296,11 +296,14 @@ def _shard_info(s: dict[str, Any], root: Path, path: Path, major: int) -> ShardI
     return ShardInfo(name, int(s["samples"]), str(s.get("sha256", "")), int(s.get("bytes", 0)), index)
 
 
-def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, rank: int = 0, world: int = 1) -> None:
+def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, rank: int = 0, world: int = 1,
+                  training: bool = True) -> None:
     """Fail before training if a shard is missing, or (on this rank's share) its size or sha256 differs.
 
     Streamed shards (``pipe:``) are verified while they are read instead (``pipelines.loading.shard_io``).
+    ``training=False`` (``pretrain inspect``) leaves out the ``data.verify_checksums`` way round, a training option.
     """
+    anyway = " (or set data.verify_checksums=false to train anyway; data.max_bad_share then bounds the bad samples)"
     for split in splits:
         for i, s in enumerate(m.shards(split)):
             url = m.url(s)
@@ -315,12 +318,10 @@ def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, ran
             if checksums and s.bytes and p.stat().st_size != s.bytes:
                 raise DataError(
                     f"Shard {p} has {p.stat().st_size} bytes but {m.root}/manifest.json records {s.bytes}: it is truncated "
-                    f"or was replaced. Re-copy it or re-run `pretrain prepare` (or set data.verify_checksums=false to "
-                    f"train anyway; data.max_bad_share then bounds the bad samples)."
+                    f"or was replaced. Re-copy it or re-run `pretrain prepare`{anyway if training else ''}."
                 )
             if checksums and s.sha256 and i % world == rank and sha256_file(p) != s.sha256:
                 raise DataError(
                     f"Shard {p} has a different sha256 than {m.root}/manifest.json records: it is corrupt or was "
-                    f"replaced. Re-copy it or re-run `pretrain prepare` (or set data.verify_checksums=false to "
-                    f"train anyway with on_bad_sample handling)."
+                    f"replaced. Re-copy it or re-run `pretrain prepare`{anyway if training else ''}."
                 )

@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except PrepError as exc:
+    except PrepError as exc:  # bad input data, like a ConfigError: exit 2 (the README's Safety promise)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -130,6 +130,8 @@ class PrepConfig:
         "auto", help="Allocator preloaded into the Ray tasks: auto (tcmalloc, mimalloc or Ray's jemalloc, the first found; "
         "1.2-1.5x faster tokenizing), system, or a library path. Does not change the output."
     )
+    overwrite: bool = option(False, help="Replace a corpus in `output` built with another config (refused otherwise; "
+                                         "the same config resumes it). Only the files prepare wrote there are removed.")
     clean: CleanConfig = option(help="Cleaning rules.", default_factory=CleanConfig)
     tokenizer: TokenizerConfig = option(help="Tokenizer.", default_factory=TokenizerConfig)
     images: ImageConfig = option(help="Image processing.", default_factory=ImageConfig)
@@ -169,7 +171,7 @@ def load_prep_config(path: str | None, overrides: typing.Iterable[str] = ()) -> 
 
 # Fields that change how the job runs but not what it writes: left out of the manifest and of
 # shard fingerprints so that 1 or 8 workers give byte-identical corpora.
-_EXECUTION_ONLY = ("output", "num_workers", "input_range_mb", "progress", "worker_malloc")
+_EXECUTION_ONLY = ("output", "num_workers", "input_range_mb", "progress", "worker_malloc", "overwrite")
 
 
 def manifest_config(cfg: PrepConfig) -> dict[str, Any]:

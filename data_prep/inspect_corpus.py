@@ -5,38 +5,32 @@ Decoding uses only numpy `frombuffer`, `json.loads` and PIL, like the training l
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from core.corpus import DataError, read_manifest, read_shard, safe_path
-from core.corpus_kinds import RAW_PIXELS, raw_pixels
-from core.files import OutsideError, inside
+from core.config import ConfigError
+from core.corpus import DataError, Manifest, load_manifest, read_shard, safe_path, verify_shards
+from core.corpus_kinds import RAW_PIXELS, corpus_kind, raw_pixels
 from data_prep.errors import PrepError
+from data_prep.tokenizer import read_tokenizer_file
 
 __all__ = ["inspect_corpus", "decode_sample"]
 
 
-def _inside(corpus: Path, file: Path, what: str) -> bool:
-    """True if ``file`` lies inside ``corpus``; a link out is refused (a DataError naming it)."""
-    try:
-        inside(corpus, os.path.abspath(file), what=what)  # ``file`` is already under ``corpus``: not joined again
-    except OutsideError as exc:
-        raise DataError(str(exc)) from None
-    return True
-
-
-def _load_tokenizer(corpus: Path):
-    file = corpus / "tokenizer" / "tokenizer.json"
-    if not file.is_file() or not _inside(corpus, file, "the corpus tokenizer"):
+def _load_tokenizer(m: Manifest):
+    """The corpus tokenizer (checked inside the corpus and against the manifest's sha256 by
+    ``load_manifest``), or None for a corpus without one (images)."""
+    if not corpus_kind(m.kind).tokenized or not (m.tokenizer_dir / "tokenizer.json").is_file():
         return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file))
+    return read_tokenizer_file(m.tokenizer_dir / "tokenizer.json", f"Restore it from the corpus' source, or re-run "
+                               f"`pretrain prepare` for {m.root}.")
 
 
 def decode_sample(members: dict[str, bytes], tokenizer=None) -> dict[str, Any]:
@@ -93,15 +87,47 @@ def _format_sample(key: str, s: dict[str, Any], class_names: dict[int, str]) -> 
     return lines
 
 
+def _read_samples(shard: Path, n: int, tokenizer, class_names: dict[int, str]) -> tuple[int, list[str]]:
+    """(samples in ``shard``, the first ``n`` formatted); a file that is not a readable tar shard is a DataError."""
+    total, shown = 0, []
+    try:
+        for key, members in read_shard(shard):
+            if total < n:
+                shown.extend(_format_sample(key, decode_sample(members, tokenizer), class_names))
+            total += 1
+    except (tarfile.TarError, EOFError, ValueError, KeyError, OSError) as exc:
+        raise DataError(f"{shard} is not a readable shard ({type(exc).__name__}: {exc}): it is cut short, damaged or not "
+                        f"a .tar written by `pretrain prepare`. Pass a corpus directory (with manifest.json) or one of "
+                        f"its shards; re-copy a damaged shard or re-run `pretrain prepare`.") from None
+    return total, shown
+
+
+def _verify(m: Manifest, shard: Path | None) -> None:
+    """Every shard of ``m`` (or only ``shard``, when the manifest lists it) against the manifest's size and sha256."""
+    if shard is None:
+        verify_shards(m, list(m.splits), training=False)
+        return
+    for split, infos in m.splits.items():
+        mine = [s for s in infos if os.path.abspath(m.root / s.name) == os.path.abspath(shard)]
+        if mine:
+            verify_shards(dataclasses.replace(m, splits={split: mine}), [split], training=False)
+
+
 def inspect_corpus(path: str, n: int = 3) -> str:
-    """Counts (from the manifest) and `n` decoded samples of a corpus directory or of one shard."""
+    """Counts (from the manifest) and `n` decoded samples of a corpus directory or of one shard.
+
+    Every shard the manifest lists (or the one shard named) is first checked against the manifest's size and
+    sha256, with the training loader's own check: a damaged corpus is reported, not shown as fewer samples."""
     p = Path(path)
     if not p.exists():
         raise PrepError(f"{path} does not exist. Pass a corpus directory (with manifest.json) or one .tar shard.")
     corpus = p if p.is_dir() else p.parent
-    manifest = read_manifest(corpus) if (corpus / "manifest.json").is_file() or p.is_dir() else None
+    m = load_manifest(corpus) if (corpus / "manifest.json").is_file() or p.is_dir() else None
+    shard = p if p.is_file() else None
     lines: list[str] = []
-    if manifest:
+    if m is not None:
+        _verify(m, shard)
+        manifest = m.raw
         lines.append(f"corpus {corpus}  kind {manifest['kind']}  seq_len {manifest['seq_len']}  schema {manifest['schema_version']}")
         tok = manifest.get("tokenizer")
         if tok:
@@ -114,19 +140,13 @@ def inspect_corpus(path: str, n: int = 3) -> str:
         counts = manifest.get("stats", {}).get("counts", {})
         if counts:
             lines.append("cleaning: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
-    shard = p if p.is_file() else None
-    if shard is None and manifest:
-        first = next((s["name"] for info in manifest["splits"].values() for s in info["shards"]), None)
+    if shard is None and m is not None:
+        first = next((s.name for infos in m.splits.values() for s in infos), None)
         shard = safe_path(corpus, first, "shard", corpus / "manifest.json") if first else None
     if shard is not None:
-        tokenizer = _load_tokenizer(corpus)
-        class_names = {v: k for k, v in (manifest or {}).get("class_map", {}).items()}
-        total = 0
-        shown: list[str] = []
-        for key, members in read_shard(shard):
-            if total < n:
-                shown.extend(_format_sample(key, decode_sample(members, tokenizer), class_names))
-            total += 1
+        tokenizer = _load_tokenizer(m) if m is not None else None
+        class_names = {v: k for k, v in (m.class_map if m is not None else {}).items()}
+        total, shown = _read_samples(shard, n, tokenizer, class_names)
         lines.append(f"shard {shard.name}: {total} samples; first {min(n, total)}:")
         lines.extend(shown)
     return "\n".join(lines)
@@ -142,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(inspect_corpus(args.path, args.n))
-    except PrepError as exc:
+    except (PrepError, ConfigError) as exc:  # missing path, damaged corpus: the user's to fix (exit 2)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -26,12 +26,12 @@ from typing import Any
 from core.config import to_dict
 from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from core.corpus_kinds import corpus_kind
-from core.files import claim_output_dir
 from data_prep.allocator import find_worker_malloc, worker_runtime_env
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
 from data_prep.context import JobContext
 from data_prep.errors import PrepError
+from data_prep.output_guard import check_reused_tokenizer, claimed_corpus
 from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
@@ -211,7 +211,8 @@ def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: JobContext)
     tok_info = tokenizer_info(out, ttype, tok)
     specials = {n.removesuffix("_token"): i for n, i in tok_info["special_tokens"].items()}
     if cfg.kind == "bert_pairs" and not {"cls", "sep"} <= specials.keys():
-        raise PrepError(f"The tokenizer in {out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs needs a WordPiece (BERT) tokenizer.")
+        raise PrepError(f"The tokenizer {cfg.tokenizer.path or out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs "
+                        f"needs a WordPiece (BERT) tokenizer.")
     if cfg.kind == "packed_lm" and "eos" not in specials:
         specials["eos"] = specials.get("sep", 0)
     ctx = ctx.with_(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
@@ -340,19 +341,20 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
     t0 = time.time()
     out = Path(cfg.output)
     find_worker_malloc(cfg.worker_malloc)  # a wrong path fails here, before anything is written
-    # a corpus directory of ours (its marker) or a new one; never a user's folder
-    claim_output_dir(out, "corpus", what="output (the corpus directory)")
-    entries, class_map = resolve_inputs(cfg, str(out / STATE_DIR))  # bad inputs fail before a finished corpus is touched
-    (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
-    started = _ensure_ray(cfg)
-    try:
-        with _data_context(cfg):
-            summary = _run(cfg, out, entries, class_map, t0)
-    finally:
-        if started:
-            import ray
+    check_reused_tokenizer(cfg)  # likewise a damaged or unfitting tokenizer.path, named as the user gave it
+    # ours (its marker) for this config, or new; never a user's folder; removed again if bad input stops this run
+    with claimed_corpus(cfg, out):
+        entries, class_map = resolve_inputs(cfg, str(out / STATE_DIR))  # bad inputs fail before a finished corpus is touched
+        (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
+        started = _ensure_ray(cfg)
+        try:
+            with _data_context(cfg):
+                summary = _run(cfg, out, entries, class_map, t0)
+        finally:
+            if started:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
     print(format_summary(summary), flush=True)
     return summary
 

@@ -129,8 +129,6 @@ def save_tokenizer(tok, out_dir: str | os.PathLike, type_: str, model_max_length
 
 def load_tokenizer_dir(path: str | os.PathLike):
     """(tokenizer, type) of a directory holding tokenizer.json (or the file itself)."""
-    from tokenizers import Tokenizer
-
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
@@ -138,8 +136,22 @@ def load_tokenizer_dir(path: str | os.PathLike):
             f"Tokenizer {path} has no tokenizer.json. Point `tokenizer.path` at a directory saved by "
             f"`tokenizers`/`transformers` (save_pretrained), or leave it empty to train one."
         )
-    tok = Tokenizer.from_file(str(file))
+    tok = read_tokenizer_file(file, "Point `tokenizer.path` at an intact tokenizer (re-copy or re-save it), or leave "
+                                    "it empty to train one.")
     return tok, ("wordpiece" if type(tok.model).__name__ == "WordPiece" else "bpe")
+
+
+def read_tokenizer_file(file: Path, fix: str):
+    """``tokenizers.Tokenizer.from_file``, with a damaged file (cut short, not JSON, not UTF-8) as one PrepError
+    naming it: the library raises a bare ``Exception("EOF while parsing ...")`` that would reach the user
+    as a traceback."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # the Rust binding raises a plain Exception for every parse error
+        raise PrepError(f"{file} is not a readable tokenizer.json ({exc}): it is damaged or not from "
+                        f"`tokenizers`/`transformers`. {fix}") from None
 
 
 def install_tokenizer(src: str, dest_dir: str | os.PathLike) -> None:
@@ -165,20 +177,30 @@ def tokenizer_info(corpus_dir: str | os.PathLike, type_: str, tok=None) -> dict[
     tdir = Path(corpus_dir) / "tokenizer"
     if tok is None:
         tok, _ = load_tokenizer_dir(tdir)
-    specials: dict[str, int] = {}
-    cfg_file = tdir / "special_tokens_map.json"
-    names = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    if not names:
-        names = dict(BERT_SPECIALS) if type_ == "wordpiece" else {"eos_token": GPT_EOS}
-    for name, token in sorted(names.items()):
-        token = token["content"] if isinstance(token, dict) else token
-        tid = tok.token_to_id(token)
-        if tid is not None:
-            specials[name] = tid
     return {
         "path": "tokenizer",
         "sha256": _sha256(tdir / "tokenizer.json"),
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "type": type_,
-        "special_tokens": specials,
+        "special_tokens": special_ids(tdir, type_, tok),
     }
+
+
+def special_ids(tdir: Path, type_: str, tok) -> dict[str, int]:
+    """``{"cls_token": id, ...}`` of the tokenizer in ``tdir`` (its special_tokens_map.json, else the type's defaults):
+    also what ``prepare`` checks a reused tokenizer against before copying it into the corpus."""
+    cfg_file = tdir / "special_tokens_map.json"
+    try:
+        names = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PrepError(f"{cfg_file} is not valid JSON ({exc}). Re-save the tokenizer (save_pretrained) or remove "
+                        f"that file to use the default special tokens.") from None
+    if not names:
+        names = dict(BERT_SPECIALS) if type_ == "wordpiece" else {"eos_token": GPT_EOS}
+    specials: dict[str, int] = {}
+    for name, token in sorted(names.items()):
+        token = token["content"] if isinstance(token, dict) else token
+        tid = tok.token_to_id(token)
+        if tid is not None:
+            specials[name] = tid
+    return specials

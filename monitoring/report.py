@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import parse_command_line
-from core.files import OutsideError, atomic_write_text, claim_output_dir, inside
+from core.config import ConfigError, parse_command_line
+from core.files import MARKER, OutsideError, atomic_write_text, claim_output_dir, inside, output_kind
 from monitoring.logger import read_metrics_lines
 
 __all__ = ["Run", "load_run", "render_report", "main"]
@@ -90,6 +90,9 @@ def load_run(run_dir: str | os.PathLike, name: str | None = None) -> Run:
     path = Path(run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"Run dir {path} does not exist.")
+    if not (path / "metrics.jsonl").exists() and not (path / "config.yaml").exists() and output_kind(path) != "run":
+        raise ConfigError(f"{path} is not a run directory: it has no metrics.jsonl, config.yaml or run marker ({MARKER}). "
+                          f"Pass a run's train.run_dir (written by `pretrain train` or `pretrain finetune`) or a sweep directory.")
     run = Run(name=name or path.resolve().name, path=path, config=_read_config(path))
     latest: dict[tuple[str, int], dict[str, Any]] = {}
     for rec in read_metrics_lines(inside(path, "metrics.jsonl", what="the run's metrics")):
@@ -383,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(parser, argv)
     try:
         path = render_report(args.run_dirs, args.out)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return 2
     print(path)

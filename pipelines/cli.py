@@ -2,9 +2,10 @@
 
 Every subcommand is a function of this module's imports that can be called from Python too;
 heavy packages (torch, ray, deepspeed) are imported inside the handlers so `--help` is instant.
-User errors (bad config, missing file, corrupt data) print one paragraph and exit non-zero,
-without a traceback: 2 for configuration and data errors, 1 for everything else. ``PRETRAIN_DEBUG=1``
-prints the traceback too (for a bug report).
+User errors (bad config, missing file, corrupt data, bad prepare or fine-tuning input) print one
+paragraph and exit 2, without a traceback; 1 is left for genuine run failures (a crashed or diverged
+run, a failed sweep arm), so a script or SLURM can tell "fix your input" from "look at the run".
+``PRETRAIN_DEBUG=1`` prints the traceback too (for a bug report).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ EXIT_FAILURE = 1
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exception types whose message is meant for the user (no traceback is shown)."""
+    """Exception types whose message is meant for the user (no traceback, exit 2 like a ConfigError)."""
     types: list[type[BaseException]] = [FileNotFoundError]
     for module, name in (
         ("data_prep.errors", "PrepError"),
@@ -390,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, _user_error_types()):
             _traceback_if_asked()
             print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
+            return EXIT_CONFIG
         raise
 
 

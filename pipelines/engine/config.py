@@ -33,6 +33,16 @@ __all__ = [
 ]
 
 
+def check_at_least(section: str, obj: Any, minimum: int, *names: str, why: str = "") -> None:
+    """Refuse an integer option below ``minimum`` when the config loads: a ``log_every=0`` would otherwise pass
+    every check and divide by zero after the first step, with the run dir already written."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ConfigError(f"{section}.{name} must be >= {minimum}{why}, got {value}. Fix it in the config or the "
+                              f"override.")
+
+
 @dataclass(kw_only=True)
 class CorpusWeight:
     """One corpus of a mixture (``data.corpora``)."""
@@ -86,6 +96,10 @@ class DataConfig:
                               f"corpus, data.corpora for a weighted mixture (list the single corpus there too).")
         if not 0.0 <= self.max_bad_share <= 1.0:
             raise ConfigError(f"data.max_bad_share must be in [0, 1], got {self.max_bad_share}.")
+        check_at_least("data", self, 1, "micro_batch_size", "prefetch_factor", "image_size")
+        check_at_least("data", self, 0, "num_workers", "shuffle_buffer", why=" (0 = in the main process / no shuffle window)")
+        if self.mixup_alpha < 0:
+            raise ConfigError(f"data.mixup_alpha must be >= 0 (0 = off), got {self.mixup_alpha}.")
 
 
 @dataclass(kw_only=True)
@@ -164,6 +178,9 @@ class ScheduleConfig:
     power: float = option(1.0, help="Exponent of the polynomial decay.")
     d_model: int = option(0, help="Noam: model width; 0 takes the model's hidden size.")
 
+    def __post_init__(self) -> None:
+        check_at_least("schedule", self, 0, "warmup_steps", "d_model")
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -202,6 +219,12 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
         if self.global_batch_size < 0:
             raise ConfigError(f"train.global_batch_size must be >= 0 (0: micro x accumulation x ranks), got {self.global_batch_size}.")
+        check_at_least("train", self, 1, "log_every")
+        check_at_least("train", self, 0, "max_tokens", "eval_every", "eval_batches", "checkpoint_every", "keep_last",
+                       why=" (0 = off or all, see `pretrain train --help`)")
+        check_at_least("train", self, 0, "seed", why=" (numpy seeds the data order)")
+        if not self.max_time_minutes >= 0:
+            raise ConfigError(f"train.max_time_minutes must be >= 0 (0 = no time budget), got {self.max_time_minutes}.")
 
 
 @dataclass(kw_only=True)
@@ -233,6 +256,7 @@ class DistributedConfig:
             raise ConfigError(f"distributed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}.")
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("distributed.offload_params needs zero_stage=3 (DeepSpeed offloads parameters only in ZeRO-3).")
+        check_at_least("distributed", self, 1, "timeout_minutes")
 
 
 @dataclass(kw_only=True)
@@ -268,6 +292,8 @@ class LoggingConfig:
         parse_profile_steps(self.profile_steps)  # a malformed window is refused when the config loads
         if not 0 <= self.prometheus_port <= 65535:
             raise ConfigError(f"logging.prometheus_port must be a TCP port (1-65535) or 0 for off, got {self.prometheus_port}.")
+        check_at_least("logging", self, 0, "diagnostics_every", "skew_every", why=" (0 = off)")
+        check_at_least("logging", self, 0, "max_consecutive_nan")
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         run_finetune(cfg)
     except (ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2  # input the user must fix (README Safety: exit 2), as `pretrain finetune` answers it
     return 0
 
 

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import ConfigError, option
-from pipelines.engine.config import DistributedConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig
+from pipelines.engine.config import (
+    DistributedConfig,
+    LoggingConfig,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    check_at_least,
+)
 
 
 @dataclass(kw_only=True)
@@ -23,6 +30,9 @@ class FinetuneDataConfig:
     micro_batch_size: int = option(32, help="Examples per process per forward pass.")
     max_bad_share: float = option(0.01, help="Fail when more than this share of a file's rows is bad.")
 
+    def __post_init__(self) -> None:
+        check_at_least("data", self, 1, "max_seq_len", "micro_batch_size")
+
 
 @dataclass(kw_only=True)
 class QAConfig:
@@ -34,6 +44,9 @@ class QAConfig:
     max_answer_len: int = option(30, help="Longest answer span, in tokens, considered when decoding.")
     n_best: int = option(20, help="Start/end candidates considered per window when decoding.")
     null_score_threshold: float = option(0.0, help="v2: predict no answer when null score - best span score > this.")
+
+    def __post_init__(self) -> None:
+        check_at_least("qa", self, 1, "doc_stride", "max_query_len", "max_answer_len", "n_best")
 
 
 @dataclass(kw_only=True)
@@ -67,6 +80,8 @@ class FinetuneConfig:
             raise ConfigError(f"train.task must be one of {', '.join(FINETUNE_TASKS)} for fine-tuning, got {self.train.task!r}.")
         if self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1, got {self.epochs}.")
+        if self.early_stopping_patience < 0:
+            raise ConfigError(f"early_stopping_patience must be >= 0 (0 = off), got {self.early_stopping_patience}.")
 
 
 #: train.task -> "module:function" running that kind of fine-tuning (imported on use).

@@ -95,7 +95,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
           f"{out / 'digits'} not written: the digit images come with scikit-learn (pip install -e \".[demo]\").")
 
     t = _stage("2/5 Preparing WebDataset shards with a Ray job (WordPiece + BERT sentence pairs)")
-    prep_overrides = [f"output={corpus}", f"sources=[{{type: text, paths: ['{raw}'], text_mode: file}}]"]
+    # overwrite: the demo's own corpus, rebuilt when a rerun changes --small (the same options resume it)
+    prep_overrides = [f"output={corpus}", f"sources=[{{type: text, paths: ['{raw}'], text_mode: file}}]", "overwrite=true"]
     if opts.small:
         prep_overrides += ["tokenizer.vocab_size=4000", "dupe_factor=1"]
     run_prepare(load_config(CONFIGS / "demo" / "prepare_bert.yaml", prep_overrides, cls=PrepConfig))

@@ -72,9 +72,13 @@ class PlanOptions:
                               f"{self.gpus_per_node}. Use a multiple of {self.gpus_per_node}.")
         if self.gpu not in K.GPU_KINDS:
             raise ConfigError(f"--gpu {self.gpu}: no datasheet entry. Use one of: {', '.join(K.GPU_KINDS)}.")
-        if self.fs_gbps <= 0:
-            raise ConfigError("--fs-gbps (the checkpoint file system's aggregate write bandwidth in GB/s) must be > 0: "
-                              "measure yours (e.g. fio, or benchmarks/checkpoint_hash.py --dir /shared/runs).")
+        if not (math.isfinite(self.fs_gbps) and self.fs_gbps > 0):  # nan passes `<= 0`
+            raise ConfigError(f"--fs-gbps {self.fs_gbps}: the checkpoint file system's aggregate write bandwidth in GB/s "
+                              f"must be a number > 0: measure yours (e.g. fio, or benchmarks/checkpoint_hash.py --dir /shared/runs).")
+        for flag, value in (("--node-mtbf-hours", self.node_mtbf_hours), ("--restart-minutes", self.restart_minutes),
+                            ("--global-batch", self.global_batch), ("--seq-len", self.seq_len)):
+            if not (math.isfinite(value) and value >= 0):  # a plan from a negative or nan figure is nonsense, not an error
+                raise ConfigError(f"{flag} {value}: must be a number >= 0 (0 or left out: the default). Fix the flag.")
 
     @property
     def nodes(self) -> int:

@@ -67,7 +67,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     cfg.write_text(f"kind: bert_pairs\noutput: {tmp_path / 'o'}\nsources: [{{type: text, paths: [{tmp_path / 'missing.txt'}]}}]\n")
     assert main([str(cfg), "seq_lenn=3"]) == 2
     assert "seq_len" in capsys.readouterr().err
-    assert main([str(cfg)]) == 1
+    assert main([str(cfg)]) == 2  # a missing input is the user's to fix too (README Safety: exit 2)
     assert "missing.txt" in capsys.readouterr().err
 
 

@@ -58,9 +58,38 @@ def test_running_or_crashed_run(finished_run: Path, tmp_path: Path) -> None:
     assert "loss.png" in _img_srcs(out)
 
 
-def test_empty_run_dir_renders_a_page(tmp_path: Path) -> None:
-    out = render_report([tmp_path], tmp_path / "report")
+def test_a_run_before_its_first_log_renders_a_page(tmp_path: Path) -> None:
+    """A run that has started (its marker and config.yaml written) but logged nothing yet."""
+    from core.config import save_config
+    from core.files import claim_output_dir
+    from pipelines.engine.config import load_run_config
+
+    run = claim_output_dir(tmp_path / "run", "run", what="train.run_dir")
+    save_config(load_run_config(None), run / "config.yaml")
+    out = render_report([run], tmp_path / "report")
     assert "No metrics logged yet" in out.read_text() and _img_srcs(out) == []
+
+
+@pytest.mark.parametrize("what", ["empty folder", "corpus"])
+def test_a_directory_that_is_no_run_is_refused(what: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`pretrain report CORPUS` (or any folder without metrics.jsonl, config.yaml or a run marker) wrote an empty
+    'No metrics logged yet' report and exited 0: one line instead, exit 2, and no report directory."""
+    import sys
+
+    from pipelines.cli import main as cli_main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import corpus_fixtures as cf
+
+    target = tmp_path / "corpus"
+    if what == "corpus":
+        cf.make_bert_corpus(target, train_sizes=(8,), val_sizes=(4,))
+    else:
+        target.mkdir()
+    assert cli_main(["report", str(target), "--out", str(tmp_path / "report")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{target} is not a run directory" in lines[0] and "train.run_dir" in lines[0], lines
+    assert not (tmp_path / "report").exists()
 
 
 def test_several_runs_overlaid(finished_run: Path, tmp_path: Path, logged_run) -> None:

@@ -58,6 +58,34 @@ def test_prepare_missing_input_names_the_path(tmp_path, capsys):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("what", ["prepare input", "finetune checkpoint", "finetune data", "inspect path", "report dir"])
+def test_input_errors_exit_2_as_the_readme_promises(what, tmp_path, capsys):
+    """PrepError, FinetuneError and FileNotFoundError are the user's to fix, like a ConfigError: exit 2, one line
+    (1 is left for a run that crashed or diverged)."""
+    from finetune_fixtures import save_hf_bert_checkpoint
+
+    (tmp_path / "empty").mkdir()
+    if what == "finetune data":
+        save_hf_bert_checkpoint(tmp_path / "release")
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"review {i}\t{'pos' if i % 2 else 'neg'}\n" for i in range(8)))
+    (tmp_path / "latin1.tsv").write_bytes("text\tlabel\ncaf\xe9\tpos\n".encode("latin-1"))
+    finetune = ["finetune", CLASSIFICATION, f"data.validation={tmp_path / 'train.tsv'}", f"train.run_dir={tmp_path / 'run'}"]
+    argv, named = {
+        "prepare input": (["prepare", "configs/data/demo_bert.yaml", f"output={tmp_path / 'out'}",
+                           f"sources=[{{type: text, paths: ['{tmp_path / 'none'}/*.txt']}}]"], tmp_path / "none"),
+        "finetune checkpoint": ([*finetune, f"checkpoint={tmp_path / 'empty'}", f"data.train={tmp_path / 'train.tsv'}"],
+                                tmp_path / "empty"),
+        "finetune data": ([*finetune, f"checkpoint={tmp_path / 'release'}", f"data.train={tmp_path / 'latin1.tsv'}"],
+                          tmp_path / "latin1.tsv"),
+        "inspect path": (["inspect", str(tmp_path / "corpus")], tmp_path / "corpus"),
+        "report dir": (["report", str(tmp_path / "runs" / "typo"), "--out", str(tmp_path / "report")], tmp_path / "runs" / "typo"),
+    }[what]
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    code = main(argv)
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and str(named) in line, line
+
+
 def _png(path, value: int) -> None:
     from PIL import Image
 
@@ -73,7 +101,7 @@ def test_prepare_refuses_a_one_class_image_corpus_naming_the_folder_or_column(tm
     code = main(["prepare", "configs/data/digits_images.yaml", f"output={out}",
                  f"sources=[{{type: image_folder, paths: ['{tmp_path / 'imgs'}']}}]"])
     err = capsys.readouterr().err
-    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "'cat'" in err and str(tmp_path / "imgs") in err and "at least 2 classes" in err
     assert not (out / "manifest.json").exists()
     csv = tmp_path / "imgs" / "labels.csv"
@@ -81,7 +109,7 @@ def test_prepare_refuses_a_one_class_image_corpus_naming_the_folder_or_column(tm
     code = main(["prepare", "configs/data/digits_images.yaml", f"output={out}",
                  f"sources=[{{type: image_csv, paths: ['{csv}'], path_field: file, label_field: label}}]"])
     err = capsys.readouterr().err
-    assert code == 1 and "column 'label'" in err and str(csv) in err and "label_field" in err, err
+    assert code == 2 and "column 'label'" in err and str(csv) in err and "label_field" in err, err
 
 
 # ------------------------------------------------------------------------------ pre-launch checks

@@ -181,3 +181,61 @@ def test_non_finite_number_in_yaml_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(cfg)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "`optim.lr` is nan" in proc.stderr and "finite" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "finetune", "sweep", "submit"])
+def test_non_utf8_config_exits_2_naming_the_file(tmp_path, command):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe a: 1\n")  # a UTF-16 byte-order mark: a file saved by the wrong editor setting
+    extra = ["--dry-run"] if command == "submit" else []
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", command, str(bad), *extra], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Config file {bad} is not UTF-8" in proc.stderr and "Save it as UTF-8" in proc.stderr
+
+
+def test_directory_as_config_is_named_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file") as err:
+        load_run_config(tmp_path)
+    assert "does not exist" not in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "train.log_every=0", "data.num_workers=-1", "data.micro_batch_size=0", "data.prefetch_factor=0",
+    "data.shuffle_buffer=-1", "data.image_size=0", "data.mixup_alpha=-0.5", "train.eval_every=-1",
+    "train.eval_batches=-1", "train.checkpoint_every=-5", "train.keep_last=-1", "train.max_tokens=-1", "train.seed=-1",
+    "train.max_time_minutes=-1", "schedule.warmup_steps=-10", "distributed.timeout_minutes=0",
+    "logging.diagnostics_every=-1", "logging.skew_every=-1",
+])
+def test_out_of_range_integers_are_refused_when_the_config_loads(override):
+    """Each of these passed every check and crashed after training started (log_every=0: ZeroDivisionError after
+    step 1, with config.yaml and metrics.jsonl already written; num_workers=-1: torch's ValueError traceback)."""
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, [override])
+    assert f"{key} must be >= " in str(err.value) and f"got {value}" in str(err.value)
+
+
+def test_zero_means_off_where_the_help_says_so():
+    cfg = load_run_config(None, ["train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=0", "data.num_workers=0",
+                                 "logging.skew_every=0", "logging.diagnostics_every=0", "train.eval_batches=0"])
+    assert cfg.train.keep_last == 0 and cfg.data.num_workers == 0
+
+
+@pytest.mark.parametrize("override", ["data.micro_batch_size=0", "data.max_seq_len=0", "qa.doc_stride=0", "qa.n_best=0",
+                                      "early_stopping_patience=-1"])
+def test_finetune_sizes_are_refused_when_the_config_loads(override):
+    from pipelines.finetune import FinetuneConfig
+
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]} must be >= "):
+        load_config(REPO / "configs/finetune/classification.yaml", [override], cls=FinetuneConfig)
+
+
+@pytest.mark.parametrize("override", ["train.log_every=0", "data.num_workers=-1"])
+def test_train_refuses_a_bad_run_option_before_the_run_dir_is_written(override, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(REPO / "configs/train/bert_tiny_cpu.yaml"),
+                           f"train.run_dir={run}", f"data.corpus={tmp_path / 'corpus'}", override],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and override.split("=")[0] in proc.stderr, proc.stderr
+    assert not run.exists()

@@ -356,10 +356,21 @@ def test_a_model_that_does_not_fit_says_what_does(capsys):
     (["--gpus", "12", "--fs-gbps", "10"], "is not a whole number of nodes"),
     (["--gpus", "8"], "needs CONFIG, --gpus N and --fs-gbps"),
     (["model.name=gpt2-smal", "--gpus", "8", "--fs-gbps", "10"], "Did you mean `gpt2-small`?"),
+    # numeric flags: nan and negatives were a traceback (nan: ValueError, -1 MTBF: math domain error) or a nonsense plan
+    (["--gpus", "8", "--fs-gbps", "nan"], "--fs-gbps nan"),
+    (["--gpus", "8", "--fs-gbps", "inf"], "--fs-gbps inf"),
+    (["--gpus", "8", "--fs-gbps", "5", "--node-mtbf-hours", "-1"], "--node-mtbf-hours -1"),
+    (["--gpus", "8", "--fs-gbps", "5", "--node-mtbf-hours", "nan"], "--node-mtbf-hours nan"),
+    (["--gpus", "8", "--fs-gbps", "5", "--seq-len", "-1"], "--seq-len -1"),
+    (["--gpus", "8", "--fs-gbps", "5", "--restart-minutes", "nan"], "--restart-minutes nan"),
+    (["--gpus", "8", "--fs-gbps", "5", "--restart-minutes", "-100"], "--restart-minutes -100"),
+    (["--gpus", "8", "--fs-gbps", "5", "--global-batch", "-8"], "--global-batch -8"),
 ])
 def test_bad_input_is_one_clear_error(capsys, argv, message):
     assert cli.main(["plan", str(GPU / "gpt2_small.yaml"), *argv]) == cli.EXIT_CONFIG
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and not captured.out, captured
 
 
 def test_a_finetuning_config_is_refused(capsys):
