@@ -23,10 +23,8 @@ on every rank. ``train.read_late=false`` reads every step at once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -182,6 +180,7 @@ class Trainer:
         """Run dir (claimed, locked) and config.yaml, logger / health / throughput, resume, signal handlers."""
         from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
         from monitoring.profiler import StepProfiler
+        from monitoring.sample_keys import SampleKeyLog
 
         cfg, t = self.cfg, self.cfg.train
         error = None
@@ -208,7 +207,7 @@ class Trainer:
             save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
         self._install_signal_handlers()
         profiler = StepProfiler(self.run_dir, cfg.logging.profile_steps, self.engine.rank, self.engine.device.type)
-        return _RunState(logger=logger, health=health, meter=meter, trace=self._open_trace(), profiler=profiler,
+        return _RunState(logger=logger, health=health, meter=meter, trace=SampleKeyLog.open(self.run_dir, cfg.logging.sample_keys, self.engine.rank), profiler=profiler,
                          resume=resume, started=time.time())
 
     def _reads_now(self, number: int, run: _RunState) -> bool:
@@ -278,8 +277,7 @@ class Trainer:
         queued.rates.update(run.meter.end_step(len(keys) or t.grad_accum_steps * self.cfg.data.micro_batch_size, tokens,
                                                peer_wait, flops=flops or None))
         if run.trace is not None:  # logging.sample_keys: this rank's samples and own loss, one more host read
-            run.trace.write(json.dumps({"step": self.step, "loss": local_loss.item(), "keys": keys, "pid": os.getpid()}) + "\n")
-            run.trace.flush()
+            run.trace.write(self.step, local_loss.item(), keys)
         return queued
 
     def _agreement(self, local_loss: torch.Tensor, tokens: int, bad: int, run: _RunState) -> torch.Tensor:
@@ -480,15 +478,6 @@ class Trainer:
                 signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
-
-    def _open_trace(self):
-        """``logging.sample_keys``: this rank's append-only sample-key log (docs/monitoring.md), or None."""
-        where = self.cfg.logging.sample_keys
-        if not where:
-            return None
-        where = self.run_dir / where  # an absolute path stays as it is
-        where.mkdir(parents=True, exist_ok=True)
-        return open(where / f"rank-{self.engine.rank}.jsonl", "a", encoding="utf-8")
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
