@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 from core.config import to_dict
 from core.corpus import SCHEMA_VERSION, SHARD_FILE_RE, write_manifest
 from core.corpus_kinds import corpus_kind
+from core.errors import Terminated
 from data_prep.allocator import find_worker_malloc, worker_runtime_env
 from data_prep.clean import Stats, lsh_params
 from data_prep.config import PrepConfig, manifest_config
@@ -59,6 +61,24 @@ def _ensure_ray(cfg: PrepConfig) -> bool:
         kwargs["num_cpus"] = cfg.num_workers or None
     ray.init(**kwargs)
     return True
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM raises ``Terminated`` here: the job unwinds (Ray shut down, the CLI's one line, exit 143)
+    instead of Ray's driver handler dumping its C++ stack; a rerun resumes from the finished shards."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise Terminated(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -348,7 +368,7 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
         (out / "manifest.json").unlink(missing_ok=True)  # the manifest marks a finished corpus: written last
         started = _ensure_ray(cfg)
         try:
-            with _data_context(cfg):
+            with _data_context(cfg), _sigterm_unwinds():
                 summary = _run(cfg, out, entries, class_map, t0)
         finally:
             if started:

@@ -384,9 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _traceback_if_asked()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM a job turned into one (core.errors.Terminated)
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", 2)
     except Exception as exc:
         if isinstance(exc, _user_error_types()):
             _traceback_if_asked()

@@ -160,6 +160,29 @@ def test_one_and_two_workers_and_a_killed_run_give_identical_bytes(bert_corpus, 
     assert summary["shards"] == len([k for k in reference if k.endswith(".tar")])
 
 
+def test_sigterm_to_prepare_is_one_line_exit_143_and_the_rerun_gives_identical_bytes(bert_corpus, real_text, tmp_path):
+    """`kill PID` of `pretrain prepare` (its own local Ray, as a user runs it) once the first reduce group has
+    written its shards: Ray's driver used to dump its C++ stack with a varying exit code. Now the job unwinds
+    (Ray shut down), prints one line, exits 143, and the rerun finishes to the same bytes."""
+    out, _ = bert_corpus
+    reference = _digest(out)
+    stopped = tmp_path / "stopped"
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(json.loads(json.dumps(_bert_cfg(real_text, stopped, num_workers=1),
+                                                             default=lambda o: o.__dict__))))
+    script = (KILLED_AFTER_FIRST_REDUCE_GROUP.replace("signal.SIGKILL", "signal.SIGTERM")
+              .replace("from data_prep.__main__ import main", "from pipelines.cli import main")
+              .replace("main(sys.argv[1:])", "main(['prepare', *sys.argv[1:]])"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", script, str(cfg_file)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "interrupted" in proc.stderr and "SIGTERM received" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (stopped / "manifest.json").exists() and list(stopped.glob("*.tar"))
+    run_prepare(_bert_cfg(real_text, stopped, num_workers=1))
+    assert _digest(stopped) == reference
+
+
 def test_reused_tokenizer_gives_identical_bytes_with_one_and_two_workers(bert_corpus, real_text, ray_cluster, tmp_path):
     """With `tokenizer.path` the shards are sized from an estimate made in Ray tasks: it must not depend on the
     workers. Nor may the workers' allocator change a byte (1 worker on glibc's malloc, 2 on the `auto` one)."""
