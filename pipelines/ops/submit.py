@@ -291,10 +291,10 @@ def submit_job(job: RenderedJob, *, sbatch: str = "sbatch") -> SubmittedJob:
         raise ConfigError(f"`{sbatch}` was not found: run `pretrain submit` on a SLURM login node (or use --dry-run).") from None
     if proc.returncode != 0:
         left = _undo(script_path, created, job.run.run_dir)
-        said = " ".join((proc.stderr.strip() or proc.stdout.strip() or "no message").split())
+        said = " ".join((proc.stderr.strip() or proc.stdout.strip() or "no message").split()).rstrip(".")
+        removed = "the script was removed" if left else f"the run dir it created ({job.run.run_dir}) was removed"
         raise ConfigError(
-            f"sbatch refused the job (exit {proc.returncode}): {said} Nothing was submitted; "
-            f"{'the run dir ' + str(job.run.run_dir) + ' it created was removed' if not left else 'the script was removed'}. "
+            f"sbatch refused the job (exit {proc.returncode}): {said}. Nothing was submitted; {removed}. "
             f"Fix what sbatch names (partition, account, --time, resources, or a SLURM controller that is not "
             f"reachable: check `sinfo`), then submit again; `--dry-run` prints the script without submitting."
         )

@@ -137,7 +137,7 @@ def test_a_job_sbatch_refuses_is_one_paragraph_and_leaves_no_run_dir(bert_corpus
     err = capsys.readouterr().err
     assert "sbatch refused the job (exit 1): sbatch: error: Batch job submission failed: Unable to contact" in err, err
     assert "Traceback" not in err, err
-    assert f"the run dir {run_dir} it created was removed" in err and len(err.strip().splitlines()) == 1, err
+    assert f"the run dir it created ({run_dir}) was removed" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
 
     claim_run_dir(run_dir)  # an earlier run's dir: its files stay
