@@ -317,6 +317,8 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
         try:
             if key.startswith(("data.corpus", "data.corpora")):
                 _check_corpus(path, cfg, world_size)
+            elif Path(path).is_dir():
+                raise ConfigError(f"{key}={path} is a directory, not a file. Point {key} at the file of examples in it.")
             elif not Path(path).is_file():
                 raise ConfigError(f"{key}={path}: no such file. Point {key} at an existing file "
                                   f"(a path on a filesystem every node sees, for a cluster job).")

@@ -103,11 +103,16 @@ def _fsync_tree(root: Path) -> None:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoint folders of a run (``step-NNNNNNNN``), oldest first.
+
+    One without ``trainer_state.json`` is listed too: it was complete once (saves are renamed into place
+    whole), so it is damage that resume and export must report, not skip in silence. An in-progress
+    save (``.tmp-*``) is no checkpoint.
+    """
     ck = Path(run_dir) / "checkpoints"
     if not ck.is_dir():
         return []
-    found = [p for p in ck.iterdir() if p.is_dir() and _STEP_RE.match(p.name) and (p / "trainer_state.json").is_file()]
+    found = [p for p in ck.iterdir() if p.is_dir() and _STEP_RE.match(p.name)]
     return sorted(found, key=lambda p: p.name)
 
 

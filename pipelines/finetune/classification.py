@@ -137,6 +137,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env)
+    tokenizer = load_tokenizer(release)  # a tokenizer the model cannot take is refused before the data is read
     d = cfg.data
     columns = dict(text_column=d.text_column, label_column=d.label_column, text_pair_column=d.text_pair_column,
                    regression=d.regression, max_bad_share=d.max_bad_share)
@@ -145,7 +146,6 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
 
-    tokenizer = load_tokenizer(release)
     task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0, d.max_seq_len)
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
     return fit_export_score(cfg, env, release, FinetuneJob(

@@ -53,6 +53,15 @@ class ReadReport:
         return f"{self.path}: {self.total} examples, skipped {sum(self.bad.values())}: {parts}{notes}"
 
 
+def require_file(path: Path, what: str) -> None:
+    """A data file that is not there, or a directory given for a file: say which (both were 'does not exist')."""
+    if path.is_dir():
+        raise FinetuneError(f"{what} {path} is a directory, not a file. Point data.train / data.validation at the "
+                            f"file of examples in it.")
+    if not path.is_file():
+        raise FinetuneError(f"{what} {path} does not exist. Check data.train / data.validation.")
+
+
 def _rows(path: Path, report: ReadReport):
     """Yield (line number, mapping) for each record; JSON lines that do not parse are reported."""
     suffix = path.suffix.lower()
@@ -95,8 +104,7 @@ def read_examples(
 ) -> tuple[list[Example], list[str], ReadReport]:
     """Read labelled examples; ``label_names`` fixes the label set (else it is taken from this file)."""
     path = Path(path)
-    if not path.is_file():
-        raise FinetuneError(f"Fine-tuning data file {path} does not exist. Check data.train / data.validation.")
+    require_file(path, "Fine-tuning data file")
     report = ReadReport(str(path))
     raw: list[tuple[str, str | None, Any, str]] = []
     columns = [text_column, label_column] + ([text_pair_column] if text_pair_column else [])

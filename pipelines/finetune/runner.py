@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.config import ConfigError
 from core.files import atomic_write_text, tree_inside
 from monitoring.sinks import plain
 from pipelines.engine import distributed as dist
@@ -27,7 +28,7 @@ from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
 __all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
-           "resolve_release", "load_tokenizer", "EpochSelection", "epoch_rank", "best_epoch"]
+           "resolve_release", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
@@ -115,6 +116,11 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
 def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
     path = Path(checkpoint)
+    if not path.is_dir():
+        raise FinetuneError(
+            f"checkpoint={checkpoint} {'is a file, not a directory' if path.exists() else 'does not exist'}. "
+            f"Pass a release directory (written by `pretrain export` or `save_pretrained`) or a pretraining run dir."
+        )
     if (path / "config.json").is_file():
         return tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
@@ -137,9 +143,30 @@ def load_tokenizer(release: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(release), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(release), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise FinetuneError(f"{release}: no usable tokenizer files ({exc}). Copy the tokenizer the model was trained with into it.") from None
+    check_tokenizer_fits(release, len(tokenizer))
+    return tokenizer
+
+
+def check_tokenizer_fits(release: Path, tokens: int) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table (an IndexError mid-forward otherwise).
+
+    ``tokens`` counts added tokens too. A larger ``vocab_size`` (embeddings padded to a multiple, as GPT-2's
+    50304) is fine: those rows are never looked up.
+    """
+    try:
+        vocab = json.loads((release / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config.json: loading the model reports it
+    if isinstance(vocab, int) and tokens > vocab:
+        raise ConfigError(
+            f"{release}: its tokenizer has {tokens} tokens (added ones included) but the model's embedding table "
+            f"(config.json vocab_size) has {vocab} rows, so token ids {vocab}..{tokens - 1} would index past it. "
+            f"The tokenizer files are not the model's: copy back the tokenizer it was pretrained with (the one "
+            f"`pretrain export` put into the release), or fine-tune a release whose vocab_size is at least {tokens}."
+        )
 
 
 def epoch_rank(row: dict[str, Any], metric: str) -> tuple[float, float, int]:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from core.files import atomic_write_text
-from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.data import FinetuneError, ReadReport, require_file
 
 __all__ = [
     "QAExample", "read_squad", "check_bad_share", "prepare_features", "decode_predictions",
@@ -49,8 +49,7 @@ class QAExample:
 def read_squad(path: str | Path, *, version_2: bool = False, max_bad_share: float = 0.01) -> tuple[list[QAExample], ReadReport]:
     """Questions of a SQuAD-format file, the bad ones counted in the report (see module docstring)."""
     path = Path(path)
-    if not path.is_file():
-        raise FinetuneError(f"QA data file {path} does not exist. Check data.train / data.validation.")
+    require_file(path, "QA data file")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

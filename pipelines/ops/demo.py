@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from core.config import ConfigError
 from core.files import atomic_write_text, claim_output_dir
 from pipelines.ops.demo_data import (
     write_classification_task,
@@ -27,6 +28,7 @@ from pipelines.ops.demo_data import (
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRETRAIN_CONFIG = CONFIGS / "demo" / "pretrain_bert.yaml"
 
 
 @dataclass
@@ -70,6 +72,34 @@ def unigram_mlm_baseline(corpus: Path, split: str = "validation") -> float:
     return max(counts.values()) / total if total else 0.0
 
 
+def pretrain_overrides(corpus: Path, run_dir: Path, steps: int) -> list[str]:
+    """Overrides of configs/demo/pretrain_bert.yaml: the demo's paths and a schedule scaled to ``steps``."""
+    return [
+        f"data.corpus={corpus}",
+        f"train.run_dir={run_dir}",
+        f"train.max_steps={steps}",
+        f"train.eval_every={max(steps // 3, 1)}",
+        f"train.checkpoint_every={max(steps // 3, 1)}",
+        f"schedule.warmup_steps={max(steps // 10, 1)}",
+        "train.overwrite=true",  # a rerun of the demo starts its own run over (resume: never)
+    ]
+
+
+def check_options(opts: DemoOptions, train_overrides: list[str]) -> None:
+    """Refuse --nproc / --steps the pretraining stage cannot take before any stage runs (it used to fail
+    there, minutes in, with accelerate's traceback); then the pretraining config as the CLI checks it."""
+    from pipelines.engine.check import check
+    from pipelines.engine.config import load_run_config
+
+    if opts.num_processes < 1:
+        raise ConfigError(f"--nproc {opts.num_processes}: the demo pretrains with at least 1 process "
+                          f"(default 2). Pass --nproc 1 or more.")
+    if opts.pretrain_steps < 1:
+        raise ConfigError(f"--steps {opts.pretrain_steps}: the demo needs at least 1 pretraining step "
+                          f"(default 300; --small tests use 20-120). Pass --steps 1 or more.")
+    check(load_run_config(str(PRETRAIN_CONFIG), train_overrides), world_size=opts.num_processes)
+
+
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from core.config import load_config
     from data_prep.config import PrepConfig
@@ -78,9 +108,12 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from pipelines.engine.export import export_checkpoint
     from pipelines.finetune import FinetuneConfig, run_finetune
 
-    out = claim_output_dir(Path(opts.out_dir).resolve(), "demo", what="--out (the demo directory)")  # never a user's folder
-    raw, task, corpus, release = out / "raw", out / "task", out / "corpus", out / "release"
-    run_dir = out / "runs" / "bert-tiny"
+    out_dir = Path(opts.out_dir).resolve()
+    raw, task, corpus, release = out_dir / "raw", out_dir / "task", out_dir / "corpus", out_dir / "release"
+    run_dir = out_dir / "runs" / "bert-tiny"
+    train_overrides = pretrain_overrides(corpus, run_dir, opts.pretrain_steps)
+    check_options(opts, train_overrides)  # before minutes of corpus writing and Ray prep
+    out = claim_output_dir(out_dir, "demo", what="--out (the demo directory)")  # never a user's folder
     started = time.perf_counter()
 
     t = _stage("1/5 Writing the corpus from Python's own documentation")
@@ -103,19 +136,12 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     print(f"prepared in {time.perf_counter() - t:.0f}s")
 
     t = _stage(f"3/5 Pretraining tiny BERT (MLM + NSP): {opts.num_processes} DeepSpeed ZeRO-2 processes")
-    steps = opts.pretrain_steps
-    train_overrides = [
-        f"data.corpus={corpus}",
-        f"train.run_dir={run_dir}",
-        f"train.max_steps={steps}",
-        f"train.eval_every={max(steps // 3, 1)}",
-        f"train.checkpoint_every={max(steps // 3, 1)}",
-        f"schedule.warmup_steps={max(steps // 10, 1)}",
-        "train.overwrite=true",  # a rerun of the demo starts its own run over (resume: never)
-    ]
-    code = launch(str(CONFIGS / "demo" / "pretrain_bert.yaml"), train_overrides, opts.num_processes)
+    code = launch(str(PRETRAIN_CONFIG), train_overrides, opts.num_processes)
     if code != 0:
-        raise RuntimeError(f"pretraining exited with code {code}; its log is above and under {run_dir}/logs.")
+        where = f"; what it wrote is in {run_dir}" if run_dir.is_dir() else ""
+        if code == 2:  # the ranks explained it (a config or data problem): their one paragraph is above
+            raise ConfigError(f"The demo's pretraining stopped (exit 2): its message is above{where}.")
+        raise RuntimeError(f"The demo's pretraining exited with code {code}: its log is above{where}.")
     print(f"pretrained in {time.perf_counter() - t:.0f}s")
 
     t = _stage("4/5 Exporting the checkpoint to a Hugging Face directory")

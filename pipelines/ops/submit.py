@@ -270,9 +270,15 @@ class SubmittedJob:
 
 
 def submit_job(job: RenderedJob, *, sbatch: str = "sbatch") -> SubmittedJob:
-    """Write the script into the run's log dir and ``sbatch --parsable`` it; returns the job id."""
+    """Write the script into the run's log dir and ``sbatch --parsable`` it; returns the job id.
+
+    When sbatch is missing or refuses the job, what this call created (the script, and the run and log
+    dirs if they were new and hold nothing else) is removed: a refused submission leaves no run dir that
+    looks started. The script is not kept: ``--dry-run`` prints it, and a fixed command writes it again.
+    """
     from pipelines.engine.checkpoint import claim_run_dir
 
+    created = _missing_dirs(job.log_dir)  # new folders, deepest first (the log dir lies inside the run dir)
     claim_run_dir(job.run.run_dir)  # marked as our run dir before the logs go in (a user's folder is refused)
     job.log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create the --output directory
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -281,13 +287,51 @@ def submit_job(job: RenderedJob, *, sbatch: str = "sbatch") -> SubmittedJob:
     try:
         proc = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
+        _undo(script_path, created, job.run.run_dir)
         raise ConfigError(f"`{sbatch}` was not found: run `pretrain submit` on a SLURM login node (or use --dry-run).") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"sbatch refused the job (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        left = _undo(script_path, created, job.run.run_dir)
+        said = " ".join((proc.stderr.strip() or proc.stdout.strip() or "no message").split()).rstrip(".")
+        removed = "the script was removed" if left else f"the run dir it created ({job.run.run_dir}) was removed"
+        raise ConfigError(
+            f"sbatch refused the job (exit {proc.returncode}): {said}. Nothing was submitted; {removed}. "
+            f"Fix what sbatch names (partition, account, --time, resources, or a SLURM controller that is not "
+            f"reachable: check `sinfo`), then submit again; `--dry-run` prints the script without submitting."
+        )
     job_id = proc.stdout.strip().split(";")[0]
     final = script_path.with_name(f"submit-{job_id}.sbatch")
     script_path.rename(final)
     return SubmittedJob(job_id, final, job.log_dir, job.run.run_dir)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def _undo(script_path: Path, created: list[Path], run_dir: Path) -> bool:
+    """Remove the script and, if empty, the folders this submission created (the run dir's marker with them);
+    True when the run dir stays (it was there before, or holds something else). Never removes anything else."""
+    from core.files import MARKER
+
+    script_path.unlink(missing_ok=True)
+    for folder in created:
+        if folder == run_dir:
+            try:
+                if sorted(p.name for p in folder.iterdir()) == [MARKER]:
+                    (folder / MARKER).unlink()
+            except OSError:
+                return True
+        try:
+            folder.rmdir()  # only an empty folder: whatever else is in it stays
+        except OSError:
+            break
+    return run_dir.exists()
 
 
 def describe_submitted(sub: SubmittedJob, job: RenderedJob) -> str:

@@ -44,7 +44,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ from core.config import (
 from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
+from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, report_failure
 
 __all__ = [
     "SweepConfig",
@@ -176,13 +176,9 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
         if not base.is_file():
             raise ConfigError(f"{path}: base run config {base} does not exist (paths are relative to the sweep file).")
         cfg.base = str(base)
-    from pipelines.engine.check import check
-
-    for spec in expand(cfg):  # every grid point, before the first run starts (torch-free, milliseconds)
-        try:  # loading checks registry names (optim.name, schedule.warmup), check the rest
-            check(run_config(cfg, spec), world_size=cfg.num_processes)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: grid point {spec.index} ({spec.name}): {exc}") from None
+    # every grid point, before the first run starts; corpora too once the --set overrides are known (run_local)
+    check_grid(expand(cfg), lambda spec: run_config(cfg, spec), world_size=cfg.num_processes, where=str(path),
+               inputs=False)
     return cfg
 
 
@@ -275,8 +271,9 @@ def run_one(
     record: dict[str, Any] = {"index": spec.index, "name": spec.name, "run_dir": str(spec.run_dir), **spec.axes}
     try:
         cfg = run_config(sweep, spec, extra)
-    except ConfigError as exc:
-        record.update(status="failed", error=str(exc), wall_time_s=0.0, time=started)
+    except ConfigError as exc:  # a SLURM array task's own grid point: the one paragraph in its log too
+        print(f"error: {spec.name}: {exc}", file=sys.stderr, flush=True)
+        record.update(status="failed", error=str(exc), wall_time_s=0.0, time=started, rc=EXIT_CONFIG)
         append_log(sweep_dir, record)
         return record
     print(f"=== sweep run {spec.index}: {spec.name}", flush=True)
@@ -299,8 +296,7 @@ def run_one(
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - a failed run is a result of the sweep, not its end
-        error = f"{type(exc).__name__}: {exc}"
-        traceback.print_exc()
+        error, rc = report_failure(exc)  # one paragraph for a config/data error; rc as `pretrain train` exits
     status = run_status(spec.run_dir, cfg.train.max_steps)
     if error is not None and status["status"] not in ("ok", "diverged"):
         status["status"] = "failed"
@@ -339,6 +335,8 @@ def run_local(
     (e.g. one GPU), each running its runs in-process, the same SWEEP_DIR, no run twice.
     """
     specs = expand(sweep)
+    check_grid(specs, lambda spec: run_config(sweep, spec, extra), world_size=sweep.num_processes,
+               where=f"sweep {sweep.out_dir}", extra=extra)  # before any run (or the manifest) is written
     write_manifest(sweep, specs)
     if shard is not None:
         specs = [s for s in specs if s.index % shard[1] == shard[0]]

@@ -280,3 +280,14 @@ def test_inductor_options_replace_the_mode_and_are_checked_by_name():
                                           r".*or compile_options without triton.cudagraphs\."):
         check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=2"]))
     check(load_run_config(CONFIG, [*graphs, "train.grad_accum_steps=1"]))
+
+
+def test_finetune_with_a_directory_for_data_train_says_it_is_a_directory(tmp_path, capsys):
+    """`pretrain finetune ... data.train=<the task folder>`: one line saying it is a directory, not 'no such file'."""
+    (tmp_path / "task").mkdir()
+    config = str(REPO / "configs/finetune/classification_small.yaml")
+    code = cli.main(["finetune", config, f"checkpoint={tmp_path}", f"data.train={tmp_path / 'task'}",
+                     f"data.validation={tmp_path / 'task'}", f"train.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"data.train={tmp_path / 'task'} is a directory, not a file" in err, err
+    assert "no such file" not in err and "Traceback" not in err and not (tmp_path / "run").exists()

@@ -61,3 +61,23 @@ def test_package_qa_task_reads_back_as_valid_squad_with_the_answer_moving(tmp_pa
         assert all(sorted(o) == sorted(TASK_PACKAGES) for o in options)
         assert {o.index(ex.answers[0]["text"]) for o, ex in zip(options, examples, strict=True)} == set(range(len(TASK_PACKAGES)))
         assert len({tuple(o) for o in options}) > 50  # many of the 120 orders
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--nproc", "0"), ("--steps", "0"), ("--steps", "-3")])
+def test_bad_nproc_or_steps_are_refused_before_any_stage(flag, value, tmp_path, capsys):
+    """They used to fail at stage 3, ~25 s in, with accelerate's traceback and a log path that did not exist."""
+    from pipelines.cli import main
+
+    out = tmp_path / "d2"
+    assert main(["demo", "--small", "--out", str(out), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}:" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_the_demos_pretraining_config_passes_the_pre_launch_check(tmp_path):
+    from pipelines.ops.demo import DemoOptions, check_options, pretrain_overrides
+
+    for steps, nproc in ((1, 1), (20, 2), (300, 2)):
+        check_options(DemoOptions(pretrain_steps=steps, num_processes=nproc),
+                      pretrain_overrides(tmp_path / "corpus", tmp_path / "run", steps))

@@ -196,3 +196,36 @@ def test_best_epoch_breaks_a_tie_of_the_selection_metric_by_the_dev_loss(tmp_pat
     rows[-1]["loss"] = 1.41
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert best_epoch(tmp_path, "accuracy", 7)[0] == 14
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_any_work(tmp_path, topic_task, capsys):
+    """A release whose tokenizer (another corpus's) has ids past the embedding table: one paragraph naming
+    the release and both sizes, exit 2, nothing written (it was an IndexError mid-forward). A model
+    vocabulary padded beyond the tokenizer's (GPT-2's 50304) still loads."""
+    from finetune_fixtures import save_wordpiece_tokenizer
+
+    from pipelines.cli import main
+    from pipelines.finetune.runner import load_tokenizer
+
+    release = save_hf_bert_checkpoint(tmp_path / "release", vocab_size=300)
+    save_wordpiece_tokenizer(tmp_path / "release", vocab_size=1000)  # the bigger tokenizer copied over the release's
+    run = tmp_path / "run"
+    code = main(["finetune", str(CONFIG), *overrides(release, topic_task, run, "epochs=1")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{release}: its tokenizer has" in err and "vocab_size) has 300 rows" in err and not run.exists(), err
+
+    padded = save_hf_bert_checkpoint(tmp_path / "padded", vocab_size=300)
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": 320}))  # rows the tokenizer never uses
+    assert len(load_tokenizer(padded)) == 300
+
+
+def test_a_missing_or_file_checkpoint_says_so(tmp_path, topic_task):
+    """checkpoint= a path that is not there, or a file: the message says which (not 'no config.json')."""
+    (tmp_path / "model.bin").write_bytes(b"\0")
+    for path, says in ((tmp_path / "absent", "does not exist"), (tmp_path / "model.bin", "is a file, not a directory")):
+        cfg = load_config(CONFIG, overrides(path, topic_task, tmp_path / "run"), cls=FinetuneConfig)
+        with pytest.raises(FinetuneError, match=f"checkpoint={path} {says}"):
+            run_finetune(cfg)
+        assert not (tmp_path / "run").exists()

@@ -51,6 +51,16 @@ def test_wrong_column_names_and_missing_file(tmp_path):
         read_examples(tmp_path / "nope.tsv", text_column="text", label_column="label")
 
 
+def test_a_directory_given_for_a_data_file_is_called_a_directory(tmp_path):
+    """data.train=<the task folder>: it exists, so 'does not exist' sent users looking in the wrong place."""
+    from pipelines.finetune.squad import read_squad
+
+    with pytest.raises(FinetuneError, match=f"{tmp_path} is a directory, not a file"):
+        read_examples(tmp_path, text_column="text", label_column="label")
+    with pytest.raises(FinetuneError, match=f"{tmp_path} is a directory, not a file"):
+        read_squad(tmp_path)
+
+
 def test_regression_labels_and_collate(tmp_path):
     path = write_tsv(tmp_path / "train.tsv", [("text", "score"), ("a", "0.5"), ("b", "2")])
     examples, labels, _ = read_examples(path, text_column="text", label_column="score", regression=True)

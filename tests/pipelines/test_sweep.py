@@ -160,16 +160,28 @@ def test_shipped_study_files():
     assert post.out_dir != pre.out_dir
 
 
+def damaged_copy(corpus: Path, out: Path) -> Path:
+    """``corpus`` copied with its first shard cut in half: its manifest reads fine, its run fails on the data."""
+    import shutil
+
+    shutil.copytree(corpus, out)
+    shard = sorted(out.rglob("*.tar"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return out
+
+
 @pytest.fixture
 def mixed_sweep(tmp_path, bert_corpus) -> Path:
-    """4 real runs: one trains, one diverges (lr 1e30 -> NaN, nan_policy=stop), two point at a missing corpus."""
+    """4 real runs: one trains, one diverges (lr 1e30 -> NaN, nan_policy=stop), two read a damaged corpus
+    (a failure only the run finds: a missing corpus is refused before the sweep starts)."""
     return write_sweep(
         tmp_path / "mixed.yaml",
         out_dir=str(tmp_path / "sw"),
         corpus=str(bert_corpus),
         run=TINY_RUN,
         optimizers={"adam": ["optim.name=adam"]},
-        warmups={"none": ["schedule.warmup=none"], "missing": [f"data.corpus={tmp_path / 'no-corpus'}"]},
+        warmups={"none": ["schedule.warmup=none"],
+                 "damaged": [f"data.corpus={damaged_copy(bert_corpus, tmp_path / 'damaged-corpus')}"]},
         lrs=[1e-3, 1e30],
         seeds=[0],
     )
@@ -182,23 +194,25 @@ def test_failures_are_recorded_and_the_sweep_goes_on_then_skips_complete_runs(mi
     assert status == {
         "adam-none-lr1e-3-s0": "ok",
         "adam-none-lr1e30-s0": "diverged",
-        "adam-missing-lr1e-3-s0": "failed",
-        "adam-missing-lr1e30-s0": "failed",
+        "adam-damaged-lr1e-3-s0": "failed",
+        "adam-damaged-lr1e30-s0": "failed",
     }
     log = [json.loads(line) for line in (tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()]
     assert [r["name"] for r in log] == [r["name"] for r in first]
     assert all(isinstance(r["wall_time_s"], float) and r["wall_time_s"] >= 0 for r in log)
-    failed = next(r for r in log if r["name"] == "adam-missing-lr1e-3-s0")
-    assert "no-corpus" in failed["error"] or "manifest" in failed["error"]
+    failed = next(r for r in log if r["name"] == "adam-damaged-lr1e-3-s0")
+    assert "damaged-corpus" in failed["error"] and failed["rc"] == 2  # a data error: what `pretrain train` exits with
+    err = capsys.readouterr().err  # its one paragraph, as `pretrain train` prints it: no traceback
+    assert "Traceback" not in err and err.count("error: ") == 2 and "damaged-corpus" in err, err
     runs = tmp_path / "sw" / "runs"
     assert json.loads((runs / "adam-none-lr1e-3-s0" / "done").read_text())["status"] == "ok"
     assert json.loads((runs / "adam-none-lr1e30-s0" / "done").read_text())["nan_stop"] is True
-    assert not (runs / "adam-missing-lr1e-3-s0" / "done").exists()
+    assert not (runs / "adam-damaged-lr1e-3-s0" / "done").exists()
     assert run_status(runs / "adam-none-lr1e-3-s0", 4)["status"] == "ok"
     assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["runs"][1]["name"] == "adam-none-lr1e30-s0"
 
     # second invocation: complete runs (ok and diverged) are skipped, failed ones are retried
-    assert [s.name for s in pending(sweep)] == ["adam-missing-lr1e-3-s0", "adam-missing-lr1e30-s0"]
+    assert [s.name for s in pending(sweep)] == ["adam-damaged-lr1e-3-s0", "adam-damaged-lr1e30-s0"]
     mtime = (runs / "adam-none-lr1e-3-s0" / "metrics.jsonl").stat().st_mtime_ns
     second = run_local(sweep)
     assert [bool(r.get("skipped")) for r in second] == [True, True, False, False]
@@ -224,9 +238,9 @@ def test_failures_are_recorded_and_the_sweep_goes_on_then_skips_complete_runs(mi
 
 def test_slurm_array_index_from_environment(mixed_sweep, monkeypatch, tmp_path):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert main(["run-one", str(mixed_sweep)]) == 1  # index 3 = adam-missing-lr1e30-s0: recorded as failed
+    assert main(["run-one", str(mixed_sweep)]) == 1  # index 3 = adam-damaged-lr1e30-s0: recorded as failed
     (rec,) = [json.loads(line) for line in (tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()]
-    assert rec["index"] == 3 and rec["name"] == "adam-missing-lr1e30-s0" and rec["status"] == "failed"
+    assert rec["index"] == 3 and rec["name"] == "adam-damaged-lr1e30-s0" and rec["status"] == "failed"
 
 
 def test_sweep_config_is_documented():
@@ -296,3 +310,21 @@ def test_a_finished_run_once_stopped_by_a_signal_does_not_stop_the_next_sweep(gp
     (second.run_dir / "done").unlink()
     records = run_local(sweep)
     assert [r.get("skipped", False) for r in records] == [True, False] and records[1]["status"] == "ok"
+
+
+def test_a_set_typo_or_a_missing_corpus_is_refused_before_any_run(tmp_path, bert_corpus, capsys):
+    """`pretrain sweep ... --set optim.lrr=1 --local` checks the runs' resolved configs (with --set) and their
+    corpus up front: one paragraph, exit 2, nothing written (it used to print only `sweep finished: failed 6`)."""
+    from pipelines import cli
+
+    sweep = write_sweep(tmp_path / "s.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=TINY_RUN,
+                        warmups={"none": ["schedule.warmup=none"], "linear": ["schedule.warmup=linear"]})
+    assert cli.main(["sweep", str(sweep), "--set", "optim.lrr=1", "--local"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "grid point 0 (adam-none-lr1e-3-s0) with --set optim.lrr=1" in err and "Did you mean `optim.lr`?" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "sw").exists(), err
+
+    assert cli.main(["sweep", str(sweep), f"corpus={tmp_path / 'nowhere'}", "jobs=1", "--local"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nowhere'}/manifest.json does not exist" in err and "Traceback" not in err, err
+    assert not (tmp_path / "sw").exists()

@@ -112,6 +112,27 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path, capsys):
     assert "skipping damaged checkpoint" in out and str(bad) in out
 
 
+def test_newest_checkpoint_without_trainer_state_is_reported_by_resume_and_export(good_run, tmp_path, capsys):
+    """A step folder whose trainer_state.json was lost is damage: resume=auto warns and falls back,
+    export names it; neither takes the older checkpoint in silence. A .tmp-* save is no checkpoint."""
+    from reliability_helpers import cli
+
+    from pipelines.engine.checkpoint import find_resume
+
+    run = copy_run(good_run, tmp_path / "run")
+    newest = run / "checkpoints" / "step-00000020"
+    (newest / "trainer_state.json").unlink()
+    (run / "checkpoints" / ".tmp-step-00000030").mkdir()  # a save in progress: not worth a warning
+    capsys.readouterr()
+    assert find_resume(run, "auto") == run / "checkpoints" / "step-00000010"
+    out = capsys.readouterr().out
+    assert out.count("warning: skipping damaged checkpoint") == 1 and str(newest / "trainer_state.json") in out
+
+    proc = cli("export", str(run), str(tmp_path / "release"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(newest / "trainer_state.json") in proc.stderr and not (tmp_path / "release").exists()
+
+
 def test_resume_from_a_named_damaged_checkpoint_names_the_file(tmp_path):
     from trainer_job import run_job
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,33 @@ def test_submit_and_sbatch_claim_the_run_dir_and_refuse_a_users_folder(bert_corp
     assert proc.returncode == 2 and "not created by pretrain" in proc.stderr and "notes.txt" not in proc.stdout
     proc = subprocess.run([*resolve, f"train.run_dir={tmp_path / 'new'}"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and json.loads((tmp_path / "new" / MARKER).read_text())["kind"] == "run", proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs the sbatch client (SLURM installed)")
+def test_a_job_sbatch_refuses_is_one_paragraph_and_leaves_no_run_dir(bert_corpus, tmp_path, monkeypatch, capsys):
+    """The real sbatch with a cluster config whose controller is not running: its own message and exit
+    code in one paragraph, exit 2, and the run dir made for this submission is gone; a run dir that was
+    there before keeps everything it held (only the refused script goes)."""
+    from core.files import MARKER
+    from pipelines.cli import main
+    from pipelines.engine.checkpoint import claim_run_dir
+
+    conf = tmp_path / "slurm.conf"  # nothing listens on port 1: sbatch answers "connect failure" in ~1 s
+    conf.write_text("ClusterName=down\nSlurmctldHost=localhost\nSlurmctldPort=1\nMessageTimeout=2\n"
+                    "NodeName=c1 CPUs=1 State=UNKNOWN\nPartitionName=main Nodes=c1 Default=YES\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    run_dir = tmp_path / "runs" / "sub"
+    args = ["submit", str(CONFIG), *_overrides(bert_corpus, run_dir), "--nodes", "1", "--gpus-per-node", "0",
+            "--time", "10:00"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "sbatch refused the job (exit 1): sbatch: error: Batch job submission failed: Unable to contact" in err, err
+    assert "Traceback" not in err, err
+    assert f"the run dir it created ({run_dir}) was removed" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "runs").exists()
+
+    claim_run_dir(run_dir)  # an earlier run's dir: its files stay
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    assert main(args) == 2
+    assert "the script was removed" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([MARKER, "metrics.jsonl"])
