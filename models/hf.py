@@ -275,7 +275,8 @@ def from_hf(
     """Our model + ``LoadReport`` from a checkpoint dir (``config.json`` + weights) or a ``transformers`` model.
 
     ``head`` picks what to build from a BERT checkpoint: ``"pretraining"``, ``"encoder"``,
-    ``"classification"`` (give ``num_labels``/``id2label`` when the checkpoint has no classifier) or
+    ``"classification"`` (``num_labels``/``id2label`` make a new task's head: no label names or ``problem_type``
+    are taken from the checkpoint's head) or
     ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
     anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
@@ -406,12 +407,13 @@ def _bert_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
     elif head == "encoder":
         model = BertEncoder(cfg, add_pooling_layer="bert.pooler.dense.weight" in sd)
         sd = {k.removeprefix("bert."): v for k, v in sd.items()}
-    elif head == "classification":
-        labels = id2label or (_id2label(hf_cfg) if arch == "BertForSequenceClassification" else None)
+    elif head == "classification":  # a new task's head (num_labels/id2label given) owes the checkpoint's old head nothing
+        new_task = num_labels is not None or id2label is not None
+        labels = id2label if new_task else _id2label(hf_cfg) if arch == "BertForSequenceClassification" else None
         n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
-        dropout = getattr(hf_cfg, "classifier_dropout", None)
-        model = SequenceClassifier(BertEncoder(cfg), n, dropout=dropout, id2label=labels,
-                                   problem_type=getattr(hf_cfg, "problem_type", None))  # fmt: skip
+        problem_type = None if new_task else getattr(hf_cfg, "problem_type", None)  # None: inferred as transformers does
+        model = SequenceClassifier(BertEncoder(cfg), n, dropout=getattr(hf_cfg, "classifier_dropout", None),
+                                   id2label=labels, problem_type=problem_type)  # fmt: skip
     elif head == "qa":
         model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
     else:

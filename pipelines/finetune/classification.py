@@ -129,6 +129,8 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
         warnings.warn(str(report), stacklevel=2)
     if init == "random":
         model.apply(lambda m: init_bert_(m, model.config) if m is model else None)
+    # said in the release's config: transformers' loss and pipeline scores (raw for regression) follow it
+    model.problem_type = "regression" if regression else "single_label_classification"
     return model
 
 
