@@ -396,7 +396,7 @@ def _bert_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, An
         num_heads=hf_cfg.num_attention_heads, intermediate_size=hf_cfg.intermediate_size,
         hidden_dropout=hf_cfg.hidden_dropout_prob, attention_dropout=hf_cfg.attention_probs_dropout_prob,
         max_position_embeddings=hf_cfg.max_position_embeddings, type_vocab_size=hf_cfg.type_vocab_size,
-        layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id or 0, **common,
+        layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id, **common,  # None: no padding_idx
     )  # fmt: skip
 
 

@@ -190,6 +190,20 @@ def test_a_new_task_head_takes_nothing_from_an_outside_classifiers_head(tmp_path
     assert back.problem_type == source["problem_type"] and back.num_labels == source["num_labels"]
 
 
+@pytest.mark.parametrize("pad", [None, 0])
+def test_a_null_pad_token_id_freezes_no_embedding_row(tmp_path, pad):
+    """transformers reads ``"pad_token_id": null`` as no padding_idx; reading it as 0 froze token 0's embedding
+    (a RoBERTa-style vocabulary's <s>, the first token of every example) through fine-tuning."""
+    transformers.BertForMaskedLM(hf_bert_config(pad_token_id=pad)).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()).get("pad_token_id") == pad
+    clf, _ = H.from_hf(tmp_path, head="classification", num_labels=2)
+    embeddings = clf.backbone.embeddings.word_embeddings
+    assert embeddings.padding_idx == pad == transformers.BertModel.from_pretrained(tmp_path).embeddings.word_embeddings.padding_idx
+    clf(torch.tensor([[0, 5, 6]]))["logits"].sum().backward()
+    assert (embeddings.weight.grad[0].abs().sum() > 0) == (pad is None)
+    assert H.to_hf(clf).config.pad_token_id == pad  # and exported as it came
+
+
 def test_question_answering_round_trip(tmp_path):
     qa = models.QuestionAnswering.from_pretrained_encoder(randomize_(models.create("bert-tiny", **TINY_TEXT))).eval()
     assert qa.backbone.pooler is None

@@ -83,3 +83,10 @@ def test_max_seq_len_beyond_the_position_table_is_refused_before_training(topic_
     with pytest.raises(FinetuneError, match=r"data.max_seq_len=64 exceeds the model's max_position_embeddings=32"):
         finetune(src, topic_task, tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training(topic_task, tmp_path):
+    src = save_outside_bert(tmp_path / "src", no_pad_token=True, pad_token_id=None)
+    with pytest.raises(FinetuneError, match="the tokenizer has no pad token and config.json no pad_token_id"):
+        finetune(src, topic_task, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
