@@ -17,14 +17,14 @@ ours                            transformers
 Each family's mapping is one ``HFFamily`` registered with ``register_hf`` (its spec's
 ``hf_model_type`` names the transformers side; a family without one does not export). Each pair is a
 key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
-transformers 4.x and 5.x ViT names both understood). Checkpoints are read with ``safetensors`` or
-``models.safe_load`` (``weights_only=True``, errors naming the file), never run remote code, and
+transformers 4.x and 5.x ViT names both understood). Checkpoints (``models.hf_weights``: safetensors or
+``.bin``, single or sharded) are read with ``safetensors`` or ``models.safe_load`` (``weights_only=True``,
+errors naming the file), never run remote code, and
 every file read must lie inside the checkpoint directory (no symlink out, no ``..`` shard name).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections.abc import Callable
@@ -37,13 +37,13 @@ import transformers
 from torch import nn
 
 from core.families import get_family
-from core.files import inside, tree_inside
+from core.files import tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
 from .hf_keys import Spec, bert_keys, gpt_keys, vit_keys, vit_rename
-from .safe_load import safe_torch_load
+from .hf_weights import load_hf_state_dict
 from .vit import ViT, ViTConfig
 from .vocab import pad_vocab, unpad_vocab
 
@@ -211,25 +211,6 @@ def set_special_ids(hf: transformers.PreTrainedModel, ids: dict[str, int | None]
 # --------------------------------------------------------------------------------------------
 # transformers -> ours
 # --------------------------------------------------------------------------------------------
-
-
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a checkpoint dir: ``model.safetensors`` (or its sharded index), else ``pytorch_model.bin`` (weights_only)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    what = "a weights file of the model directory"
-    if (path / "model.safetensors").is_file():
-        return load_file(inside(path, "model.safetensors", what=what))
-    if (path / "model.safetensors.index.json").is_file():
-        index = json.loads(inside(path, "model.safetensors.index.json", what=what).read_text())
-        sd: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            sd.update(load_file(inside(path, str(shard), what=what)))
-        return sd
-    if (path / "pytorch_model.bin").is_file():
-        return safe_torch_load(inside(path, "pytorch_model.bin", what=what), map_location="cpu")
-    raise FileNotFoundError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin.")
 
 
 def _our_config(hf_cfg: transformers.PretrainedConfig) -> Any:
