@@ -17,14 +17,14 @@ ours                            transformers
 Each family's mapping is one ``HFFamily`` registered with ``register_hf`` (its spec's
 ``hf_model_type`` names the transformers side; a family without one does not export). Each pair is a
 key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
-transformers 4.x and 5.x ViT names both understood). Checkpoints are read with ``safetensors`` or
-``models.safe_load`` (``weights_only=True``, errors naming the file), never run remote code, and
+transformers 4.x and 5.x ViT names both understood). Checkpoints (``models.hf_weights``: safetensors or
+``.bin``, single or sharded) are read with ``safetensors`` or ``models.safe_load`` (``weights_only=True``,
+errors naming the file), never run remote code, and
 every file read must lie inside the checkpoint directory (no symlink out, no ``..`` shard name).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections.abc import Callable
@@ -37,13 +37,13 @@ import transformers
 from torch import nn
 
 from core.families import get_family
-from core.files import inside, tree_inside
+from core.files import tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPT, GPTConfig
 from .heads import QuestionAnswering, SequenceClassifier
 from .hf_keys import Spec, bert_keys, gpt_keys, vit_keys, vit_rename
-from .safe_load import safe_torch_load
+from .hf_weights import load_hf_state_dict
 from .vit import ViT, ViTConfig
 from .vocab import pad_vocab, unpad_vocab
 
@@ -213,25 +213,6 @@ def set_special_ids(hf: transformers.PreTrainedModel, ids: dict[str, int | None]
 # --------------------------------------------------------------------------------------------
 
 
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a checkpoint dir: ``model.safetensors`` (or its sharded index), else ``pytorch_model.bin`` (weights_only)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    what = "a weights file of the model directory"
-    if (path / "model.safetensors").is_file():
-        return load_file(inside(path, "model.safetensors", what=what))
-    if (path / "model.safetensors.index.json").is_file():
-        index = json.loads(inside(path, "model.safetensors.index.json", what=what).read_text())
-        sd: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            sd.update(load_file(inside(path, str(shard), what=what)))
-        return sd
-    if (path / "pytorch_model.bin").is_file():
-        return safe_torch_load(inside(path, "pytorch_model.bin", what=what), map_location="cpu")
-    raise FileNotFoundError(f"{path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin.")
-
-
 def _our_config(hf_cfg: transformers.PretrainedConfig) -> Any:
     adapter = _adapter_of_type(hf_cfg.model_type)
     act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "activation_function", None)
@@ -275,7 +256,8 @@ def from_hf(
     """Our model + ``LoadReport`` from a checkpoint dir (``config.json`` + weights) or a ``transformers`` model.
 
     ``head`` picks what to build from a BERT checkpoint: ``"pretraining"``, ``"encoder"``,
-    ``"classification"`` (give ``num_labels``/``id2label`` when the checkpoint has no classifier) or
+    ``"classification"`` (``num_labels``/``id2label`` make a new task's head: no label names or ``problem_type``
+    are taken from the checkpoint's head) or
     ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
     anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
@@ -395,7 +377,7 @@ def _bert_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, An
         num_heads=hf_cfg.num_attention_heads, intermediate_size=hf_cfg.intermediate_size,
         hidden_dropout=hf_cfg.hidden_dropout_prob, attention_dropout=hf_cfg.attention_probs_dropout_prob,
         max_position_embeddings=hf_cfg.max_position_embeddings, type_vocab_size=hf_cfg.type_vocab_size,
-        layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id or 0, **common,
+        layer_norm_eps=hf_cfg.layer_norm_eps, pad_token_id=hf_cfg.pad_token_id, **common,  # None: no padding_idx
     )  # fmt: skip
 
 
@@ -406,12 +388,13 @@ def _bert_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
     elif head == "encoder":
         model = BertEncoder(cfg, add_pooling_layer="bert.pooler.dense.weight" in sd)
         sd = {k.removeprefix("bert."): v for k, v in sd.items()}
-    elif head == "classification":
-        labels = id2label or (_id2label(hf_cfg) if arch == "BertForSequenceClassification" else None)
+    elif head == "classification":  # a new task's head (num_labels/id2label given) owes the checkpoint's old head nothing
+        new_task = num_labels is not None or id2label is not None
+        labels = id2label if new_task else _id2label(hf_cfg) if arch == "BertForSequenceClassification" else None
         n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
-        dropout = getattr(hf_cfg, "classifier_dropout", None)
-        model = SequenceClassifier(BertEncoder(cfg), n, dropout=dropout, id2label=labels,
-                                   problem_type=getattr(hf_cfg, "problem_type", None))  # fmt: skip
+        problem_type = None if new_task else getattr(hf_cfg, "problem_type", None)  # None: inferred as transformers does
+        model = SequenceClassifier(BertEncoder(cfg), n, dropout=getattr(hf_cfg, "classifier_dropout", None),
+                                   id2label=labels, problem_type=problem_type)  # fmt: skip
     elif head == "qa":
         model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
     else:

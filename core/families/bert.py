@@ -21,7 +21,7 @@ class BertConfig(TransformerConfig):
     vocab_size: int = 30522
     max_position_embeddings: int = 512
     type_vocab_size: int = 2  # segments A/B
-    pad_token_id: int = 0
+    pad_token_id: int | None = 0  # the embedding's padding_idx (no gradient); None: none, as transformers reads null
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
     pad_vocab_multiple: int = 1  # embedding/MLM-decoder rows rounded up to this (models.vocab); 64 on GPUs
 

@@ -25,6 +25,7 @@ from pipelines.finetune.data import (
     encode_examples,
     read_examples,
 )
+from pipelines.finetune.inputs import check_max_seq_len, pad_token_id, write_task_release
 from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 
@@ -129,6 +130,8 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
         warnings.warn(str(report), stacklevel=2)
     if init == "random":
         model.apply(lambda m: init_bert_(m, model.config) if m is model else None)
+    # said in the release's config: transformers' loss and pipeline scores (raw for regression) follow it
+    model.problem_type = "regression" if regression else "single_label_classification"
     return model
 
 
@@ -146,8 +149,10 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
 
-    task = ClassificationTask(1 if d.regression else len(labels), tokenizer.pad_token_id or 0, d.max_seq_len)
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
+    check_max_seq_len(d.max_seq_len, model.config, release)
+    pad_id = pad_token_id(tokenizer, model.config, release)  # training, evaluation and the release's tokenizer
+    task = ClassificationTask(1 if d.regression else len(labels), pad_id, d.max_seq_len)
     return fit_export_score(cfg, env, release, FinetuneJob(
         model=model, task=task, model_name="bert-classifier",
         train_feats=encode_examples(train_ex, tokenizer, d.max_seq_len),
@@ -157,16 +162,17 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         model_build={"name": "bert-classifier", "checkpoint": str(release), "labels": labels},
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
         export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels,
-                                         d.regression),
+                                         d.regression, pad_id),
         score=lambda out: evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression),
         card_name="classifier", pipeline_tag="text-classification",
     ))
 
 
-def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool) -> Path:
+def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool,
+                 pad_id: int) -> Path:
     import models
     from pipelines.engine.checkpoint import step_dir_name
-    from pipelines.engine.export import consolidated_state_dict, write_release
+    from pipelines.engine.export import consolidated_state_dict
 
     sd = consolidated_state_dict(checkpoints / step_dir_name(step))
     model.load_state_dict(sd)
@@ -175,12 +181,16 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, lab
         hf.config.id2label = dict(enumerate(labels))
         hf.config.label2id = {name: i for i, name in enumerate(labels)}
     card = f"# Fine-tuned sequence classifier\n\nFrom `{base}`, best epoch at step {step}. Labels: {', '.join(labels)}.\n"
-    return write_release(hf, out, tokenizer_dir=base, card=card)
+    return write_task_release(hf, out, base, pad_id, card)
 
 
 @torch.no_grad()
 def evaluate_release(release: Path, examples, max_seq_len: int, labels: list[str], regression: bool) -> dict[str, float]:
-    """Dev metrics of the exported model, loaded back with transformers (so the release is what was measured)."""
+    """Dev metrics of the exported model, loaded back with transformers (so the release is what was measured).
+
+    Its tokenizer is called with its defaults, as a transformers user calls it: ``release_tokenizer`` made
+    them pad on the right with training's pad id and return segment ids, so this is what training fed the model.
+    """
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = load_tokenizer(release)

@@ -23,6 +23,7 @@ from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.inputs import check_max_seq_len, pad_token_id, write_task_release
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 from pipelines.finetune.squad import (
     QAExample,
@@ -157,10 +158,8 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)
     val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
     model = build_qa_model(release, cfg.init, cfg.train.seed)
-    max_pos = getattr(model.config, "max_position_embeddings", d.max_seq_len)
-    if d.max_seq_len > max_pos:
-        raise FinetuneError(f"data.max_seq_len={d.max_seq_len} exceeds the model's max_position_embeddings={max_pos} "
-                            f"({release}/config.json); lower data.max_seq_len.")
+    check_max_seq_len(d.max_seq_len, model.config, release)
+    pad_id = pad_token_id(tokenizer, model.config, release)  # training, decoding and the release's tokenizer
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), f"{len(train_feats)} training windows, "
               f"{len(val_feats)} dev windows", sep="\n", flush=True)
@@ -170,22 +169,22 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
         atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
         return squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
 
-    task = QATask(tokenizer.pad_token_id or 0)
+    task = QATask(pad_id)
     return fit_export_score(cfg, env, release, FinetuneJob(
         model=model, task=task, model_name="bert-qa", train_feats=train_feats,
         val_feats=padded_for_eval(val_feats, env.world_size * d.micro_batch_size), collate=task.collate,
         model_build={"name": "bert-qa", "checkpoint": str(release)},
         data_info={"train": str(d.train), "validation": str(d.validation), "version_2": cfg.qa.version_2},
-        export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", cfg),
+        export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", cfg, pad_id),
         score=score, card_name="qa", pipeline_tag="question-answering",
         result_extra={"predictions": str(run_dir / "predictions.json")},
     ))
 
 
-def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg: FinetuneConfig) -> Path:
+def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg: FinetuneConfig, pad_id: int) -> Path:
     import models
     from pipelines.engine.checkpoint import step_dir_name
-    from pipelines.engine.export import consolidated_state_dict, write_release
+    from pipelines.engine.export import consolidated_state_dict
 
     model.load_state_dict(consolidated_state_dict(checkpoints / step_dir_name(step)))
     hf = models.hf.to_hf(model.float().eval())
@@ -195,7 +194,7 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg
             f"{cfg.data.max_seq_len} tokens, doc_stride {q.doc_stride}, max_answer_len {q.max_answer_len}"
             f"{f', null_score_threshold {q.null_score_threshold}' if q.version_2 else ''}.\n\n"
             f"Load with `transformers.AutoModelForQuestionAnswering.from_pretrained(this_dir)`.\n")
-    return write_release(hf, out, tokenizer_dir=base, card=card)
+    return write_task_release(hf, out, base, pad_id, card)
 
 
 @torch.no_grad()
@@ -211,7 +210,8 @@ def predict_release(release: Path, examples: list[QAExample], cfg: FinetuneConfi
                              max_query_len=q.max_query_len)
     starts: list[np.ndarray] = []
     ends: list[np.ndarray] = []
-    pad_id = tokenizer.pad_token_id or 0
+    pad_id = tokenizer.pad_token_id  # training's (write_task_release gave it to the release's tokenizer)
+    pad_id = 0 if pad_id is None else pad_id  # another release: any id, padded positions are masked and cut off
     for i in range(0, len(feats), batch_size):
         chunk = feats[i: i + batch_size]
         batch = collate_qa(chunk, pad_id)

@@ -167,6 +167,43 @@ def test_pretrained_bert_dir_loads_into_new_classifier(tmp_path):
     assert any(k.startswith("cls.") for k in report.unexpected)  # the MLM/NSP heads are not used
 
 
+@pytest.mark.parametrize("source", [
+    dict(num_labels=6, problem_type="multi_label_classification"),
+    dict(num_labels=1, problem_type="regression"),
+    dict(num_labels=2, problem_type="single_label_classification", id2label={0: "neg", 1: "pos"},
+         label2id={"neg": 0, "pos": 1}),
+])
+@pytest.mark.parametrize("task", ["four classes", "regression"])
+def test_a_new_task_head_takes_nothing_from_an_outside_classifiers_head(tmp_path, source, task):
+    """An outside classifier's problem_type and labels belong to its old task: a new head that kept them exported
+    a 4-class single-label model as multi-label (wrong loss and pipeline scores) or could not be built at all."""
+    transformers.BertForSequenceClassification(hf_bert_config(**source)).save_pretrained(tmp_path)
+    names = {0: "a", 1: "b", 2: "c", 3: "d"} if task == "four classes" else None
+    clf, _ = H.from_hf(tmp_path, head="classification", num_labels=4 if names else 1, id2label=names)
+    assert clf.problem_type is None and clf.id2label == names and clf.num_labels == (4 if names else 1)
+    hf = H.to_hf(clf)
+    assert hf.config.problem_type is None and hf.config.num_labels == clf.num_labels
+    ids, mask, types = text_batch()
+    labels = torch.tensor([3, 0]) if names else torch.tensor([0.5, -1.0])
+    assert hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels).loss.isfinite()
+    back, _ = H.from_hf(tmp_path)  # loaded as itself, the classifier keeps its own head
+    assert back.problem_type == source["problem_type"] and back.num_labels == source["num_labels"]
+
+
+@pytest.mark.parametrize("pad", [None, 0])
+def test_a_null_pad_token_id_freezes_no_embedding_row(tmp_path, pad):
+    """transformers reads ``"pad_token_id": null`` as no padding_idx; reading it as 0 froze token 0's embedding
+    (a RoBERTa-style vocabulary's <s>, the first token of every example) through fine-tuning."""
+    transformers.BertForMaskedLM(hf_bert_config(pad_token_id=pad)).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()).get("pad_token_id") == pad
+    clf, _ = H.from_hf(tmp_path, head="classification", num_labels=2)
+    embeddings = clf.backbone.embeddings.word_embeddings
+    assert embeddings.padding_idx == pad == transformers.BertModel.from_pretrained(tmp_path).embeddings.word_embeddings.padding_idx
+    clf(torch.tensor([[0, 5, 6]]))["logits"].sum().backward()
+    assert (embeddings.weight.grad[0].abs().sum() > 0) == (pad is None)
+    assert H.to_hf(clf).config.pad_token_id == pad  # and exported as it came
+
+
 def test_question_answering_round_trip(tmp_path):
     qa = models.QuestionAnswering.from_pretrained_encoder(randomize_(models.create("bert-tiny", **TINY_TEXT))).eval()
     assert qa.backbone.pooler is None

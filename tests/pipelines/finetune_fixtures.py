@@ -61,3 +61,48 @@ def write_topic_task(out: Path, per_class: int = 100) -> tuple[Path, Path]:
         path.write_text("text\tlabel\n" + "".join(f"{t}\t{lab}\n" for t, lab in items))
         paths.append(path)
     return paths[0], paths[1]
+
+
+def save_outside_bert(out: Path, *, model_class: str = "BertForMaskedLM", tokenizer_kwargs: dict | None = None,
+                      no_pad_token: bool = False, vocab_size: int = 1000, **config) -> Path:
+    """A tiny BERT as other people publish them, saved by transformers: ``config`` overrides the
+    `BertConfig`, ``tokenizer_kwargs`` are saved into the tokenizer's config (``padding_side``,
+    ``model_input_names``: BERT's three by default) and ``no_pad_token`` drops its pad token (the [PAD]
+    entry stays in the vocabulary)."""
+    import torch
+    import transformers
+
+    save_wordpiece_tokenizer(out, vocab_size)
+    bert_inputs = {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}  # as BertTokenizerFast's
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), **{**bert_inputs, **(tokenizer_kwargs or {})})
+    if no_pad_token:
+        tok.pad_token = None
+    tok.save_pretrained(str(out))
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(**{**dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=64, max_position_embeddings=128), **config})
+    getattr(transformers, model_class)(cfg).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def write_pair_task(task: tuple[Path, Path], out: Path) -> tuple[Path, Path]:
+    """``write_topic_task``'s sentences cut in two halves, a text pair each (segment ids tell them apart)."""
+    paths = []
+    for path in task:
+        rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
+        halves = [(t.split()[: len(t.split()) // 2], t.split()[len(t.split()) // 2:], y) for t, y in rows]
+        target = out / f"pair_{path.name}"
+        target.write_text("text\ttext2\tlabel\n" + "".join(f"{' '.join(a)}\t{' '.join(b)}\t{y}\n" for a, b, y in halves))
+        paths.append(target)
+    return paths[0], paths[1]
+
+
+def write_regression_task(task: tuple[Path, Path], out: Path) -> tuple[Path, Path]:
+    """``write_topic_task``'s sentences with a numeric target: their length in words / 20."""
+    paths = []
+    for path in task:
+        texts = [line.split("\t")[0] for line in path.read_text().splitlines()[1:]]
+        target = out / f"reg_{path.name}"
+        target.write_text("text\tlabel\n" + "".join(f"{t}\t{len(t.split()) / 20}\n" for t in texts))
+        paths.append(target)
+    return paths[0], paths[1]
