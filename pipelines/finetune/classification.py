@@ -148,7 +148,6 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     val_ex, _, val_report = read_examples(d.validation, label_names=labels, **columns)
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
-
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
     check_max_seq_len(d.max_seq_len, model.config, release)
     pad_id = pad_token_id(tokenizer, model.config, release)  # training, evaluation and the release's tokenizer
