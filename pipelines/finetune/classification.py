@@ -25,7 +25,7 @@ from pipelines.finetune.data import (
     encode_examples,
     read_examples,
 )
-from pipelines.finetune.inputs import check_max_seq_len, pad_token_id, write_task_release
+from pipelines.finetune.inputs import check_max_seq_len, check_segments, pad_token_id, write_task_release
 from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 
@@ -150,6 +150,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         print(train_report.summary(), val_report.summary(), sep="\n", flush=True)
     model = build_classifier(release, labels, d.regression, cfg.init, cfg.train.seed)
     check_max_seq_len(d.max_seq_len, model.config, release)
+    check_segments(bool(d.text_pair_column), model.config, release)
     pad_id = pad_token_id(tokenizer, model.config, release)  # training, evaluation and the release's tokenizer
     task = ClassificationTask(1 if d.regression else len(labels), pad_id, d.max_seq_len)
     return fit_export_score(cfg, env, release, FinetuneJob(

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipelines.finetune.data import FinetuneError
 
-__all__ = ["pad_token_id", "check_max_seq_len", "release_tokenizer", "write_task_release"]
+__all__ = ["pad_token_id", "check_max_seq_len", "check_segments", "release_tokenizer", "write_task_release"]
 
 #: BERT's inputs in transformers' order; training feeds all three.
 BERT_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
@@ -49,6 +49,17 @@ def check_max_seq_len(max_seq_len: int, model_config: Any, release: Path) -> Non
     if max_seq_len > max_pos:
         raise FinetuneError(f"data.max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={max_pos} "
                             f"({release}/config.json); lower data.max_seq_len to {max_pos} or less.")
+
+
+def check_segments(pair: bool, model_config: Any, release: Path) -> None:
+    """A text pair's second segment has token type 1: a model with one token type (``type_vocab_size=1``,
+    as some BERT-architecture releases ship) has no row for it, an IndexError at step 1 otherwise."""
+    types = getattr(model_config, "type_vocab_size", 2)
+    if pair and types < 2:
+        raise FinetuneError(f"{release}/config.json has type_vocab_size={types}: the model cannot tell a text pair's "
+                            f"two segments apart (the second has token type 1). Fine-tune it on single texts (no "
+                            f"data.text_pair_column; QA always pairs question and context), or use a checkpoint "
+                            f"with type_vocab_size >= 2.")
 
 
 def release_tokenizer(base: Path, pad_id: int, staging: Path) -> tuple[Path, list[str]]:

@@ -23,7 +23,7 @@ from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import FinetuneError, ReadReport
-from pipelines.finetune.inputs import check_max_seq_len, pad_token_id, write_task_release
+from pipelines.finetune.inputs import check_max_seq_len, check_segments, pad_token_id, write_task_release
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
 from pipelines.finetune.squad import (
     QAExample,
@@ -159,6 +159,7 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     val_ex, val_feats, val_report = _read(d.validation, cfg, tokenizer, labels_report=False)
     model = build_qa_model(release, cfg.init, cfg.train.seed)
     check_max_seq_len(d.max_seq_len, model.config, release)
+    check_segments(True, model.config, release)  # question and context
     pad_id = pad_token_id(tokenizer, model.config, release)  # training, decoding and the release's tokenizer
     if env.rank == 0:
         print(train_report.summary(), val_report.summary(), f"{len(train_feats)} training windows, "

@@ -85,6 +85,14 @@ def test_max_seq_len_beyond_the_position_table_is_refused_before_training(topic_
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_pair_task_on_a_model_with_one_token_type_is_refused_before_training(topic_task, tmp_path):
+    src = save_outside_bert(tmp_path / "src", type_vocab_size=1)
+    with pytest.raises(FinetuneError, match=r"type_vocab_size=1: the model cannot tell a text pair's two segments"):
+        finetune(src, write_pair_task(topic_task, tmp_path), tmp_path / "run", "data.text_pair_column=text2")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert finetune(src, topic_task, tmp_path / "single", "epochs=1")["metrics"]  # single texts: type 0 only
+
+
 def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training(topic_task, tmp_path):
     src = save_outside_bert(tmp_path / "src", no_pad_token=True, pad_token_id=None)
     with pytest.raises(FinetuneError, match="the tokenizer has no pad token and config.json no pad_token_id"):
