@@ -27,6 +27,9 @@ from data_prep.shards import STATE_DIR
 __all__ = ["CONFIG_RECORD", "check_reused_tokenizer", "claimed_corpus", "config_differences"]
 
 CONFIG_RECORD = "prep_config.json"  # in STATE_DIR: the config of a corpus being written
+# recorded, but no shard depends on them: a rerun that changes them (the bad-records message says "raise
+# max_bad_fraction") goes on with the same shards
+_NOT_IN_SHARDS = ("max_bad_fraction",)
 
 
 def check_reused_tokenizer(cfg: PrepConfig) -> None:
@@ -78,7 +81,9 @@ def _refuse_another_config(cfg: PrepConfig, out: Path) -> None:
     old, where = _recorded_config(out)
     if old is None:
         return
-    diff = config_differences(old, manifest_config(cfg))
+    new = manifest_config(cfg)
+    diff = config_differences({k: v for k, v in old.items() if k not in _NOT_IN_SHARDS},
+                              {k: v for k, v in new.items() if k not in _NOT_IN_SHARDS})
     if not diff:
         return
     state = "a finished corpus" if where.endswith("manifest.json") else "a partly written corpus"
