@@ -255,10 +255,10 @@ def _forward_backward(parts: _Parts, members: list[_Member], member_losses: Any)
 
 
 def _after_step(parts: _Parts, members: list[_Member], step: int, loss: list[float], norm: list[float],
-                applied: list[bool], tokens: int, step_time: float) -> None:
-    """What the trainer does after an update, per running member: health check, train record, a health stop."""
+                applied: list[bool], tokens: int, step_time: float, lrs: list[float]) -> None:
+    """What the trainer does after an update, per running member: health check, train record (``lrs``: the
+    rates this step's updates used, as the trainer logs them), a health stop."""
     t = members[0].cfg.train
-    lrs = parts.opt.lrs()
     logging_step = step % t.log_every == 0 or step == 1
     epochs = {s: src.state_dict().get("epoch", 0) for s, (src, _) in parts.sources.items()} if logging_step else {}
     for i, m in enumerate(members):
@@ -317,9 +317,10 @@ def _train(specs: list[Any], configs: list[RunConfig], members: list[_Member]) -
                                      strict=True):
                     members[i].logger.log(step, record, split="diag")
             applied = [m.alive and math.isfinite(loss[i]) and math.isfinite(norm[i]) for i, m in enumerate(members)]
+            lrs = opt.lrs()
             opt.step(parts.weights.grad, applied, opt.clip_coefficients(norm))
             step_time = time.perf_counter() - tick
-            _after_step(parts, members, step, loss, norm, applied, tokens, step_time)
+            _after_step(parts, members, step, loss, norm, applied, tokens, step_time, lrs)
             if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
                 _evaluate(members, member_outputs, parts, step)
             if step % 50 == 0 or step == t.max_steps:
