@@ -297,11 +297,12 @@ def _shard_info(s: dict[str, Any], root: Path, path: Path, major: int) -> ShardI
 
 
 def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, rank: int = 0, world: int = 1,
-                  training: bool = True) -> None:
+                  training: bool = True, hash_only: set[str] | None = None) -> None:
     """Fail before training if a shard is missing, or (on this rank's share) its size or sha256 differs.
 
     Streamed shards (``pipe:``) are verified while they are read instead (``pipelines.loading.shard_io``).
-    ``training=False`` (``pretrain inspect``) leaves out the ``data.verify_checksums`` way round, a training option.
+    ``training=False`` (``pretrain inspect``) leaves out the ``data.verify_checksums`` way round, a training option;
+    ``hash_only`` (shard names) limits the sha256 to those (inspect hashes the shard it shows, not the corpus).
     """
     anyway = " (or set data.verify_checksums=false to train anyway; data.max_bad_share then bounds the bad samples)"
     for split in splits:
@@ -320,7 +321,8 @@ def verify_shards(m: Manifest, splits: list[str], *, checksums: bool = True, ran
                     f"Shard {p} has {p.stat().st_size} bytes but {m.root}/manifest.json records {s.bytes}: it is truncated "
                     f"or was replaced. Re-copy it or re-run `pretrain prepare`{anyway if training else ''}."
                 )
-            if checksums and s.sha256 and i % world == rank and sha256_file(p) != s.sha256:
+            hashed = i % world == rank and (hash_only is None or s.name in hash_only)
+            if checksums and s.sha256 and hashed and sha256_file(p) != s.sha256:
                 raise DataError(
                     f"Shard {p} has a different sha256 than {m.root}/manifest.json records: it is corrupt or was "
                     f"replaced. Re-copy it or re-run `pretrain prepare`{anyway if training else ''}."
