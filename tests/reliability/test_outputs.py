@@ -180,7 +180,7 @@ def _writing_commands(inputs, run, occupied) -> dict[str, list[str]]:
                   "train.max_steps=1", "data.num_workers=0", "distributed.engine=ddp", "distributed.zero_stage=0"],
         "finetune": ["finetune", "configs/finetune/classification.yaml", f"checkpoint={inputs / 'release'}",
                      f"data.train={inputs / 'train.tsv'}", f"data.validation={inputs / 'train.tsv'}", f"train.run_dir={occ}",
-                     "epochs=1", "data.micro_batch_size=8"],
+                     "epochs=1", "data.micro_batch_size=8", "data.max_seq_len=64"],  # the release has 64 positions
         "export": ["export", str(run), occ],
         "sweep": ["sweep", "configs/sweeps/warmup_post_ln_bert.yaml", f"corpus={corpus}", f"out_dir={occ}", "seeds=[0]"],
         "report": ["report", str(run), "--out", occ],
