@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep", help="Sweep YAML (configs/sweeps/).")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Sweep fields, e.g. corpus=DIR seeds=[0] jobs=2.")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--local", action="store_true", help="Run the grid here, one run after another (default).")
+    mode.add_argument("--local", action="store_true", help="Run the grid here, the sweep's `jobs` runs at a time (default).")
     mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
     p.add_argument("--force", action="store_true", help="--local: delete and rerun runs already marked done.")

@@ -279,7 +279,7 @@ class LoggingConfig:
     peak_flops: float = option(0.0, help="Peak FLOP/s per device for MFU; 0 = device table or a CPU probe.")
     diagnostics_every: int = option(0, help="Gradient histograms / optimizer statistics every N steps (0 = off).")
     profile_steps: str = option("", help="torch.profiler over these optimizer steps, e.g. 21-25 (after compilation and "
-                                         "warm-up): run_dir/profile/rank-N.txt (operators by self device or CPU time, "
+                                         "warm-up): run_dir/profile/rank-00000.txt (operators by self device or CPU time, "
                                          "call counts: host syncs show as aten::_local_scalar_dense) and a Chrome "
                                          "trace. Empty = off.")
     skew_every: int = option(50, help="Gather step times across ranks every N steps to find stragglers.")

@@ -487,7 +487,7 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
         proc.terminate()
         code = proc.wait()
     else:
-        if received and code:  # stopped as asked (the ranks checkpointed); the agent re-raised the signal
+        if received:  # stopped as asked (the ranks checkpointed): the signal's exit code, however the launcher ended
             code = 128 + received[0]
     if output is None:
         return code

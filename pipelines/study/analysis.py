@@ -379,8 +379,8 @@ def render_study(
 ) -> Path:
     """Write every figure in ``FIGURES``, ``study_table.md``, ``study_summary.json`` and ``study.html``.
 
-    ``out_dir`` defaults to ``SWEEP_DIR/study``; ``target_loss`` to ``sweep.json``'s, else the worst
-    arm's mean final train loss. Returns the HTML path. Figures without data say so inside them.
+    ``out_dir`` defaults to ``SWEEP_DIR/study``; ``target_loss`` to ``sweep.json``'s, else the median over
+    arms of each arm's mean final train loss. Returns the HTML path. Figures without data say so inside them.
     """
     manifest, runs = load_study(sweep_dir)
     if not runs:

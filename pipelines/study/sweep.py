@@ -117,7 +117,7 @@ class SweepConfig:
         "checkpoints); 0 or 1 = one at a time.",
     )
     fail_k: float = option(2.0, help="Report (warmup map): a run fails when its final loss is > k seed std above the best arm.")
-    target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the worst arm's final loss.")
+    target_loss: float = option(0.0, help="Report: steps to reach this train loss; 0 picks the median over arms of each arm's mean final loss.")
     slurm_script: str = option(
         "slurm/sweep_array.sbatch", help="--slurm: the array script (gets SWEEP.yaml + overrides)."
     )
