@@ -43,7 +43,7 @@ _HIGHLIGHTS = [
     ("ZeRO stage", ("distributed", "zero_stage")),
 ]
 _FINAL_TRAIN = ("loss", "tokens_per_s", "mfu", "step_time", "data_wait_share", "mem_peak_mb", "host_rss_mb")
-_EVAL_PLOTTED = ("accuracy", "mlm_accuracy", "nsp_accuracy", "perplexity")
+_EVAL_PLOTTED = ("accuracy", "mlm_accuracy", "nsp_accuracy", "perplexity", "top1")
 
 
 @dataclass

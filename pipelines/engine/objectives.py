@@ -417,7 +417,8 @@ class ImageClsTask(Task):
         return {"loss": s["loss_sum"] / max(s["count"], 1.0), "top1": s["correct"] / max(s["count"], 1.0)}
 
     def model_overrides(self):
-        return {"num_labels": self.num_labels, "image_size": self.size}
+        # the loader always gives RGB (a grey corpus is expanded), so a model of other channels is refused here
+        return {"num_labels": self.num_labels, "image_size": self.size, "num_channels": 3}
 
 
 def _mlm_nsp(cfg, manifest):

@@ -121,6 +121,10 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
             f"checkpoint={checkpoint} {'is a file, not a directory' if path.exists() else 'does not exist'}. "
             f"Pass a release directory (written by `pretrain export` or `save_pretrained`) or a pretraining run dir."
         )
+    family = checkpoint_family(path)
+    if family not in (None, "bert"):  # refused before a run is exported or a tokenizer is read: the model is the problem
+        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; fine-tuning needs a BERT-architecture "
+                            f"encoder (a release of a configs/train/bert_*.yaml run, or a BERT Hugging Face directory).")
     if (path / "config.json").is_file():
         return tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
@@ -137,6 +141,24 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
         f"checkpoint={checkpoint}: not a release directory (no config.json) nor a run checkpoint "
         f"(no trainer_state.json). Pass a directory written by `pretrain export` or `save_pretrained`, or a run dir."
     )
+
+
+def checkpoint_family(path: Path) -> str | None:
+    """The model family of a release (its config.json ``model_type``) or of a run's newest checkpoint; None
+    when it cannot be told here (an unknown type or a damaged run is reported where it is loaded)."""
+    from core.families import family_of_model, get_family, list_families
+
+    try:
+        if (path / "config.json").is_file():
+            model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+            return next((f for f in list_families() if get_family(f).hf_model_type == model_type), None)
+        from pipelines.engine.checkpoint import read_trainer_state
+        from pipelines.engine.export import resolve_checkpoint
+
+        build = read_trainer_state(resolve_checkpoint(path)).get("model_build") or {}
+        return family_of_model(build["name"]).name if build.get("name") else None
+    except Exception:  # noqa: BLE001 - the loaders below give the precise message
+        return None
 
 
 def load_tokenizer(release: Path):

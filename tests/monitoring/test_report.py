@@ -207,3 +207,19 @@ def test_report_in_headless_chromium(finished_run: Path, tmp_path: Path) -> None
     widths, errors, console = _open_in_chromium(broken, tmp_path / "profile3")
     assert dict(widths)["missing.png"] == 0 and "missing.png" in errors
     assert any("probe-check" in line for line in console)
+
+
+def test_an_image_runs_top1_is_drawn_with_the_evaluation_metrics(tmp_path: Path) -> None:
+    """A ViT run logs `top1` at evaluation (no `accuracy`): it gets the evaluation figure like the text runs."""
+    from core.config import save_config
+    from core.files import claim_output_dir
+    from pipelines.engine.config import load_run_config
+
+    run = claim_output_dir(tmp_path / "run", "run", what="train.run_dir")
+    save_config(load_run_config(None), run / "config.yaml")
+    lines = [{"step": s, "split": "train", "time": 1000.0 + s, "loss": 2.3 - 0.01 * s, "lr": 1e-3} for s in range(1, 41)]
+    lines += [{"step": s, "split": "eval", "time": 1000.0 + s, "loss": 2.2 - 0.02 * s, "top1": 0.1 + 0.01 * s} for s in (10, 20, 30, 40)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    out = render_report([run], tmp_path / "report")
+    assert "eval.png" in _img_srcs(out)
+    assert _png_size(tmp_path / "report" / "eval.png")[0] > 0

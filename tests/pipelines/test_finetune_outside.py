@@ -98,3 +98,22 @@ def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training
     with pytest.raises(FinetuneError, match="the tokenizer has no pad token and config.json no pad_token_id"):
         finetune(src, topic_task, tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("config", ["classification_small.yaml", "qa.yaml"])
+def test_an_image_release_is_refused_for_its_family_not_its_tokenizer(topic_task, tmp_path, config):
+    """A ViT release has no tokenizer at all: the message must name the model, before a tokenizer is read."""
+    import transformers
+
+    torch.manual_seed(0)
+    vit = tmp_path / "vit"
+    transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
+    )).save_pretrained(str(vit), safe_serialization=True)
+    train, val = topic_task
+    cfg = load_config(CONFIG.parent / config, [
+        f"checkpoint={vit}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={tmp_path / 'run'}"],
+        cls=FinetuneConfig)
+    with pytest.raises(FinetuneError, match=r"holds a vit model; fine-tuning needs a BERT-architecture encoder"):
+        run_finetune(cfg)
+    assert not (tmp_path / "run").exists()

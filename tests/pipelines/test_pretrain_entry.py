@@ -126,3 +126,12 @@ def test_a_global_batch_is_split_for_the_job_said_once_and_saved(gpt_corpus, tmp
     assert "mismatch" not in proc.stdout + proc.stderr
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["data"]["micro_batch_size"], saved["train"]["grad_accum_steps"], saved["train"]["global_batch_size"]) == (4, 3, 12)
+
+
+def test_a_vit_of_other_channels_is_refused_before_training(image_corpus, tmp_path, capsys, clean_env):
+    """The loader gives RGB whatever the corpus stores (grey expanded): a 1-channel patch conv would fail at step 1."""
+    code = main(["configs/train/vit_tiny_cpu.yaml", f"data.corpus={image_corpus}", f"train.run_dir={tmp_path}/run",
+                 "model.overrides={num_channels: 1}", "train.max_steps=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.overrides.num_channels=1 disagrees with the data (3" in err, err
+    assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()
