@@ -4,7 +4,8 @@ Re-encoding gives every sample one format and colour mode so the training loader
 special cases; PNG output is lossless and byte-reproducible, JPEG is smaller. ``raw`` stores what
 the accelerator needs instead: uint8 pixels (height, width, channels) at the model's square size
 as a ``.npy`` member, so the loader only reads bytes (no decode, no resize: docs/benchmarks.md).
-A file PIL cannot decode raises `BadImage` and is counted and skipped by the job.
+A file PIL cannot decode raises `BadImage` and is counted and skipped by the job under
+``BadImage.rule``; so is a 16-bit or float image (see `process_image`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,42 @@ __all__ = ["BadImage", "process_image"]
 
 
 class BadImage(ValueError):
-    """The bytes are not a decodable image."""
+    """The bytes are not an image this pipeline stores; ``rule`` is the job's bad-record reason."""
+
+    def __init__(self, message: str, rule: str = "unreadable_image"):
+        super().__init__(message)
+        self.rule = rule
+
+
+# PIL modes of 16/32-bit integer and float images: converting them to 8 bits clips at 255 (a flat
+# white image), and transformers' processor clips them the same way, so no rescale here would match it.
+_WIDE_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
 
 
 def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
-    """(encoded bytes, extension, width, height) of one image after resize and re-encoding."""
-    from PIL import Image, UnidentifiedImageError
+    """(encoded bytes, extension, width, height) of one image after resize and re-encoding.
+
+    The pixels are those transformers gives the released model: EXIF orientation applied
+    (``load_image`` in ``pipeline("image-classification")`` calls ``ImageOps.exif_transpose``) and
+    transparency composited onto white (``image_transforms.convert_to_rgb`` in its processors).
+    A 16-bit or float image raises `BadImage` rather than turning flat white.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
+            if im.mode in _WIDE_MODES:
+                raise BadImage(f"16-bit or float image (PIL mode {im.mode}): convert it to 8 bits first",
+                               rule="16bit_or_float_image")
+            im = ImageOps.exif_transpose(im)
+            if "A" in im.getbands() or im.info.get("transparency") is not None:
+                # as transformers.image_transforms.convert_to_rgb: alpha over a white background
+                white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(white, im.convert("RGBA"))
             im = im.convert(cfg.mode)
+    except BadImage:
+        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise BadImage(str(exc)) from None
     shorter = cfg.size if cfg.format == "raw" else cfg.resize_shorter

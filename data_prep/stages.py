@@ -244,8 +244,8 @@ def map_images(files: list[dict[str, Any]], ctx: JobContext) -> list[Any]:
         try:
             raw = Path(path).read_bytes()
             data, ext, _, _ = process_image(raw, cfg)
-        except (OSError, BadImage):
-            stats.bad(path, "unreadable_image")
+        except (OSError, BadImage) as exc:
+            stats.bad(path, getattr(exc, "rule", "unreadable_image"))
             continue
         stats.add("documents_in")
         hashes.append(hashlib.sha256(raw).hexdigest())
