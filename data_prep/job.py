@@ -226,7 +226,7 @@ def _train_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, worke
 
 def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: JobContext) -> tuple[dict[str, Any], JobContext]:
     """Check the corpus tokenizer fits the kind; return its manifest entry and `ctx` with what workers need of it."""
-    from data_prep.tokenizer import tokenizer_info
+    from data_prep.tokenizer import missing_separator_error, tokenizer_info
 
     tok_info = tokenizer_info(out, ttype, tok)
     specials = {n.removesuffix("_token"): i for n, i in tok_info["special_tokens"].items()}
@@ -234,7 +234,9 @@ def _tokenizer_ctx(cfg: PrepConfig, out: Path, tok, ttype: str, ctx: JobContext)
         raise PrepError(f"The tokenizer {cfg.tokenizer.path or out / 'tokenizer'} has no [CLS]/[SEP] tokens; bert_pairs "
                         f"needs a WordPiece (BERT) tokenizer.")
     if cfg.kind == "packed_lm" and "eos" not in specials:
-        specials["eos"] = specials.get("sep", 0)
+        if "sep" not in specials:  # never token 0 (often <pad>): the model would never see its end of text
+            raise missing_separator_error(cfg.tokenizer.path or out / "tokenizer")
+        specials["eos"] = specials["sep"]
     ctx = ctx.with_(tokenizer_json=tok.to_str(), tokenizer_sha256=tok_info["sha256"], special=specials,
                     token_dtype="uint16" if tok_info["vocab_size"] <= 65535 else "uint32")
     return tok_info, ctx

@@ -37,11 +37,14 @@ def check_reused_tokenizer(cfg: PrepConfig) -> None:
     so the message names the user's file, not the copy prepare would make of it."""
     if not cfg.tokenizer.path:
         return
-    from data_prep.tokenizer import load_tokenizer_dir, special_ids
+    from data_prep.tokenizer import load_tokenizer_dir, missing_separator_error, special_ids
 
     tok, ttype = load_tokenizer_dir(cfg.tokenizer.path)
     src = Path(cfg.tokenizer.path)
-    specials = special_ids(src if src.is_dir() else src.parent, ttype, tok)
+    tdir = src if src.is_dir() else src.parent
+    specials = special_ids(tdir, ttype, tok)
+    if cfg.kind == "packed_lm" and not {"eos_token", "sep_token"} & specials.keys():
+        raise missing_separator_error(tdir)
     if cfg.kind == "bert_pairs" and not {"cls_token", "sep_token"} <= specials.keys():
         raise PrepError(f"The tokenizer at tokenizer.path={cfg.tokenizer.path} has no [CLS]/[SEP] tokens; bert_pairs needs "
                         f"a WordPiece (BERT) tokenizer. Point tokenizer.path at one, or leave it empty to train one.")

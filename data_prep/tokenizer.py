@@ -19,7 +19,8 @@ from core.files import atomic_write_text
 from data_prep.config import TokenizerConfig
 from data_prep.errors import PrepError
 
-__all__ = ["train_tokenizer", "save_tokenizer", "load_tokenizer_dir", "tokenizer_info", "BERT_SPECIALS", "GPT_EOS"]
+__all__ = ["train_tokenizer", "save_tokenizer", "load_tokenizer_dir", "tokenizer_info", "special_ids", "missing_separator_error",
+           "BERT_SPECIALS", "GPT_EOS", "SPECIAL_TOKEN_NAMES"]
 
 # BERT's special tokens (Devlin et al. 2019, Sec. 3); [PAD] first so the padding id is 0.
 BERT_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
@@ -186,21 +187,51 @@ def tokenizer_info(corpus_dir: str | os.PathLike, type_: str, tok=None) -> dict[
     }
 
 
-def special_ids(tdir: Path, type_: str, tok) -> dict[str, int]:
-    """``{"cls_token": id, ...}`` of the tokenizer in ``tdir`` (its special_tokens_map.json, else the type's defaults):
-    also what ``prepare`` checks a reused tokenizer against before copying it into the corpus."""
-    cfg_file = tdir / "special_tokens_map.json"
+#: The special tokens a tokenizer's HF config files name (those ``transformers`` turns into ``<name>_id``).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+
+
+def _special_names(file: Path) -> dict[str, str]:
+    """``{"eos_token": "</s>", ...}`` named in ``file`` (special_tokens_map.json or tokenizer_config.json; a value
+    is a string or a dict with "content"); {} when the file is absent."""
+    if not file.is_file():
+        return {}
     try:
-        names = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        raw = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise PrepError(f"{cfg_file} is not valid JSON ({exc}). Re-save the tokenizer (save_pretrained) or remove "
+        raise PrepError(f"{file} is not valid JSON ({exc}). Re-save the tokenizer (save_pretrained) or remove "
                         f"that file to use the default special tokens.") from None
+    names: dict[str, str] = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        token = raw.get(name) if isinstance(raw, dict) else None
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            names[name] = token
+    return names
+
+
+def special_ids(tdir: Path, type_: str, tok) -> dict[str, int]:
+    """``{"cls_token": id, ...}`` of the tokenizer in ``tdir``: the special tokens its tokenizer_config.json names,
+    overridden by its special_tokens_map.json (as ``transformers.AutoTokenizer`` reads them, so the manifest and a
+    release's ``eos_token_id``/``pad_token_id`` agree; transformers 5 writes only tokenizer_config.json), else the
+    type's defaults. Also what ``prepare`` checks a reused tokenizer against before copying it into the corpus."""
+    names = {**_special_names(tdir / "tokenizer_config.json"), **_special_names(tdir / "special_tokens_map.json")}
     if not names:
         names = dict(BERT_SPECIALS) if type_ == "wordpiece" else {"eos_token": GPT_EOS}
     specials: dict[str, int] = {}
     for name, token in sorted(names.items()):
-        token = token["content"] if isinstance(token, dict) else token
         tid = tok.token_to_id(token)
         if tid is not None:
             specials[name] = tid
     return specials
+
+
+def missing_separator_error(tdir: str | os.PathLike) -> PrepError:
+    """The error of a packed (GPT) corpus whose tokenizer names no token to end a document with."""
+    return PrepError(
+        f"The tokenizer at {tdir} names no end-of-text token (eos_token, or sep_token) that is in its vocabulary, "
+        f"so packed_lm cannot separate documents (it would join them with token 0, often the pad token, and the "
+        f"model would never learn to stop). Set eos_token (e.g. \"</s>\" or \"<|endoftext|>\", a token of "
+        f"tokenizer.json) in {Path(tdir) / 'tokenizer_config.json'} or special_tokens_map.json (or re-save it with "
+        f"save_pretrained after setting tokenizer.eos_token), or leave tokenizer.path empty to train one."
+    )
