@@ -41,6 +41,18 @@ def _image_data(info: dict[str, Any], model_config: Any) -> list[str]:
     ]
 
 
+def _eval_scope(state: dict[str, Any]) -> str:
+    """Which part of the validation split the figures cover: a partial one depends on the number of ranks."""
+    batches = state.get("eval_batches")
+    if batches is None:
+        return "On the validation split (the run did not record how much of it)."
+    if batches == 0:
+        return "On the whole validation split, each sample once."
+    return (f"On the first {batches} batches per rank of the validation split, on {state.get('world_size')} rank(s) "
+            f"(`train.eval_batches={batches}`; a part of the split, so another number of ranks gives other figures; "
+            f"`train.eval_batches=0` evaluates all of it).")
+
+
 def model_card(state: dict[str, Any], ckpt: Path, hf: Any, family: str, release_path: str) -> str:
     """The release's ``README.md``: data, training, final evaluation and how to load it (``release_path``)."""
     spec = get_family(family)
@@ -71,6 +83,8 @@ Pretrained with the `pretrain` pipeline (objective `{state.get("task")}`), expor
 - loss: first step {state.get("start_loss")}, last step {state.get("last_loss")}
 
 ## Final evaluation
+{_eval_scope(state)}
+
 | metric | value |
 |---|---|
 {metrics}

@@ -237,6 +237,7 @@ def test_each_familys_card_has_its_fields_and_a_usage_snippet_that_runs(family, 
     out = export_checkpoint(make(), tmp_path / "release" / family)
     card = (out / "README.md").read_text()
     snippet = _card_snippet(card)
+    assert "validation split" in card  # which part of it the figures cover
     assert "{this directory}" not in card and f'"{out}"' in snippet
     assert {"vit": "AutoModelForImageClassification", "bert": 'pipeline("fill-mask"',
             "gpt": "AutoModelForCausalLM"}[family] in snippet
@@ -264,3 +265,12 @@ def test_each_familys_card_has_its_fields_and_a_usage_snippet_that_runs(family, 
         assert unexpected == {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "cls.seq_relationship.weight",
                               "cls.seq_relationship.bias"}, report.getvalue()
         assert "| MISSING" not in report.getvalue() and "`cls.seq_relationship.*`" in card and "UNEXPECTED" in card
+
+
+def test_the_card_says_which_part_of_the_validation_split_its_figures_cover():
+    """`train.eval_batches` evaluates the first N batches per rank: figures that move with the rank count."""
+    from pipelines.engine.release_card import _eval_scope
+
+    assert "first 20 batches per rank of the validation split, on 2 rank(s)" in _eval_scope({"eval_batches": 20, "world_size": 2})
+    assert _eval_scope({"eval_batches": 0, "world_size": 2}) == "On the whole validation split, each sample once."
+    assert "did not record" in _eval_scope({"world_size": 1})  # a checkpoint written before the field
