@@ -63,6 +63,10 @@ model = AutoModelForCausalLM.from_pretrained("{path}")
 inputs = tokenizer("the", return_tensors="pt")
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
 ```
+
+Several prompts at once: a tokenizer without a pad token (as `pretrain prepare` trains them) needs
+`tokenizer.pad_token = tokenizer.eos_token` and `tokenizer.padding_side = "left"` before
+`tokenizer([...], padding=True)`, so that generation continues each prompt from its last token.
 """
 
 
