@@ -39,7 +39,8 @@ def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
 
     The pixels are those transformers gives the released model: EXIF orientation applied
     (``load_image`` in ``pipeline("image-classification")`` calls ``ImageOps.exif_transpose``) and
-    transparency composited onto white (``image_transforms.convert_to_rgb`` in its processors).
+    transparency composited onto white (``image_transforms.convert_to_rgb`` in its processors, since
+    some 5.x release: 5.0 drops the alpha, 5.24 composites).
     A 16-bit or float image raises `BadImage` rather than turning flat white.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
