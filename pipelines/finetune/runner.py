@@ -121,13 +121,12 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
             f"checkpoint={checkpoint} {'is a file, not a directory' if path.exists() else 'does not exist'}. "
             f"Pass a release directory (written by `pretrain export` or `save_pretrained`) or a pretraining run dir."
         )
-    family = checkpoint_family(path)
-    if family not in (None, "bert"):  # refused before a run is exported or a tokenizer is read: the model is the problem
-        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; fine-tuning needs a BERT-architecture "
-                            f"encoder (a release of a configs/train/bert_*.yaml run, or a BERT Hugging Face directory).")
     if (path / "config.json").is_file():
-        return tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
+        release = tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
+        _refuse_other_family(checkpoint, release)
+        return release
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
+        _refuse_other_family(checkpoint, path)
         from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint
 
@@ -141,6 +140,14 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
         f"checkpoint={checkpoint}: not a release directory (no config.json) nor a run checkpoint "
         f"(no trainer_state.json). Pass a directory written by `pretrain export` or `save_pretrained`, or a run dir."
     )
+
+
+def _refuse_other_family(checkpoint: str, path: Path) -> None:
+    """Before a run is exported or a tokenizer is read: a GPT or ViT checkpoint is the problem, not its files."""
+    family = checkpoint_family(path)
+    if family not in (None, "bert"):
+        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; fine-tuning needs a BERT-architecture "
+                            f"encoder (a release of a configs/train/bert_*.yaml run, or a BERT Hugging Face directory).")
 
 
 def checkpoint_family(path: Path) -> str | None:
