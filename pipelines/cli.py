@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
     check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
     if args.nproc > 1:
-        from pipelines.engine.distributed import launch
+        from pipelines.engine.launcher import launch
 
         return launch(args.config, args.overrides, args.nproc, launcher=args.launcher,
                       accelerate_config=args.accelerate_config)
@@ -95,7 +95,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     check(cfg, world_size=args.nproc)
     check_inputs(cfg, world_size=args.nproc)
     if args.nproc > 1:
-        from pipelines.engine.distributed import launch
+        from pipelines.engine.launcher import launch
 
         return launch(args.config, args.overrides, args.nproc, launcher=args.launcher,
                       accelerate_config=args.accelerate_config, module="pipelines.finetune")

@@ -8,7 +8,8 @@ One code path serves 1 CPU process, N CPU processes (gloo), 1 GPU, 8 GPUs and N 
 - ``validate()`` refuses impossible settings (``check.check`` plus the device-specific ones);
   ``deepspeed_config()`` is the DeepSpeed JSON of a run. The engines themselves (DDP, DeepSpeed)
   and ``build_engine`` live in ``pipelines.engine.engines``.
-- ``launch()`` starts the multi-process job as a subprocess.
+- ``launch()`` starts the multi-process job as a subprocess (``pipelines.engine.launcher``, re-exported
+  here; it imports no torch, so a launching process stays light).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import copy
 import json
 import logging
 import os
-import random
-import shutil
-import socket
 import subprocess
 import sys
 import warnings
@@ -32,9 +30,9 @@ from typing import Any
 import torch
 
 from core.config import ConfigError
-from pipelines.engine.check import ACCELERATE_PRECISION, check_accelerate_file, zero_overlap
+from pipelines.engine.check import ACCELERATE_PRECISION, zero_overlap
 from pipelines.engine.config import RunConfig
-from pipelines.engine.launch_output import LaunchOutput, forwarding_signals
+from pipelines.engine.launcher import _RENDEZVOUS_VARS, free_port, launch, quiet_libraries
 from pipelines.engine.registries import OPTIMIZERS
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
@@ -53,36 +51,6 @@ class DistEnv:
     device: str  # "cuda" or "cpu"
 
 
-def free_port() -> int:
-    """A TCP port free now for a rendezvous server (MASTER_PORT), chosen below the kernel's ephemeral range.
-
-    The port ``bind(0)`` returns is an ephemeral one: between this check and the server's own bind, any
-    outgoing connection on the machine (Ray's workers, a browser) may take it as its local port, and the
-    store fails with EADDRINUSE. Below the range only another server can take it. Drawn at random (not from
-    the seeded ``random`` stream) so that jobs started side by side do not try the same ports in turn."""
-    low = _ephemeral_low()
-    draw = random.SystemRandom()
-    for _ in range(64):
-        port = draw.randrange(max(1024, low - 16384), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every drawn port taken: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
-    try:
-        return max(2048, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def _slurm_master() -> str:
     nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
     if not nodes:
@@ -92,21 +60,6 @@ def _slurm_master() -> str:
         return out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         return nodes.split(",")[0].split("[")[0]
-
-
-#: Library notices that are not warnings for our users (each matched exactly; everything else still shows):
-#: DeepSpeed 0.19 gathers with ``all_gather_into_tensor``, which torch 2.13 deprecates -- our code does not call it.
-_DEPRECATIONS_OF_LIBRARIES = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
-
-
-def quiet_libraries() -> None:
-    """Say what DeepSpeed would guess (``DS_ACCELERATOR=cpu`` without CUDA, so it does not warn that it
-    "could not detect" one) and ignore the deprecations listed above. Called before DeepSpeed is imported:
-    by ``init_env`` in every rank and in-process run, by ``launch`` for its children, and by export."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    for message in _DEPRECATIONS_OF_LIBRARIES:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def init_env() -> DistEnv:
@@ -431,65 +384,3 @@ def barrier_if_initialized() -> None:
         torch.distributed.barrier()
 
 
-_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def fresh_world_env() -> dict[str, str]:
-    """This process' environment minus the rendezvous variables of a world it is or was part of.
-
-    `init_env()` writes them into os.environ for in-process runs; a job started from here is a new
-    world and must not inherit them (the old MASTER_PORT may still be bound by this process).
-    """
-    return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
-
-
-def launch(config_path: str, overrides: list[str], num_processes: int, *, launcher: str = "accelerate",
-           accelerate_config: str | None = None, extra_env: dict[str, str] | None = None,
-           module: str = "pipelines.pretrain") -> int:
-    """Run ``python -m pipelines.pretrain CONFIG overrides`` on ``num_processes`` local processes; return its exit code.
-
-    ``launcher``: ``accelerate`` (``--config_file`` defaults to configs/accelerate/cpu_zero2.yaml on CPU,
-    multi_gpu.yaml on GPU), ``torchrun``, ``deepspeed`` or ``python`` (one process). Output streams to
-    this process's stdout/stderr.
-    """
-    bindir = Path(sys.executable).parent
-    port = str(free_port())
-    target = ["-m", module, str(config_path), *overrides]
-    if launcher == "accelerate":
-        acfg = accelerate_config or str(REPO / "configs/accelerate" / ("multi_gpu.yaml" if torch.cuda.is_available() else "cpu_zero2.yaml"))
-        check_accelerate_file(acfg)  # one line for what accelerate's launcher would answer with a traceback
-        exe = str(bindir / "accelerate") if (bindir / "accelerate").exists() else (shutil.which("accelerate") or "accelerate")
-        cmd = [exe, "launch", "--config_file", acfg, "--num_processes", str(num_processes), "--num_machines", "1",
-               "--main_process_port", port, *target]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes), "--master_port", port, *target]
-    elif launcher == "deepspeed":
-        exe = str(bindir / "deepspeed") if (bindir / "deepspeed").exists() else (shutil.which("deepspeed") or "deepspeed")
-        cmd = [exe, "--num_gpus", str(num_processes), "--master_port", port, "--module", *target[1:]]
-    elif launcher == "python":
-        if num_processes != 1:
-            raise ConfigError("launcher=python runs one process; use accelerate, torchrun or deepspeed for more.")
-        cmd = [sys.executable, *target]
-    else:
-        raise ConfigError(f"Unknown launcher {launcher!r}: choose accelerate, torchrun, deepspeed or python.")
-    quiet_libraries()  # DS_ACCELERATOR for the launcher process (accelerate / deepspeed import DeepSpeed) and the ranks
-    env = fresh_world_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_processes))))
-    env.update(extra_env or {})
-    debug = bool(os.environ.get("PRETRAIN_DEBUG"))
-    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stderr=None if debug else subprocess.PIPE)
-    output = None if debug else LaunchOutput(proc.stderr)  # each rank's error line once, not the launcher's report
-    try:
-        with forwarding_signals(proc, output) as received:
-            code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        code = proc.wait()
-    else:
-        if received:  # stopped as asked (the ranks checkpointed): the signal's exit code, however the launcher ended
-            code = 128 + received[0]
-    if output is None:
-        return code
-    output.join()
-    return 2 if code and output.errors else code  # a problem the ranks explained: the user's to fix, as with one process

@@ -104,8 +104,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from core.config import load_config
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.engine.distributed import launch
     from pipelines.engine.export import export_checkpoint
+    from pipelines.engine.launcher import launch
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     out_dir = Path(opts.out_dir).resolve()

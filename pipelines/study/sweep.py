@@ -283,7 +283,7 @@ def run_one(
             _train_in_process(cfg, sweep.threads)
         else:
             from pipelines.engine.checkpoint import claim_run_dir
-            from pipelines.engine.distributed import launch
+            from pipelines.engine.launcher import launch
 
             claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
             resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`

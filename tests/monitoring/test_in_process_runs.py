@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_job import run_job
 
-from pipelines.engine.distributed import _RENDEZVOUS_VARS
+from pipelines.engine.launcher import _RENDEZVOUS_VARS
 
 WORLD_VARS = _RENDEZVOUS_VARS  # what init_env() writes and in_process_run puts back
 

@@ -152,7 +152,7 @@ def test_two_ranks_name_the_straggler_and_agree_on_a_one_rank_nan(tmp_path, engi
     run_dir = tmp_path / "run"
     spec = {"run_dir": str(run_dir), "steps": 15, "engine": engine, "grad_accum": 2,
             "slow_rank": 1, "slow_forward_s": 0.15, "skew_every": 5, "nan_at": [[1, 7, 1]]}
-    from pipelines.engine.distributed import free_port, fresh_world_env
+    from pipelines.engine.launcher import free_port, fresh_world_env
 
     env = fresh_world_env()
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -31,7 +31,7 @@ def run_pretrain(config: str, overrides: list[str], *, processes: int = 1, launc
                  trace_dir: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a real job (``distributed.launch`` in a child python, or one plain process); capture its output."""
     code = (
-        "import sys; from pipelines.engine.distributed import launch; "
+        "import sys; from pipelines.engine.launcher import launch; "
         f"sys.exit(launch({config!r}, {traced(overrides, trace_dir)!r}, {processes}, launcher={launcher!r}))"
     )
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True,

@@ -12,7 +12,7 @@ import yaml
 
 from core.config import ConfigError
 from pipelines import cli
-from pipelines.engine import distributed
+from pipelines.engine import distributed, launcher
 from pipelines.engine.check import apply_batch_split, batch_split, check, model_catalog, run_schedule, split_batch
 from pipelines.engine.config import load_run_config
 
@@ -153,7 +153,7 @@ def test_deepspeed_throughput_timer_is_off_unless_the_json_asks_for_it(tmp_path)
 
 def test_cli_refuses_a_bad_name_before_spawning_ranks(monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr(distributed, "launch", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: launched.append(a) or 0)
     code = cli.main(["train", CONFIG, "model.name=bert-tinny", "--nproc", "2"])
     assert code == cli.EXIT_CONFIG and launched == []
     assert "Did you mean `bert-tiny`?" in capsys.readouterr().err

@@ -87,7 +87,7 @@ def test_unknown_architecture_and_bad_labels_fail_clearly(hf_checkpoint, topic_t
 
 @pytest.mark.slow
 def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
-    from pipelines.engine.distributed import launch
+    from pipelines.engine.launcher import launch
 
     run_dir = tmp_path / "ds"
     code = launch(str(CONFIG), overrides(hf_checkpoint, topic_task, run_dir, "epochs=8", "distributed.engine=deepspeed",

@@ -96,7 +96,7 @@ def test_accelerate_launch_config_file_precision_reaches_the_run(bert_corpus, tm
         "train": {"task": "mlm_nsp", "max_steps": 2, "run_dir": str(tmp_path / "run"), "resume": "never"},
         "distributed": {"engine": "deepspeed"}, "logging": {"progress": False, "tensorboard": False},
     }))
-    code = ("import sys; from pipelines.engine.distributed import launch; "
+    code = ("import sys; from pipelines.engine.launcher import launch; "
             f"sys.exit(launch({str(run)!r}, [], 2, accelerate_config={str(acc)!r}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True, text=True,
                           timeout=600)
@@ -114,7 +114,7 @@ def test_pretrain_finetune_under_the_real_deepspeed_launcher_reaches_our_config_
     past argument parsing to our own config check (here: a bad value the CLI's check cannot see)."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 5}))  # 5 != micro 32 x accum 1 x world 2: a per-rank refusal
-    code = ("import sys; from pipelines.engine.distributed import launch; "
+    code = ("import sys; from pipelines.engine.launcher import launch; "
             f"sys.exit(launch({str(REPO / 'configs/finetune/classification.yaml')!r}, "
             f"['distributed.engine=deepspeed', 'distributed.zero_stage=2', 'distributed.deepspeed_config={ds}'], 2, "
             "launcher='deepspeed', module='pipelines.finetune'))")
@@ -125,6 +125,23 @@ def test_pretrain_finetune_under_the_real_deepspeed_launcher_reaches_our_config_
     assert "train_batch_size=5 != micro_batch_size 32 x grad_accum_steps 1 x world size 2" in out
 
 
+def test_the_launching_process_starts_a_two_rank_job_without_importing_torch(tmp_path):
+    """``pretrain train --nproc 2`` (and every job the tests start) only builds a command line and relays
+    output and signals: importing torch there cost a second or more per job, for nothing. A real
+    ``accelerate launch`` of two ranks of a probe module; the launching process must end without torch."""
+    (tmp_path / "probe_rank.py").write_text("import os, sys\nprint('RANK', os.environ['RANK'], sys.argv[1:])\n")
+    code = ("import json, sys; from pipelines.engine.launcher import launch; "
+            f"code = launch({CONFIG!r}, ['train.max_steps=1'], 2, module='probe_rank'); "
+            "print('PARENT', json.dumps({'code': code, 'torch': 'torch' in sys.modules}))")
+    env = {**job_env(), "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    parent = json.loads(next(line for line in lines if line.startswith("PARENT "))[len("PARENT "):])
+    assert parent == {"code": 0, "torch": False}, proc.stderr[-3000:]
+    assert sorted(line.split()[1] for line in lines if line.startswith("RANK ")) == ["0", "1"]
+    assert f"RANK 0 [{CONFIG!r}, 'train.max_steps=1']" in lines
+
+
 def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_take():
     """``free_port`` (every local MASTER_PORT): a port below the kernel's ephemeral range, which no outgoing
     connection can grab between the check and the store's bind (the EADDRINUSE a Ray cluster beside a run
@@ -132,7 +149,7 @@ def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_ta
     import random
     import socket
 
-    from pipelines.engine.distributed import _ephemeral_low, free_port
+    from pipelines.engine.launcher import _ephemeral_low, free_port
 
     random.seed(0)
     expected = random.random()

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow  # about 6 minutes for the module: pretraining ~2-
 def pretrained(tmp_path_factory):
     from data_prep.config import PrepConfig
     from data_prep.job import run_prepare
-    from pipelines.engine.distributed import launch
     from pipelines.engine.export import export_checkpoint
+    from pipelines.engine.launcher import launch
     from pipelines.ops.demo_data import write_classification_task, write_package_qa_task, write_pretraining_corpus
 
     root = tmp_path_factory.mktemp("pretrained")

@@ -43,7 +43,7 @@ def _assert_same(ref_dir: Path, got_dir: Path, steps: int) -> None:
 
 
 def _launch_background(config: str, overrides: list[str], trace: Path) -> subprocess.Popen:
-    code = f"import sys; from pipelines.engine.distributed import launch; sys.exit(launch({config!r}, {traced(overrides, trace)!r}, 2))"
+    code = f"import sys; from pipelines.engine.launcher import launch; sys.exit(launch({config!r}, {traced(overrides, trace)!r}, 2))"
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
