@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from core.config import ConfigError, parse_command_line
+from core.shutdown import before_exit
 from monitoring.console import configure_logging
 from pipelines.engine.config import load_run_config
 
@@ -395,5 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def entry() -> int:
+    """The ``pretrain`` command (pyproject's script): ``main``, then ``before_exit`` -- only where the process
+    ends here, never for a caller of ``main`` that goes on running."""
+    code = main()
+    before_exit()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

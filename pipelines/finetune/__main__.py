@@ -6,6 +6,7 @@ import os
 import sys
 
 from core.config import ConfigError, parse_command_line
+from core.shutdown import before_exit
 from monitoring.console import configure_logging
 from pipelines.engine.check import check
 from pipelines.finetune import FinetuneConfig, FinetuneError, run_finetune
@@ -34,4 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    before_exit()  # shutdown skips a collection over torch's objects: seconds per rank
+    sys.exit(code)
