@@ -112,11 +112,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pipelines.study.sweep import load_sweep, run_local, submit_slurm
+    from pipelines.study.sweep import load_sweep, run_local
+    from pipelines.study.sweep_checks import check_overrides
+    from pipelines.study.sweep_slurm import submit_slurm
 
+    if args.dry_run and not args.slurm:
+        raise ConfigError("--dry-run prints the job array that --slurm would submit: add --slurm "
+                          "(`python -m pipelines.study.sweep list SWEEP.yaml k=v...` lists the grid and what is done).")
+    if args.force and args.slurm:
+        raise ConfigError("--force reruns finished runs with --local only; with --slurm, delete their run dirs first.")
     sweep = load_sweep(args.sweep, args.overrides)
+    check_overrides(sweep, args.set, where=args.sweep)  # a --set that fights the grid: named with the file
     if args.slurm:
-        submit_slurm(args.sweep, sweep, args.overrides, dry_run=args.dry_run)
+        submit_slurm(args.sweep, sweep, args.overrides, dry_run=args.dry_run, extra=args.set)
         return 0
     results = run_local(sweep, args.set, force=args.force)
     return 0 if all(r.get("status") in ("ok", "diverged") for r in results) else EXIT_FAILURE
@@ -294,9 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="Run the grid here, the sweep's `jobs` runs at a time (default).")
     mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Run override for every run (--local and --slurm alike).")
     p.add_argument("--force", action="store_true", help="--local: delete and rerun runs already marked done.")
-    p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only.")
+    p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only; writes nothing.")
 
     p = _add(
         sub,
