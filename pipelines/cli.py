@@ -11,6 +11,7 @@ run, a failed sweep arm), so a script or SLURM can tell "fix your input" from "l
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
@@ -132,15 +133,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from monitoring.report import render_report
+    from pipelines.study.analysis import is_sweep_dir, render_study
 
+    sweeps = [d for d in args.run_dirs if is_sweep_dir(d)] if len(args.run_dirs) > 1 else []
+    if sweeps:
+        raise ConfigError(f"{sweeps[0]} is a sweep directory: report one sweep at a time (`pretrain report "
+                          f"{sweeps[0]}`), or overlay single runs of it by naming them ({sweeps[0]}/runs/NAME).")
     if len(args.run_dirs) == 1:  # a sweep dir gets the optimizer x warmup study report
-        from pipelines.study.analysis import is_sweep_dir, render_study
 
         if is_sweep_dir(args.run_dirs[0]):
             out = args.out if args.out != "report" else None  # default: SWEEP_DIR/study
             page = render_study(args.run_dirs[0], out)
             if (page.parent / "map_table.md").is_file():  # a depth x lr x norm sweep: print the warmup map
                 print((page.parent / "map_table.md").read_text(encoding="utf-8"))
+            summary = json.loads((page.parent / "study_summary.json").read_text(encoding="utf-8"))
+            if summary.get("unfinished"):
+                names = summary["unfinished"]
+                print(f"note: {len(names)} run(s) not finished (running, interrupted or failed) are drawn but left out "
+                      f"of the table's numbers: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
             print(f"Study report written to {page}")
             return 0
     page = render_report(args.run_dirs, args.out)
