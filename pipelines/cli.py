@@ -11,6 +11,7 @@ run, a failed sweep arm), so a script or SLURM can tell "fix your input" from "l
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
@@ -113,11 +114,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pipelines.study.sweep import load_sweep, run_local, submit_slurm
+    from pipelines.study.sweep import load_sweep, run_local
+    from pipelines.study.sweep_checks import check_overrides
+    from pipelines.study.sweep_slurm import submit_slurm
 
+    if args.dry_run and not args.slurm:
+        raise ConfigError("--dry-run prints the job array that --slurm would submit: add --slurm "
+                          "(`python -m pipelines.study.sweep list SWEEP.yaml k=v...` lists the grid and what is done).")
+    if args.force and args.slurm:
+        raise ConfigError("--force reruns finished runs with --local only; with --slurm, delete their run dirs first.")
     sweep = load_sweep(args.sweep, args.overrides)
+    check_overrides(sweep, args.set, where=args.sweep)  # a --set that fights the grid: named with the file
     if args.slurm:
-        submit_slurm(args.sweep, sweep, args.overrides, dry_run=args.dry_run)
+        submit_slurm(args.sweep, sweep, args.overrides, dry_run=args.dry_run, extra=args.set)
         return 0
     results = run_local(sweep, args.set, force=args.force)
     return 0 if all(r.get("status") in ("ok", "diverged") for r in results) else EXIT_FAILURE
@@ -125,15 +134,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from monitoring.report import render_report
+    from pipelines.study.analysis import is_sweep_dir, render_study
 
+    sweeps = [d for d in args.run_dirs if is_sweep_dir(d)] if len(args.run_dirs) > 1 else []
+    if sweeps:
+        raise ConfigError(f"{sweeps[0]} is a sweep directory: report one sweep at a time (`pretrain report "
+                          f"{sweeps[0]}`), or overlay single runs of it by naming them ({sweeps[0]}/runs/NAME).")
     if len(args.run_dirs) == 1:  # a sweep dir gets the optimizer x warmup study report
-        from pipelines.study.analysis import is_sweep_dir, render_study
 
         if is_sweep_dir(args.run_dirs[0]):
             out = args.out if args.out != "report" else None  # default: SWEEP_DIR/study
             page = render_study(args.run_dirs[0], out)
             if (page.parent / "map_table.md").is_file():  # a depth x lr x norm sweep: print the warmup map
                 print((page.parent / "map_table.md").read_text(encoding="utf-8"))
+            summary = json.loads((page.parent / "study_summary.json").read_text(encoding="utf-8"))
+            if summary.get("unfinished"):
+                names = summary["unfinished"]
+                print(f"note: {len(names)} run(s) not finished (running, interrupted or failed) are drawn but left out "
+                      f"of the table's numbers: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
             print(f"Study report written to {page}")
             return 0
     page = render_report(args.run_dirs, args.out)
@@ -295,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="Run the grid here, the sweep's `jobs` runs at a time (default).")
     mode.add_argument("--slurm", action="store_true", help="Submit the incomplete runs as a SLURM job array.")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="Run override for every run.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Run override for every run (--local and --slurm alike).")
     p.add_argument("--force", action="store_true", help="--local: delete and rerun runs already marked done.")
-    p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only.")
+    p.add_argument("--dry-run", action="store_true", help="--slurm: print the sbatch command only; writes nothing.")
 
     p = _add(
         sub,

@@ -220,7 +220,8 @@ def sbatch_lines(opts: SubmitOptions, *, job_name: str, output: str, chdir: Path
     if requeue:
         lines += [f"--signal=B:USR1@{opts.signal_seconds}", "--requeue"]
     lines += ["--open-mode=append", f"--output={output}", f"--chdir={chdir}", *opts.sbatch_args]
-    return [f"#SBATCH {line}" for line in lines]
+    # sbatch splits a directive at blanks ("Invalid directive" for `--chdir=/a b`) and honours shell quotes
+    return [f"#SBATCH {shlex.quote(line)}" for line in lines]
 
 
 def render_job(config: str | Path, overrides: Sequence[str], opts: SubmitOptions, *, cwd: Path | None = None,

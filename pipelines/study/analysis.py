@@ -14,7 +14,8 @@
 - ``adam_variance.png``: Var[1 / (sqrt(v^) + eps)] of the adaptive step size over steps -- large
   early, which is what warmup (Ma & Yarats 2019, arXiv:1910.04209) and RAdam's rectification tame.
 
-The table (also ``study_table.md`` and ``study_summary.json``): final train loss (mean of the last
+The table (also ``study_table.md`` and ``study_summary.json``), over each arm's finished runs (ok or diverged;
+runs still going, interrupted or failed are drawn but not counted): final train loss (mean of the last
 3 logged values), best validation loss, steps until the smoothed train loss first reaches the target
 (``target_loss`` of the sweep, else the median over arms of the final train loss),
 divergence events (runs stopped on NaN/Inf + nan_skip/loss_spike events) and wall time per run.
@@ -41,6 +42,7 @@ __all__ = ["StudyRun", "load_study", "render_study", "is_sweep_dir", "arm_of"]
 FIGURES = ("lr.png", "loss.png", "histograms.png", "adam_variance.png")
 _SEED = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
 _DIVERGENCE_EVENTS = ("nan_skip", "nan_stop", "loss_spike")
+FINISHED = ("ok", "diverged")  # a run's final statuses (pipelines.study.attempts.FINAL_STATUSES)
 
 
 def arm_of(name: str) -> tuple[str, int | None]:
@@ -168,17 +170,27 @@ def _arms(runs: list[StudyRun]) -> dict[str, list[StudyRun]]:
     return arms
 
 
+def _finished(r: StudyRun) -> bool:
+    return r.status.get("status") in FINISHED
+
+
 def summarize(runs: list[StudyRun], target_loss: float | None = None) -> dict[str, Any]:
-    """Per-run and per-arm numbers; ``target_loss`` None/0 = the median over arms of the mean final train loss."""
+    """Per-run and per-arm numbers; ``target_loss`` None/0 = the median over arms of the mean final train loss.
+
+    The arms' numbers count finished runs only (ok or diverged; ``unfinished`` names the others: running,
+    interrupted or failed, whose last loss is from the middle of their run) -- all runs when none has finished
+    (a directory without the sweep's records)."""
+    counted = [r for r in runs if _finished(r)] or runs
+    unfinished = [r.name for r in runs if r not in counted]
     arms = _arms(runs)
     if not target_loss:
-        finals = [_mean_std([_run_numbers(r, None)["final_loss"] for r in rs])[0] for rs in arms.values()]
+        finals = [_mean_std([_run_numbers(r, None)["final_loss"] for r in rs if r in counted])[0] for rs in arms.values()]
         finals = _finite([f for f in finals if f is not None])
         target_loss = statistics.median(finals) if finals else None
     per_run = [_run_numbers(r, target_loss) for r in runs]
     per_arm = []
     for arm in arms:
-        rows = [p for p in per_run if p["arm"] == arm]
+        rows = [p for p in per_run if p["arm"] == arm and p["name"] not in unfinished]
         reached = [p["steps_to_target"] for p in rows if p["steps_to_target"] is not None]
         final_m, final_s = _mean_std([p["final_loss"] for p in rows if p["final_loss"] is not None])
         val_m, val_s = _mean_std([p["best_val_loss"] for p in rows if p["best_val_loss"] is not None])
@@ -186,6 +198,7 @@ def summarize(runs: list[StudyRun], target_loss: float | None = None) -> dict[st
             {
                 "arm": arm,
                 "runs": len(rows),
+                "unfinished": sum(p["arm"] == arm for p in per_run) - len(rows),
                 "ok": sum(p["status"] == "ok" for p in rows),
                 "diverged": sum(p["diverged"] for p in rows),
                 "final_loss": final_m,
@@ -198,7 +211,7 @@ def summarize(runs: list[StudyRun], target_loss: float | None = None) -> dict[st
                 "wall_time_s": _mean_std([p["wall_time_s"] for p in rows if p["wall_time_s"] is not None])[0],
             }
         )
-    return {"target_loss": target_loss, "arms": per_arm, "runs": per_run}
+    return {"target_loss": target_loss, "arms": per_arm, "runs": per_run, "unfinished": unfinished}
 
 
 # --------------------------------------------------------------------------------- figures

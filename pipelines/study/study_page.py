@@ -40,7 +40,8 @@ def table_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 a["arm"],
-                f"{a['runs']} ({a['ok']} / {a['diverged']})",
+                f"{a['runs']} ({a['ok']} / {a['diverged']})"
+                + (f" + {a['unfinished']} unfinished, not counted" if a.get("unfinished") else ""),
                 _pm(a["final_loss"], a["final_loss_std"]),
                 _pm(a["best_val_loss"], a["best_val_loss_std"]),
                 steps,

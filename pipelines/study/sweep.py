@@ -26,7 +26,7 @@ it on NaN/Inf, ``logging.nan_policy``) -- both are results and are skipped on th
 Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``interrupted`` and is
 retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error).
 
-Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` and, for ``slurm/sweep_array.sbatch``,
+Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` (``--slurm``: ``pipelines.study.sweep_slurm``) and, for ``slurm/sweep_array.sbatch``,
 ``python -m pipelines.study.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``; N processes sharing one
 GPU: ``python -m pipelines.study.sweep local SWEEP.yaml --shard I/N`` (benchmarks/warmup_map_gpu.sh).
 The study follows Liu et al. 2020 (RAdam, arXiv:1908.03265) and Ma & Yarats 2019 (untuned warmup,
@@ -41,7 +41,6 @@ import fnmatch
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,7 +61,7 @@ from core.config import (
 from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
-from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, report_failure
+from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, check_overrides, report_failure
 
 __all__ = [
     "SweepConfig",
@@ -72,7 +71,6 @@ __all__ = [
     "run_status",
     "run_one",
     "run_local",
-    "submit_slurm",
     "main",
 ]
 
@@ -176,6 +174,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
         if not base.is_file():
             raise ConfigError(f"{path}: base run config {base} does not exist (paths are relative to the sweep file).")
         cfg.base = str(base)
+    check_overrides(cfg, where=str(path))  # no key set twice by the grid (a silent winner would mislabel runs)
     # every grid point, before the first run starts; corpora too once the --set overrides are known (run_local)
     check_grid(expand(cfg), lambda spec: run_config(cfg, spec), world_size=cfg.num_processes, where=str(path),
                inputs=False)
@@ -335,6 +334,7 @@ def run_local(
     (e.g. one GPU), each running its runs in-process, the same SWEEP_DIR, no run twice.
     """
     specs = expand(sweep)
+    check_overrides(sweep, extra, where=f"sweep {sweep.out_dir}")
     check_grid(specs, lambda spec: run_config(sweep, spec, extra), world_size=sweep.num_processes,
                where=f"sweep {sweep.out_dir}", extra=extra)  # before any run (or the manifest) is written
     write_manifest(sweep, specs)
@@ -425,36 +425,6 @@ def run_ensembles(
     return results, sorted(left, key=lambda s: s.index)
 
 
-def _array_spec(indices: list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8`` (sbatch --array syntax)."""
-    parts: list[str] = []
-    for _, group in itertools.groupby(enumerate(indices), key=lambda iv: iv[1] - iv[0]):
-        run = [v for _, v in group]
-        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(parts)
-
-
-def submit_slurm(
-    sweep_path: str, sweep: SweepConfig, sweep_overrides: list[str], *, dry_run: bool = False
-) -> list[str]:
-    """``sbatch --array=<pending indices> SCRIPT SWEEP.yaml [overrides]``; returns the command (run unless dry_run)."""
-    specs = expand(sweep)
-    write_manifest(sweep, specs)
-    todo = [s.index for s in pending(sweep)]
-    if not todo:
-        print("Every run of the sweep is complete; nothing to submit.")
-        return []
-    array = _array_spec(todo) + (f"%{sweep.max_parallel}" if sweep.max_parallel else "")
-    script = Path(sweep.slurm_script)
-    if not script.is_absolute() and not script.exists() and (REPO / script).exists():
-        script = REPO / script  # submitted from outside the repo
-    cmd = ["sbatch", f"--array={array}", f"--job-name=sweep-{sweep.name}", str(script), sweep_path, *sweep_overrides]
-    print(" ".join(cmd), flush=True)
-    if not dry_run:
-        subprocess.run(cmd, check=True)
-    return cmd
-
-
 # ---------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipelines.study.sweep {run-one,list,local} SWEEP.yaml [key=value ...]``."""
@@ -486,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         index = args.index if args.index is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
         if not 0 <= index < len(specs):
             raise ConfigError(f"--index {index} is outside the sweep's {len(specs)} runs (0..{len(specs) - 1}).")
+        check_overrides(sweep, args.set, where=args.sweep)
         write_manifest(sweep, specs)
         record = run_one(sweep, specs[index], args.set, force=args.force)
     except ConfigError as exc:

@@ -17,10 +17,48 @@ from typing import Any
 
 from core.config import ConfigError
 
-__all__ = ["check_grid", "report_failure", "EXIT_CONFIG", "EXIT_FAILURE"]
+__all__ = ["check_grid", "check_overrides", "report_failure", "EXIT_CONFIG", "EXIT_FAILURE"]
 
 EXIT_CONFIG = 2  # a run stopped by a config or data error (what `pretrain train` exits with)
 EXIT_FAILURE = 1  # any other failure of an in-process run
+
+
+# what the grid itself sets for every run, and the sweep field that sets it
+GRID_KEYS = {"optim.lr": "lrs=[...]", "train.seed": "seeds=[...]", "train.run_dir": "out_dir=DIR (runs go to DIR/runs/NAME)"}
+
+
+def _keys(overrides: Sequence[str]) -> dict[str, str]:
+    """``{"optim.name": "optim.name=adam", ...}``: the dotted key each ``key=value`` override sets."""
+    return {o.partition("=")[0].strip(): o for o in overrides if "=" in o}
+
+
+def check_overrides(sweep: Any, extra: Sequence[str] = (), *, where: str) -> None:
+    """Raise ``ConfigError`` when one key of a run would be set twice and the later value would silently win:
+    an override of a key the grid sets (optim.lr, train.seed, train.run_dir), a key set by two axes (e.g. an
+    optimizer arm and a ``beta2`` axis both setting optim.betas), or a ``--set`` of a key an axis sets (every
+    run would get the ``--set`` value while its name says the axis's). ``overrides:`` below an axis is a
+    default the axis may change, and stays allowed."""
+    axes = {"optimizers": sweep.optimizers, "warmups": sweep.warmups,
+            **{f"axes.{name}": labels for name, labels in sweep.axes.items()}}
+    sources = [("overrides", "", list(sweep.overrides)), ("--set", "", list(extra))]
+    sources += [(axis, label, ovr) for axis, labels in axes.items() for label, ovr in labels.items()]
+    for what, label, overrides in sources:
+        for key, text in _keys(overrides).items():
+            if key in GRID_KEYS:
+                at = f"{what}.{label}" if label else what
+                raise ConfigError(f"{where}: `{text}` in {at} sets {key}, which the sweep sets for every run; "
+                                  f"use the sweep field {GRID_KEYS[key]} instead.")
+    owner: dict[str, str] = {}
+    for axis, labels in axes.items():
+        for key in sorted({k for ovr in labels.values() for k in _keys(ovr)}):
+            if key in owner:
+                raise ConfigError(f"{where}: {owner[key]} and {axis} both set {key}; the later one would silently "
+                                  f"win over the run names. Set {key} in one axis only.")
+            owner[key] = axis
+    for key, text in _keys(extra).items():
+        if key in owner:
+            raise ConfigError(f"{where}: --set {text} overrides {key}, which the sweep's {owner[key]} axis sets per "
+                              f"run (its labels name the runs); change that axis instead (e.g. `{owner[key]}=...`).")
 
 
 def check_grid(specs: Sequence[Any], resolve: Callable[[Any], Any], *, world_size: int, where: str,

@@ -289,3 +289,37 @@ def test_render_study_on_a_real_2x2_sweep(tmp_path):
     _, runs = load_study(tmp_path / "sw")
     assert all(any("adam/step_size_var" in d for d in r.diag) for r in runs)
     assert _hist_steps(_arms(runs), total=10)
+
+
+def test_report_of_a_half_finished_sweep_counts_finished_runs_only(tmp_path, capsys):
+    """A run still going (or killed) has a last loss from the middle of its run; it used to be averaged into its
+    arm's final loss as if it had finished (an arm looked worse than it was). It is drawn, not counted, and named."""
+    from pipelines.cli import main
+
+    root = tmp_path / "sweep"
+    curves = {"a-s0": [4, 3, 2, 1, 1, 1], "a-s1": [4, 3, 3], "b-s0": [5, 5, 5, 5, 5, 5]}  # a-s1: stopped at step 30
+    for name, losses in curves.items():
+        d = root / "runs" / name
+        d.mkdir(parents=True)
+        lines = [{"step": 10 * (i + 1), "split": "train", "time": float(i), "loss": v} for i, v in enumerate(losses)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        if name != "a-s1":
+            (d / "done").write_text(json.dumps({"name": name, "status": "ok", "wall_time_s": 1.0}))
+    (root / "sweep.json").write_text(json.dumps({"name": "half", "runs": [{"name": n} for n in curves]}))
+    assert main(["report", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "1 run(s) not finished (running, interrupted or failed)" in out and "a-s1" in out
+    summary = json.loads((root / "study" / "study_summary.json").read_text())
+    arm_a = next(a for a in summary["arms"] if a["arm"] == "a")
+    assert arm_a["final_loss"] == pytest.approx(1.0) and (arm_a["runs"], arm_a["unfinished"]) == (1, 1)
+    assert summary["unfinished"] == ["a-s1"] and summary["target_loss"] == pytest.approx(3.0)  # median of 1 and 5
+    assert "| a | 1 (1 / 0) + 1 unfinished, not counted | 1.000 ± 0.000 |" in (root / "study" / "study_table.md").read_text()
+
+
+def test_report_of_two_sweep_dirs_says_one_at_a_time(synthetic_sweep, tmp_path, capsys):
+    """It used to say the sweep dir `is not a run directory ... Pass ... a sweep directory`."""
+    from pipelines.cli import EXIT_CONFIG, main
+
+    assert main(["report", str(synthetic_sweep), str(synthetic_sweep), "--out", str(tmp_path / "r")]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "is a sweep directory: report one sweep at a time" in err and not (tmp_path / "r").exists()

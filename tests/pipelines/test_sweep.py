@@ -12,7 +12,6 @@ from core.config import ConfigError
 from monitoring.logger import read_metrics_lines
 from pipelines.study.sweep import (
     SweepConfig,
-    _array_spec,
     expand,
     load_sweep,
     lr_label,
@@ -21,8 +20,9 @@ from pipelines.study.sweep import (
     run_config,
     run_local,
     run_status,
-    submit_slurm,
 )
+from pipelines.study.sweep_slurm import array_spec as _array_spec
+from pipelines.study.sweep_slurm import submit_slurm
 
 REPO = Path(__file__).resolve().parents[2]
 

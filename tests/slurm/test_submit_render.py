@@ -145,3 +145,21 @@ def test_a_job_sbatch_refuses_is_one_paragraph_and_leaves_no_run_dir(bert_corpus
     assert main(args) == 2
     assert "the script was removed" in capsys.readouterr().err
     assert sorted(p.name for p in run_dir.iterdir()) == sorted([MARKER, "metrics.jsonl"])
+
+
+def test_paths_with_spaces_stay_one_sbatch_directive(bert_corpus, tmp_path):
+    """sbatch splits a directive at blanks: `#SBATCH --chdir=/a b` was refused ("Invalid directive found in batch
+    script"), so a run dir or submit dir with a space could not be submitted. Each directive is one shell word."""
+    import shlex
+
+    cwd = tmp_path / "my project"
+    cwd.mkdir()
+    run_dir = cwd / "runs" / "bert base"
+    proc = pretrain_cli("submit", str(CONFIG), *_overrides(bert_corpus, run_dir), "--time", "1:00:00", "--dry-run",
+                        cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    directives = [shlex.split(line[len("#SBATCH "):]) for line in proc.stdout.splitlines() if line.startswith("#SBATCH ")]
+    assert all(len(words) == 1 for words in directives), directives
+    words = [w for (w,) in directives]
+    assert "--job-name=pretrain-bert base" in words and f"--chdir={cwd.resolve()}" in words
+    assert f"--output={run_dir}/logs/slurm-%j.out" in words
