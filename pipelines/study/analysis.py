@@ -41,6 +41,7 @@ __all__ = ["StudyRun", "load_study", "render_study", "is_sweep_dir", "arm_of"]
 
 FIGURES = ("lr.png", "loss.png", "histograms.png", "adam_variance.png")
 _SEED = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
+_GRID_NAME = re.compile(r"^(?P<optimizer>[^-]+)-(?P<warmup>[^-]+)-lr[0-9.]+e-?\d+(?P<axes>(-[^-]+)*)$")  # sweep.expand's
 _DIVERGENCE_EVENTS = ("nan_skip", "nan_stop", "loss_spike")
 FINISHED = ("ok", "diverged")  # a run's final statuses (pipelines.study.attempts.FINAL_STATUSES)
 
@@ -61,10 +62,23 @@ class StudyRun:
     run: Run
     diag: list[dict[str, Any]] = field(default_factory=list)  # split == "diag" records, histograms included
     status: dict[str, Any] = field(default_factory=dict)  # the last sweep.jsonl record / done marker
+    labels: dict[str, str] = field(default_factory=dict)  # grid labels: optimizer, warmup, one per axis (grid_labels)
 
     @property
     def config(self) -> dict[str, Any]:
         return self.run.config
+
+
+def grid_labels(entry: dict[str, Any], name: str, axes: list[str]) -> dict[str, str]:
+    """A run's grid labels -- ``optimizer``, ``warmup`` and one per sweep axis -- from its ``sweep.json`` entry;
+    an entry without them gives them back from the run name (``adam-lin10-lr1e-3-post-L6-s0``: the same labels
+    joined by '-', which no label contains). {} when neither has them."""
+    keys = ["optimizer", "warmup", *axes]
+    if all(entry.get(k) is not None for k in keys):
+        return {k: str(entry[k]) for k in keys}
+    m = _GRID_NAME.match(arm_of(name)[0])
+    parts = [m["optimizer"], m["warmup"], *m["axes"].split("-")[1:]] if m else []
+    return dict(zip(keys, parts, strict=True)) if len(parts) == len(keys) else {}
 
 
 def is_sweep_dir(path: str | os.PathLike) -> bool:
@@ -84,9 +98,9 @@ def load_study(sweep_dir: str | os.PathLike) -> tuple[dict[str, Any], list[Study
         manifest = json.loads((root / "sweep.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         manifest = {}
-    names = [r["name"] for r in manifest.get("runs", [])] or sorted(
-        p.parent.name for p in root.glob("runs/*/metrics.jsonl")
-    )
+    entries = {r["name"]: r for r in manifest.get("runs", []) if isinstance(r, dict) and "name" in r}
+    names = list(entries) or sorted(p.parent.name for p in root.glob("runs/*/metrics.jsonl"))
+    axes = list((manifest.get("config") or {}).get("axes") or {})
     statuses: dict[str, dict[str, Any]] = {}
     for rec in read_metrics_lines(root / "sweep.jsonl"):
         if isinstance(rec.get("name"), str):
@@ -103,7 +117,8 @@ def load_study(sweep_dir: str | os.PathLike) -> tuple[dict[str, Any], list[Study
             pass
         arm, seed = arm_of(name)
         diag = [r for r in read_metrics_lines(run_dir / "metrics.jsonl") if r.get("split") == "diag"]
-        runs.append(StudyRun(name, arm, seed, load_run(run_dir, name), diag, status))
+        labels = grid_labels(entries.get(name, {}), name, axes)
+        runs.append(StudyRun(name, arm, seed, load_run(run_dir, name), diag, status, labels))
     return manifest, runs
 
 

@@ -76,6 +76,7 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "sweep.json"
+RESERVED_AXES = frozenset({"index", "name", "arm", "run_dir", "optimizer", "warmup", "lr", "seed"})  # keys of a run's record
 
 
 @dataclass(kw_only=True)
@@ -124,6 +125,12 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.optimizers or not self.warmups or not self.lrs or not self.seeds:
             raise ConfigError("A sweep needs at least one entry in each of optimizers, warmups, lrs and seeds.")
+        clash = sorted(set(self.axes) & RESERVED_AXES)
+        if clash:
+            raise ConfigError(
+                f"Sweep axis name {clash[0]!r} is taken by the run record (sweep.json: {', '.join(sorted(RESERVED_AXES))}); "
+                f"rename the axis (e.g. {clash[0]}2)."
+            )
         for axis in (self.optimizers, self.warmups, *self.axes.values()):
             if not axis:
                 raise ConfigError("Every entry of `axes` needs at least one label: {label: [key=value, ...]}.")

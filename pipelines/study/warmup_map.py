@@ -12,10 +12,14 @@ the need. ``configs/sweeps/warmup_map.yaml`` runs that grid; this module turns i
    not finite;
 2. *above start*: its final loss is above its first logged training loss;
 3. *k sigma*: its final loss is worse than the best arm's mean final loss at the same cell
-   (norm placement, depth, lr) by more than ``k`` pooled seed standard deviations of that cell
+   (norm placement -- with beta2 and any other axis that tells runs apart there, ``map_runs.label_settings``
+   --, depth, lr) by more than ``k`` pooled seed standard deviations of that cell
    (``sqrt`` of the mean per-arm seed variance over the cell's non-diverged arms, floored at
    ``min_std``). The best arm is the one with the lowest mean final loss among its runs that did
    not fail by 1 or 2. A cell where no arm has two such seeds has no seed spread: rule 3 is skipped.
+
+A run's arm (``adam-lin10``) and its axis labels are the sweep's own, read from its entry in
+``sweep.json`` (``pipelines.study.map_runs.run_result``); Adam without warmup is the arm ``adam-none``.
 
 The *final loss* is the validation loss logged at the last step (the same batches for every run)
 when there is one, else the mean of the last three logged training losses. A cell's *failure
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from monitoring.report import save_figure
+from pipelines.study.map_runs import NO_WARMUP, label_settings, run_result
 from pipelines.study.plateau import unigram_plateau
 
 __all__ = [
@@ -56,72 +61,12 @@ __all__ = [
 DEFAULT_K = 2.0
 MIN_STD = 1e-3
 MAP_FIGURES = ("map_failure.png", "map_loss.png", "map_grad_layers.png")
-NO_WARMUP = "adam-none"
 PLATEAU_MARGIN = 0.1  # nats below the unigram plateau that count as having left it (perplexity 10 % lower)
 _BLOCK = re.compile(r"^grad_norm/(?:.+\.)?blocks\.(\d+)$")  # per-block norms of monitoring.diagnostics
 
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _norm_of(cfg: dict[str, Any]) -> str:
-    over = cfg.get("model", {}).get("overrides", {}) or {}
-    if over.get("init") == "t-fixup":
-        return "tfixup"
-    return str(over.get("norm_placement", "post"))
-
-
-def _depth_of(cfg: dict[str, Any]) -> int:
-    model = cfg.get("model", {})
-    over = model.get("overrides", {}) or {}
-    if "num_layers" in over:
-        return int(over["num_layers"])
-    try:
-        from models.registry import get_config
-
-        return int(get_config(model.get("name", "bert-tiny")).num_layers)
-    except Exception:  # noqa: BLE001 - an unknown model name only loses the depth label
-        return 0
-
-
-def run_result(r: Any) -> dict[str, Any]:
-    """The numbers ``classify`` needs from one ``analysis.StudyRun``: arm, norm, depth, lr, seed, start, final."""
-    cfg = r.config
-    opt = cfg.get("optim", {})
-    arm = f"{opt.get('name', '?')}-{cfg.get('schedule', {}).get('warmup', '?')}"
-    train = [v for _, v in r.run.get("train", "loss")]
-    evals = r.run.get("eval", "loss")
-    last_step = r.run.get("train", "loss")[-1][0] if train else None
-    stopped = r.status.get("status") == "diverged" or any(e.get("event") == "nan_stop" for e in r.run.events)
-    if evals and evals[-1][0] == last_step:
-        final = evals[-1][1]
-    else:
-        tail = train[-3:]
-        final = statistics.fmean(tail) if tail and all(_finite(v) for v in tail) else float("nan")
-    betas = opt.get("betas") or [0.9, 0.999]
-    return {
-        "name": r.name,
-        "arm": arm,
-        "norm": _norm_of(cfg),
-        "beta2": float(betas[1]),
-        "depth": _depth_of(cfg),
-        "lr": float(opt.get("lr", float("nan"))),
-        "seed": r.seed,
-        "start": train[0] if train else float("nan"),
-        "final": float("nan") if stopped else final,
-        "wall_time_s": r.status.get("wall_time_s"),
-    }
-
-
-def label_settings(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of ``results`` whose ``norm`` label also names beta2 (``post β2=0.999``) when the sweep mixes
-    several beta2 values: a cell (and a map panel) is one residual stack at one beta2, never a blend of two."""
-    out = [dict(r) for r in results]
-    if len({r.get("beta2") for r in out}) > 1:
-        for r in out:
-            r["norm"] = f"{r['norm']} β2={r['beta2']:g}"
-    return out
 
 
 def _cell(res: dict[str, Any]) -> tuple[str, int, float]:

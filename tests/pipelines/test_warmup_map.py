@@ -93,6 +93,20 @@ def test_axes_extend_the_grid_names_and_overrides(tmp_path):
         load_sweep(bad)
 
 
+def test_an_axis_named_like_a_record_key_is_refused(tmp_path, capsys):
+    """sweep.json holds a run's labels next to its name, index, lr, seed...: an axis of that name would
+    overwrite one (`name`: the report would look for runs/LABEL), so it is refused before anything is written."""
+    from pipelines import cli
+
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"out_dir": str(tmp_path / "sw"), "run": {"model": {"name": "bert-tiny"}},
+                                    "axes": {"name": {"a": ["model.overrides.num_layers=2"]}}}))
+    assert cli.main(["sweep", str(path), "--local"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(path) in err and "'name' is taken by the run record" in err
+    assert not (tmp_path / "sw").exists()
+
+
 def test_shipped_map_config():
     sweep = load_sweep(REPO / "configs/sweeps/warmup_map.yaml")
     specs = expand(sweep)
@@ -297,3 +311,57 @@ def test_a_slice_counts_only_the_cells_that_ran():
     rows += [result("adam-linear", s, 5.0, depth=12, lr=1e-3) for s in range(2)]  # another arm alone at 12 layers
     post = claims(classify(rows))["norms"]["post"]
     assert post["cells"] == 2 and post["no_warmup_first_failing_lr"] == {"6": None}
+
+
+def test_two_warmup_arms_of_one_schedule_and_an_extra_axis_stay_apart():
+    """Arms are the sweep's labels, not `optim.name-schedule.warmup`: two linear warmups of different length
+    are two arms; an axis beyond norm, depth and lr (width) splits the row label as beta2 does."""
+    from pipelines.study.warmup_map import label_settings
+
+    rows = []
+    for width in ("w32", "w64"):
+        for arm in ("adam-none", "adam-lin10", "adam-lin30"):
+            for seed in range(2):
+                r = result(arm, seed, (6.0 if (arm, width) == ("adam-lin30", "w64") else 5.0) + 0.01 * seed, depth=2)
+                rows.append({**r, "beta2": 0.95, "axes": {"depth": "L2", "width": width}, "name": f"{r['name']}-{width}"})
+    classified = classify(label_settings(rows))
+    assert {r["norm"] for r in classified} == {"post width=w32", "post width=w64"}  # depth: already a map axis
+    failed = {(r["norm"], r["arm"]) for r in classified if r["fail"]}
+    assert failed == {("post width=w64", "adam-lin30")}  # pooled with w32 the 6.0 runs would set the seed spread
+    assert {r["norm"] for r in label_settings([{**r, "axes": {"width": "w32"}} for r in rows])} == {"post"}
+    # a width that only ever comes with one depth tells no runs of a cell apart: the row stays `post`
+    paired = [{**r, "depth": 2 if r["axes"]["width"] == "w32" else 6} for r in rows]
+    assert {r["norm"] for r in label_settings(paired)} == {"post"}
+
+
+@pytest.mark.slow
+def test_map_reads_arm_and_axis_labels_from_the_sweep_record(tmp_path, bert_corpus):
+    """A real sweep with two linear warmups (1 and 3 steps) and a width axis: the report's map keeps the two
+    arms and the two widths apart; a record written without labels reads the same from the run names."""
+    from test_sweep import TINY_RUN
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({
+        "out_dir": str(tmp_path / "sw"), "corpus": str(bert_corpus), "run": TINY_RUN,
+        "optimizers": {"adam": ["optim.name=adam"]},
+        "warmups": {"none": ["schedule.warmup=none"], "lin1": ["schedule.warmup=linear", "schedule.warmup_steps=1"],
+                    "lin3": ["schedule.warmup=linear", "schedule.warmup_steps=3"]},
+        "lrs": [1e-3], "seeds": [0],
+        "axes": {"width": {"w32": ["model.overrides.hidden_size=32"], "w64": ["model.overrides.hidden_size=64"]}},
+    }, sort_keys=False))
+    assert {r["status"] for r in run_local(load_sweep(path))} == {"ok"}
+    sweep_dir = tmp_path / "sw"
+    page = render_study(sweep_dir)
+    summary = json.loads((page.parent / "map_summary.json").read_text())
+    rows = {r["name"]: (r["norm"], r["arm"]) for r in summary["runs"]}
+    assert rows["adam-lin1-lr1e-3-w64-s0"] == ("post width=w64", "adam-lin1")
+    assert rows["adam-lin3-lr1e-3-w32-s0"] == ("post width=w32", "adam-lin3")
+    assert len(set(rows.values())) == 6  # one run per (row, arm): nothing pooled
+    table = (page.parent / "map_table.md").read_text()
+    assert "| post width=w32 | adam-lin3 | 1 | " in table and "adam-linear" not in table and "/2 ·" not in table
+
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())  # a record from before labels were read
+    manifest["runs"] = [{k: r[k] for k in ("index", "name", "arm", "run_dir")} for r in manifest["runs"]]
+    (sweep_dir / "sweep.json").write_text(json.dumps(manifest))
+    old = render_study(sweep_dir, tmp_path / "old")
+    assert {r["name"]: (r["norm"], r["arm"]) for r in json.loads((old.parent / "map_summary.json").read_text())["runs"]} == rows
