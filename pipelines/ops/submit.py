@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.config import ConfigError, load_config, parse_command_line
-from pipelines.engine.check import batch_split, check, check_inputs
+from pipelines.engine.check import _input_paths, batch_split, check, check_inputs
 from pipelines.engine.config import RunConfig
 
 __all__ = [
@@ -192,6 +193,67 @@ def validate_job(run: ResolvedRun, opts: SubmitOptions, *, check_files: bool = T
     return warnings
 
 
+NODE_LOCAL_FS = frozenset({"tmpfs", "ramfs"})  # in each node's memory: no other node sees the files
+MOUNTS = "/proc/mounts"
+
+
+def _unescape_mount(field: str) -> str:
+    """/proc/mounts writes a space in a mount point as \\040 (and tab, newline, backslash alike)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def filesystem_of(path: Path, mounts: str = MOUNTS) -> tuple[str, str] | None:
+    """(filesystem type, mount point) of the longest mount point in ``mounts`` that holds ``path`` (absolute;
+    symlinks of its existing part resolved); None when the mount table cannot be read (not Linux)."""
+    try:
+        table = Path(mounts).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best: tuple[str, str] | None = None
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point, fstype = _unescape_mount(fields[1]), fields[2]
+        if target == point or target.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best[1]):  # the longest (a later mount over the same point wins)
+                best = (fstype, point)
+    return best
+
+
+def job_paths(run: ResolvedRun, cwd: Path) -> list[tuple[str, Path]]:
+    """(what, absolute path) of every place the job's nodes read or write: the submit dir, the config, the run
+    dir, the corpus or data files, a checkpoint it starts or resumes from, the DeepSpeed JSON."""
+    cfg = run.cfg
+    found: list[tuple[str, str]] = [("submit dir", str(cwd)), ("config", str(run.config_path)),
+                                    ("train.run_dir", str(run.run_dir)), *_input_paths(cfg)]
+    if cfg.train.resume not in ("auto", "never"):
+        found.append(("train.resume", cfg.train.resume))
+    checkpoint = getattr(cfg, "checkpoint", "") or getattr(getattr(cfg, "model", None), "init_from", "")  # fine-tuning / pretraining
+    if checkpoint:
+        found.append(("checkpoint" if run.kind == "finetune" else "model.init_from", checkpoint))
+    if cfg.distributed.deepspeed_config:
+        found.append(("distributed.deepspeed_config", cfg.distributed.deepspeed_config))
+    return [(what, Path(p) if Path(p).is_absolute() else cwd / p) for what, p in found if p]
+
+
+def node_local_warnings(run: ResolvedRun, opts: SubmitOptions, cwd: Path, mounts: str = MOUNTS) -> list[str]:
+    """One warning per path of a multi-node job on a filesystem local to each node (tmpfs: /dev/shm, often /tmp):
+    the other nodes see an empty folder or none, so they fail or write runs of their own. A single-node job
+    is fine there (the local test SLURM cluster's runs live in /tmp); this is a warning, not a refusal."""
+    if opts.nodes < 2:
+        return []
+    out = []
+    for what, path in job_paths(run, cwd):
+        fs = filesystem_of(path, mounts)
+        if fs is not None and fs[0] in NODE_LOCAL_FS:
+            out.append(f"{what} {path} is on {fs[0]} (mounted at {fs[1]}), which each node has for itself: the other "
+                       f"nodes of this {opts.nodes}-node job cannot see it. Use a path on a shared "
+                       f"filesystem that every node mounts (e.g. a home, project or scratch share).")
+    return out
+
+
 # ----------------------------------------------------------------------------------------- render
 
 
@@ -228,12 +290,13 @@ def render_job(config: str | Path, overrides: Sequence[str], opts: SubmitOptions
                python: str | None = None, repo: Path = REPO, check_files: bool = True) -> RenderedJob:
     """Validate and render the sbatch script for ``config`` + ``overrides`` (raises ConfigError).
 
-    ``check_files=False`` (``--dry-run``) warns about a missing corpus or data file instead."""
+    ``check_files=False`` (``--dry-run``) warns about a missing corpus or data file instead. The warnings
+    also name each path of a multi-node job on a node-local filesystem (``node_local_warnings``)."""
     cwd = (cwd or Path.cwd()).resolve()
     config = Path(config)
     config_abs = config if config.is_absolute() else cwd / config
     run = resolve_run(opts.kind, config_abs, overrides, cwd=cwd)
-    warnings = validate_job(run, opts, check_files=check_files)
+    warnings = validate_job(run, opts, check_files=check_files) + node_local_warnings(run, opts, cwd)
     job_name = opts.job_name or f"{opts.kind}-{run.run_dir.name}"
     log_dir = run.run_dir / "logs"
     python = python or sys.executable

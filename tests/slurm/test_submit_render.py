@@ -163,3 +163,47 @@ def test_paths_with_spaces_stay_one_sbatch_directive(bert_corpus, tmp_path):
     words = [w for (w,) in directives]
     assert "--job-name=pretrain-bert base" in words and f"--chdir={cwd.resolve()}" in words
     assert f"--output={run_dir}/logs/slurm-%j.out" in words
+
+
+def _tmpfs_dir() -> Path | None:
+    """/dev/shm when this machine mounts it as tmpfs (it usually does), read from /proc/mounts."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    return Path("/dev/shm") if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) else None
+
+
+@pytest.mark.skipif(_tmpfs_dir() is None, reason="needs /dev/shm on tmpfs (/proc/mounts)")
+def test_multi_node_job_warns_about_node_local_paths(bert_corpus, tmp_path):
+    """A run dir or checkpoint on tmpfs is each node's own: a 2-node job gets one warning line per such path,
+    naming it, its filesystem and the fix; the corpus and submit dir on a disk filesystem get none, and a
+    single-node job with the same paths is silent. Nothing is written (--dry-run)."""
+    shm = _tmpfs_dir() / f"pretrain-test-{tmp_path.name}"
+    args = [str(CONFIG), *_overrides(bert_corpus, shm / "run", f"model.init_from={shm}/ckpt"), "--time", "1:00:00",
+            "--dry-run"]
+    proc = pretrain_cli("submit", *args, "--nodes", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    local = [line for line in proc.stderr.splitlines() if "tmpfs" in line]
+    assert local == [
+        f"warning: {key} {shm}/{name} is on tmpfs (mounted at /dev/shm), which each node has for itself: the other "
+        f"nodes of this 2-node job cannot see it. Use a path on a shared filesystem that every node mounts "
+        f"(e.g. a home, project or scratch share)." for key, name in (("train.run_dir", "run"), ("model.init_from", "ckpt"))]
+    from pipelines.ops.submit import filesystem_of  # here, the corpus and submit dir are on a disk filesystem
+
+    assert {filesystem_of(tmp_path)[0], filesystem_of(bert_corpus)[0]}.isdisjoint({"tmpfs", "ramfs"})
+    assert str(bert_corpus) not in proc.stderr and str(tmp_path) not in proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout
+    proc = pretrain_cli("submit", *args, "--nodes", "1", cwd=tmp_path)
+    assert proc.returncode == 0 and "tmpfs" not in proc.stderr and "#SBATCH --nodes=1" in proc.stdout, proc.stderr
+    assert not shm.exists()
+
+    # the submit dir and the corpus count too: every node reads the corpus and starts in the submit dir
+    corpus = shm / "corpus"
+    shutil.copytree(bert_corpus, corpus)
+    try:
+        job = render_job(CONFIG, _overrides(corpus, tmp_path / "run"), SubmitOptions(nodes=4), cwd=shm)
+    finally:
+        shutil.rmtree(shm)
+    local = [w for w in job.warnings if "tmpfs" in w]
+    assert [w.split(" is on ")[0] for w in local] == [f"submit dir {shm}", f"data.corpus {corpus}"]
