@@ -153,12 +153,21 @@ def write_images(out: Path, count: int, size: int, classes: int = 10, seed: int 
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i:05d}.png")
 
 
+def _prepared(corpus: Path) -> bool:
+    """The corpus is there and trains: not raw pixels of an older prepare (resized twice; training refuses them,
+    and re-running prepare on the directory rewrites them)."""
+    if not (corpus / "manifest.json").is_file():
+        return False
+    images = json.loads((corpus / "manifest.json").read_text()).get("images") or {}
+    return images.get("format") != "raw" or "crop" in images
+
+
 def prepare(args: argparse.Namespace) -> int:
     mode = "cpu" if args.cpu_smoke else "gpu"
     table, (text_mb, n_images, px) = (CPU if args.cpu_smoke else GPU), SIZES[mode]
     out = Path(args.out).resolve()
     src = out / "sources"
-    todo = [name for name in args.recipes.split(",") if not (out / name / "manifest.json").is_file()]
+    todo = [name for name in args.recipes.split(",") if not _prepared(out / name)]
     for name in sorted(set(args.recipes.split(",")) - set(todo)):
         print(f"{out / name}: prepared already", flush=True)
     if todo and not (src / "text").is_dir():  # the synthetic sources only where a corpus is still to make

@@ -7,8 +7,10 @@ A corpus kind (the manifest's ``kind``) fixes what a sample holds and how it is 
 - ``bert_pairs``: ``[CLS] A [SEP] B [SEP]`` with ``len_a``, ``len_b`` and the NSP label; a record is
   the samples' tokens one after the other plus ``len_a``, ``len_b`` and ``nsp`` arrays.
 - ``images``: an image and its class; a record is one sample: ``KEY.png|jpg`` (encoded) or
-  ``KEY.pixels.npy`` (``images.format: raw``: uint8 height x width x channels at the model's size,
-  recorded in the manifest's ``images`` entry), + ``KEY.cls``.
+  ``KEY.pixels.npy`` (``images.format: raw``: uint8 height x width x channels, the model's square
+  as its evaluation and the release's processor see it, ``core.families.vit.eval_view``), + ``KEY.cls``.
+  The manifest's ``images`` entry records the format and the one resize prepare made (``resize``;
+  raw: its ``crop`` and ``shape``), which ``core.families.vit.stored_geometry_problem`` checks.
 
 ``data_prep`` encodes with it, ``core.records`` and the loader decode and validate with it, and the
 release card reads what a run over it "saw" (tokens or images). A new kind is one subclass and one
@@ -169,12 +171,18 @@ class Images(CorpusKind):
     seen = "images"
 
     def manifest_fields(self, prep_config):
+        from core.families.vit import eval_resize
+
         images = prep_config.get("images") or {}
         fmt = str(images.get("format", "png"))
         entry: dict[str, Any] = {"format": fmt}
         if fmt == "raw":
             side = int(images["size"])
-            entry.update(shape=[side, side, 1 if images.get("mode") == "L" else 3], dtype="uint8", layout="HWC")
+            entry.update(shape=[side, side, 1 if images.get("mode") == "L" else 3], dtype="uint8", layout="HWC",
+                         resize={"shortest_edge": eval_resize(side), "resample": "bilinear"}, crop=side)
+        else:
+            shorter = int(images.get("resize_shorter") or 0)
+            entry["resize"] = {"shortest_edge": shorter, "resample": "bilinear"} if shorter else None
         return {"images": entry}
 
     def decode_parts(self, key, parts, token_dtype):

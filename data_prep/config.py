@@ -85,12 +85,15 @@ class TokenizerConfig:
 class ImageConfig:
     """Image decoding and re-encoding."""
 
-    resize_shorter: int = option(0, help="png/jpeg: resize so the shorter side has this many pixels (0 = keep size).")
+    resize_shorter: int = option(0, help="png/jpeg: resize so the shorter side has this many pixels, bilinear as the "
+                                         "release's image processor (0 = keep size). Training refuses a value other "
+                                         "than the evaluation's resize (256 for data.image_size 224; 0 always works).")
     format: Literal["png", "jpeg", "raw"] = option(
         "png", help="png | jpeg (encoded; decoded per sample by the loader's CPUs) | raw (uint8 HWC pixels at `size`: "
                     "no decoding; crop, flip and normalisation run on the device; see docs/benchmarks.md).")
-    size: int = option(0, help="raw: the square side stored (shorter side resized to it, centre crop); set it to the "
-                               "recipe's data.image_size (e.g. 224).")
+    size: int = option(0, help="raw: the recipe's data.image_size (e.g. 224): each image is stored as the model's "
+                               "evaluation and the release's processor see it (shorter side to 256 for 224, bilinear, "
+                               "centre 224 x 224 crop).")
     jpeg_quality: int = option(90, help="JPEG quality (1-95).")
     mode: Literal["RGB", "L"] = option("RGB", help="Colour mode images are converted to.")
 

@@ -4,6 +4,20 @@ Re-encoding gives every sample one format and colour mode so the training loader
 special cases; PNG output is lossless and byte-reproducible, JPEG is smaller. ``raw`` stores what
 the accelerator needs instead: uint8 pixels (height, width, channels) at the model's square size
 as a ``.npy`` member, so the loader only reads bytes (no decode, no resize: docs/benchmarks.md).
+
+Geometry: a release's image processor resizes the user's original image once (shorter side to
+``core.families.vit.eval_resize``, bilinear) and centre-crops; the run's evaluation must see the same
+pixels, so what is stored here is never resized by anything else. ``raw`` stores that centre crop
+itself (``core.families.vit.eval_view``: the evaluation reads it as it is), and ``resize_shorter``
+is the processor's resize (bilinear, its size arithmetic), which the evaluation then repeats as a copy
+when it equals ``eval_resize`` and the training refuses otherwise (``stored_geometry_problem``).
+Before, raw pixels were resized bicubic to the model's size and the evaluation resized them again:
+10-17 % of the digits' predictions differed from ``transformers``' on the same release.
+Why raw stores the processor's crop rather than the larger resized square it is cut from: the
+stored square stays the model's size, so every random-resized training crop is an upsampling, where
+the device's bilinear ``grid_sample`` equals PIL's, and the bytes per image stay those measured in
+docs/benchmarks.md; the price is that training crops come from the evaluation's view (the centre
+224/256 of the shorter side) instead of the whole centre square.
 A file PIL cannot decode raises `BadImage` and is counted and skipped by the job under
 ``BadImage.rule``; so is a 16-bit or float image (see `process_image`).
 """
@@ -15,6 +29,7 @@ import io
 import numpy as np
 
 from core.corpus_kinds import RAW_PIXELS
+from core.families.vit import eval_view, resize_shortest_edge
 from core.records import npy_bytes
 from data_prep.config import ImageConfig
 
@@ -35,7 +50,8 @@ _WIDE_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
 
 
 def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
-    """(encoded bytes, extension, width, height) of one image after resize and re-encoding.
+    """(encoded bytes, extension, width, height) of one image after resize and re-encoding (raw: the
+    model's ``cfg.size`` square of the release's processor, see the module docstring).
 
     The pixels are those transformers gives the released model: EXIF orientation applied
     (``load_image`` in ``pipeline("image-classification")`` calls ``ImageOps.exif_transpose``) and
@@ -61,18 +77,12 @@ def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise BadImage(str(exc)) from None
-    shorter = cfg.size if cfg.format == "raw" else cfg.resize_shorter
-    if shorter > 0 and min(im.size) != shorter:
-        w, h = im.size
-        scale = shorter / min(w, h)
-        size = (max(shorter, round(w * scale)), max(shorter, round(h * scale)))
-        im = im.resize(size, Image.Resampling.BICUBIC)
     if cfg.format == "raw":
-        w, h = im.size
-        left, top = (w - cfg.size) // 2, (h - cfg.size) // 2
-        im = im.crop((left, top, left + cfg.size, top + cfg.size))
+        im = eval_view(im, cfg.size)
         pixels = np.asarray(im, dtype=np.uint8).reshape(cfg.size, cfg.size, -1)  # mode L: one channel
         return npy_bytes(pixels), RAW_PIXELS, cfg.size, cfg.size
+    if cfg.resize_shorter > 0:
+        im = resize_shortest_edge(im, cfg.resize_shorter)
     buf = io.BytesIO()
     if cfg.format == "png":
         im.save(buf, format="PNG", optimize=False, compress_level=6)

@@ -41,7 +41,8 @@ from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
 
-FORMAT_VERSION = "2"  # bump when the bytes a config produces change, so stale shards are rebuilt
+FORMAT_VERSION = "3"  # bump when the bytes a config produces change, so stale shards are rebuilt
+# 3: images stored at the release processor's geometry (raw: its eval view; resize_shorter bilinear)
 _SHARD_FILE = SHARD_FILE_RE
 _SIZING_SAMPLE_BYTES = 256_000  # input bytes read to size the shards when the tokenizer is reused
 _SIZING_CHUNKS = 4  # Ray tasks of that estimate (fixed: the estimate must not depend on the workers)

@@ -50,3 +50,18 @@ def test_the_rows_run_what_the_table_says(tmp_path):
     assert tail[:4] == ["train.global_batch_size=32", "distributed.engine=ddp", "model.compile_options={cpp_wrapper: true}",
                         "data.micro_batch_size=32"]
     assert tail[4].startswith("logging.profile_steps=") and Path(cmd[0]).name.startswith("python")
+
+
+def test_prepare_redoes_a_raw_corpus_of_an_older_prepare_only(tmp_path):
+    """A corpus of raw pixels resized by an older prepare (no ``crop`` in its manifest) is refused by training,
+    so ``gpu_check.py prepare`` makes it again instead of reporting it prepared already."""
+    from benchmarks.gpu_check import _prepared
+    from core.corpus_kinds import corpus_kind
+
+    new = corpus_kind("images").manifest_fields({"images": {"format": "raw", "size": 224}})
+    old = {"images": {k: v for k, v in new["images"].items() if k not in ("resize", "crop")}}
+    png = corpus_kind("images").manifest_fields({"images": {"format": "png", "resize_shorter": 256}})
+    for name, manifest in {"new": new, "old": old, "png": png}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"kind": "images", **manifest}))
+    assert [_prepared(tmp_path / n) for n in ("new", "old", "png", "absent")] == [True, False, True, False]

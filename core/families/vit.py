@@ -12,7 +12,8 @@ from typing import Any, Literal
 from .spec import FamilySpec, register_family
 from .transformer import TransformerConfig, attention_flops, block_matmul_params
 
-__all__ = ["ViTConfig", "SPEC", "vit_training_flops", "eval_resize", "eval_processor_config", "PIXEL_MEAN", "PIXEL_STD"]
+__all__ = ["ViTConfig", "SPEC", "vit_training_flops", "eval_resize", "eval_processor_config", "PIXEL_MEAN", "PIXEL_STD",
+           "EVAL_RESAMPLE", "shortest_edge_size", "resize_shortest_edge", "eval_view", "stored_geometry_problem"]
 
 
 @dataclass(kw_only=True)
@@ -63,9 +64,80 @@ def vit_training_flops(config: ViTConfig, seq_len: int = 0, include_head: bool =
 PIXEL_MEAN = PIXEL_STD = 0.5
 
 
+#: PIL resample filter of the one resize between an original image and the model (2 = bilinear): the
+#: evaluation's, the release processor's (``eval_processor_config``) and prepare's (``data_prep.images``).
+EVAL_RESAMPLE = 2
+
+
 def eval_resize(image_size: int) -> int:
     """Shorter side before the eval centre crop: 256 for 224 (the ratio of ViT's and ResNet's evaluations)."""
     return image_size * 256 // 224
+
+
+def shortest_edge_size(width: int, height: int, shortest_edge: int) -> tuple[int, int]:
+    """(width, height) with the shorter side ``shortest_edge``: transformers' arithmetic
+    (``get_resize_output_image_size(..., default_to_square=False)``: the longer side truncated, not rounded)."""
+    if width <= height:
+        return shortest_edge, int(shortest_edge * height / width)
+    return int(shortest_edge * width / height), shortest_edge
+
+
+def resize_shortest_edge(img: Any, shortest_edge: int) -> Any:
+    """A PIL image with its shorter side resized to ``shortest_edge`` as the release's processor does (bilinear).
+
+    PIL returns a copy when the size is already that, so resizing an image this gave again changes nothing:
+    that is why prepare stores this and not another resize (see ``stored_geometry_problem``)."""
+    return img.resize(shortest_edge_size(*img.size, shortest_edge), EVAL_RESAMPLE)
+
+
+def eval_view(img: Any, image_size: int) -> Any:
+    """The ``image_size`` square the evaluation and the release's processor give the model, before rescaling:
+    shorter side to ``eval_resize`` (bilinear), then the centre crop (transformers' ``center_crop`` offsets).
+
+    ``images.format=raw`` stores exactly this, so the evaluation reads raw pixels as they are: one resize from
+    the original, as ``AutoImageProcessor`` makes on the release (a second one, at prepare, changed 10-17 % of
+    the digits' predictions)."""
+    img = resize_shortest_edge(img, eval_resize(image_size))
+    w, h = img.size
+    left, top = (w - image_size) // 2, (h - image_size) // 2
+    return img.crop((left, top, left + image_size, top + image_size))
+
+
+def stored_geometry_problem(manifest: dict[str, Any], image_size: int) -> str | None:
+    """Why the evaluation of a model reading ``image_size`` px on the images corpus of ``manifest`` (its
+    ``manifest.json``) would not see what the release's processor sees on the original images; None if it would.
+
+    The processor resizes an original once (shorter side to ``eval_resize``, bilinear) and centre-crops.
+    A corpus agrees if it stores the originals (no resize), that resize (png/jpeg ``resize_shorter`` equal
+    to ``eval_resize``: the evaluation's resize is then a copy) or, raw, that view itself. Corpora of older
+    prepares resized bicubic (raw: to the model's size), which made the evaluation resize a second time.
+    """
+    images = manifest.get("images") or {}
+    edge = eval_resize(image_size)
+    if images.get("format") == "raw":
+        fix = f"re-run `pretrain prepare` with images.format=raw images.size={image_size}"
+        if "crop" not in images:
+            return (f"stores raw pixels resized by an older `pretrain prepare` (bicubic, to the model size), which the "
+                    f"evaluation would resize again unlike the release's image processor: {fix} (into the same "
+                    f"output, it rewrites the shards)")
+        if images["crop"] != image_size:
+            return (f"stores raw pixels for images.size={images['crop']}, not for data.image_size={image_size}: "
+                    f"{fix} (or train at data.image_size={images['crop']})")
+        return None
+    if "resize" in images:
+        shorter = int((images["resize"] or {}).get("shortest_edge") or 0)
+    else:  # an older prepare: resize_shorter was bicubic (and rounded)
+        shorter = int(((manifest.get("prep_config") or {}).get("images") or {}).get("resize_shorter") or 0)
+        if shorter:
+            return (f"stores images resized (bicubic) to a shorter side of {shorter} px by an older `pretrain prepare`, "
+                    f"not as the release's image processor resizes them (bilinear, to {edge} px): re-run `pretrain "
+                    f"prepare` with images.resize_shorter={edge} (or 0 to keep the originals)")
+    if shorter and shorter != edge:
+        return (f"stores images resized to a shorter side of {shorter} px; the evaluation at data.image_size="
+                f"{image_size} resizes them again to {edge} px, which the release's image processor does not do "
+                f"(it resizes the originals once): re-run `pretrain prepare` with images.resize_shorter={edge} "
+                f"(or 0 to keep the originals)")
+    return None
 
 
 def eval_processor_config(image_size: int) -> dict[str, Any]:
@@ -73,11 +145,12 @@ def eval_processor_config(image_size: int) -> dict[str, Any]:
 
     ``CLIPImageProcessor`` is the standard processor that resizes the shorter side and centre-crops
     in every supported ``transformers`` version (``ViTImageProcessor`` squashes to a square);
-    with its PIL backend it gives the same tensor as ``ImageClsTask.transform(img, None)`` (tested).
+    with its PIL backend it gives ``eval_view`` of the original image, rescaled and normalised, which is
+    what ``ImageClsTask`` evaluates on every corpus ``stored_geometry_problem`` accepts (tested).
     """
     return {
         "image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
-        "do_resize": True, "size": {"shortest_edge": eval_resize(image_size)}, "resample": 2,  # PIL bilinear
+        "do_resize": True, "size": {"shortest_edge": eval_resize(image_size)}, "resample": EVAL_RESAMPLE,
         "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [PIXEL_MEAN] * 3, "image_std": [PIXEL_STD] * 3,

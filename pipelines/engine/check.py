@@ -273,11 +273,16 @@ def check(cfg: Any, *, world_size: int = 1) -> None:
     _check_distributed(cfg, world_size)
 
 
-def _check_corpus(path: str, cfg: Any, world_size: int) -> None:
-    """A prepared corpus (its manifest) that gives every rank at least one micro-batch."""
-    from core.corpus import read_manifest
+def _check_corpus(path: str, cfg: Any, world_size: int, evaluated: bool = False) -> None:
+    """A prepared corpus (its manifest) that gives every rank at least one micro-batch; the evaluated one
+    (the first), if of images, stored so that the evaluation sees what the release's processor will."""
+    from core.corpus import DataError, read_manifest
+    from core.families.vit import stored_geometry_problem
 
     raw = read_manifest(path)  # names the missing or damaged manifest and the fix
+    problem = stored_geometry_problem(raw, cfg.data.image_size) if evaluated and raw.get("kind") == "images" else None
+    if problem:  # ImageClsTask refuses it too; here before any process starts
+        raise DataError(f"{Path(path) / 'manifest.json'} {problem}.")
     samples = int(raw.get("splits", {}).get("train", {}).get("samples", 0))
     micro = batch_split(cfg, world_size)[0]
     need = world_size * micro
@@ -313,10 +318,10 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
     cluster's) a missing or too small input comes back as a warning line. An empty path always raises.
     """
     warnings = []
-    for key, path in _input_paths(cfg):
+    for i, (key, path) in enumerate(_input_paths(cfg)):
         try:
             if key.startswith(("data.corpus", "data.corpora")):
-                _check_corpus(path, cfg, world_size)
+                _check_corpus(path, cfg, world_size, evaluated=i == 0)
             elif Path(path).is_dir():
                 raise ConfigError(f"{key}={path} is a directory, not a file. Point {key} at the file of examples in it.")
             elif not Path(path).is_file():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from core.config import ConfigError
+from core.corpus import DataError
 from core.families import vit as vit_family
 from pipelines.engine.registries import TASKS, TaskSpec
 
@@ -282,6 +282,12 @@ class ImageClsTask(Task):
     sample's crop box and flip, drawn from the same per-sample generator; ``forward`` does the resize
     (bilinear ``grid_sample``, the PIL arithmetic), flip, cast, normalisation and mixup on the device,
     so a loader worker only copies bytes (docs/benchmarks.md: ViT-B/16 input cost).
+
+    Evaluation sees what the release's image processor sees on the original image
+    (``core.families.vit.eval_view``): encoded images are resized and cropped as it does, raw pixels
+    are that view already and are read as they are (no second resize). A corpus whose stored images
+    would make the two differ is refused here (``stored_geometry_problem``), so the run's top-1 is
+    the release's in ``transformers``.
     """
 
     name = "image_cls"
@@ -295,12 +301,9 @@ class ImageClsTask(Task):
         self.seed, self.size, self.alpha = seed, image_size, mixup_alpha
         self.num_labels = max(manifest.class_map.values()) + 1
         self.class_map = manifest.class_map
-        stored = getattr(manifest, "image_shape", None)
-        if stored and stored[:2] != (image_size, image_size):
-            logging.getLogger(__name__).warning(
-                "%s stores raw images at %dx%d, the model reads %d px: crops are resized on the device without "
-                "antialiasing where they shrink. Prepare it with images.size=%d for the PIL-equivalent path.",
-                manifest.root, stored[0], stored[1], image_size, image_size)
+        problem = vit_family.stored_geometry_problem(getattr(manifest, "raw", None) or {}, image_size)
+        if problem:
+            raise DataError(f"{manifest.root}/manifest.json {problem}.")
 
     def _random_resized_crop(self, w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         area = w * h
@@ -314,19 +317,13 @@ class ImageClsTask(Task):
         side = min(w, h)  # fallback: central square
         return ((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2)
 
-    def _eval_resized(self, w: int, h: int) -> tuple[int, int]:
-        """Size of the eval resize (shorter side ``eval_resize``) before the centre crop."""
-        short = self.eval_resize(self.size)
-        return (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-
     def _view(self, w: int, h: int, rng: np.random.Generator | None) -> tuple[tuple[float, ...], bool]:
-        """(crop box in source pixels, flip) of one sample: the region ``transform`` resizes to ``size``."""
+        """(crop box in stored pixels, flip) of one raw sample: the region resized to ``size`` (eval: all of
+        it, the stored ``eval_view``, which samples every pixel as it is)."""
         if rng is not None:
             box = self._random_resized_crop(w, h, rng)
             return tuple(float(v) for v in box), bool(rng.random() < 0.5)
-        rw, rh = self._eval_resized(w, h)
-        left, top, S = (rw - self.size) // 2, (rh - self.size) // 2, self.size
-        return (left * w / rw, top * h / rh, (left + S) * w / rw, (top + S) * h / rh), False
+        return (0.0, 0.0, float(w), float(h)), False
 
     @staticmethod
     def eval_resize(image_size: int) -> int:
@@ -347,11 +344,8 @@ class ImageClsTask(Task):
             img = img.resize((S, S), Image.BILINEAR, box=self._random_resized_crop(*img.size, rng))
             if rng.random() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        else:  # the arithmetic of transformers' shortest_edge resize + center crop (see eval_processor_config)
-            img = img.resize(self._eval_resized(*img.size), Image.BILINEAR)
-            w, h = img.size
-            left, top = (w - S) // 2, (h - S) // 2
-            img = img.crop((left, top, left + S, top + S))
+        else:  # transformers' shortest_edge resize + center crop (see eval_processor_config)
+            img = vit_family.eval_view(img, S)
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
         return (x - self.mean) / self.std
 

@@ -97,8 +97,15 @@ class SlotCursor:
         return cls(weights, slot=saved["slot"], counts=counts, origin_slot=saved["slot"], origin_counts=counts)
 
 
+def _raw_storage(m: Manifest) -> Any:
+    """The manifest's ``images`` entry of a raw-pixel corpus (one uint8 batch needs one stored shape and
+    view); None for an encoded one (decoded per sample, any size)."""
+    return m.raw.get("images") if m.image_shape else None
+
+
 def check_blendable(manifests: list[Manifest], names: list[str]) -> None:
-    """Refuse corpora that cannot share a model: another kind, sequence length, token type, tokenizer or class map."""
+    """Refuse corpora that cannot share a model: another kind, sequence length, token type, tokenizer, class map
+    or raw-pixel storage."""
     first = manifests[0]
     for m, name in zip(manifests[1:], names[1:], strict=True):
         for what, a, b in (
@@ -108,10 +115,14 @@ def check_blendable(manifests: list[Manifest], names: list[str]) -> None:
             ("tokenizer (sha256 of tokenizer.json)", (first.raw.get("tokenizer") or {}).get("sha256"),
              (m.raw.get("tokenizer") or {}).get("sha256")),
             ("class map", first.class_map, m.class_map),
+            ("raw-pixel storage (images.format=raw, images.size, the prepare that wrote it)", _raw_storage(first),
+             _raw_storage(m)),
         ):
             if a != b:
+                alike = ("the same images settings (and this version of the code)" if first.kind == "images" else
+                         f"tokenizer.path={first.tokenizer_dir} and the same kind and seq_len")
                 raise DataError(
                     f"data.corpora: corpus {name!r} ({m.path}) has another {what} than corpus {names[0]!r} "
                     f"({first.path}): {b!r} vs {a!r}. A mixture needs corpora prepared alike: re-run `pretrain prepare` "
-                    f"for {m.root} with tokenizer.path={first.tokenizer_dir} and the same kind and seq_len."
+                    f"for {m.root} with {alike}."
                 )

@@ -1,9 +1,11 @@
 """`process_image` stores the pixels transformers gives the released model: EXIF orientation applied
-(``load_image``), transparency composited onto white (``convert_to_rgb``); 16-bit images are bad records."""
+(``load_image``), transparency composited onto white (``convert_to_rgb``), resized as its processor resizes
+(raw: its whole view); 16-bit images are bad records."""
 
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -142,3 +144,34 @@ def test_the_job_counts_a_16bit_image_under_its_reason(tmp_path):
     stats = map_images([{"path": str(wide), "label": 0}, {"path": str(broken), "label": 0}], ctx)[0]
     assert stats["bad_by_file"] == {str(wide): {"16bit_or_float_image": 1}, str(broken): {"unreadable_image": 1}}
     assert stats["counts"].get("documents_in", 0) == 0
+
+
+def _processor(tmp_path, size: int):
+    """The image processor a release of a ``size`` px ViT ships (its preprocessor_config.json)."""
+    from transformers import AutoImageProcessor
+
+    from core.families.vit import eval_processor_config
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(eval_processor_config(size)))
+    return AutoImageProcessor.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("size", [32, 64])  # the processor resizes to 36 / 73: even and odd margins around the crop
+def test_raw_pixels_and_resized_pngs_are_what_the_release_processor_sees(tmp_path, size):
+    """Raw stores the processor's view itself (one bilinear resize, its crop); a PNG resized to the processor's
+    shorter side is one the processor only crops. Before, both were resized bicubic (raw to ``size``)."""
+    from core.families.vit import eval_resize
+
+    processor = _processor(tmp_path, size)
+    rng = np.random.default_rng(0)
+    for w, h in [(53, 37), (37, 61), (300, 41), (73, 73), (20, 90), (8, 8)]:
+        original = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        theirs = processor(original, return_tensors="np")["pixel_values"][0]
+        stored, _, _, _ = process_image(_png(original), ImageConfig(format="raw", size=size))
+        pixels = np.load(io.BytesIO(stored))
+        assert pixels.shape == (size, size, 3)
+        np.testing.assert_allclose((pixels.transpose(2, 0, 1) / 255 - 0.5) / 0.5, theirs, atol=1e-6)
+        data, _, rw, rh = process_image(_png(original), ImageConfig(format="png", resize_shorter=eval_resize(size)))
+        with Image.open(io.BytesIO(data)) as resized:
+            assert min(rw, rh) == eval_resize(size)
+            np.testing.assert_allclose(processor(resized, return_tensors="np")["pixel_values"][0], theirs, atol=1e-6)
