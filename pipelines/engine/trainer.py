@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from core.config import ConfigError, save_config, to_dict
+from core.config import save_config, to_dict
 from core.corpus_kinds import corpus_kind
 from core.files import unlock_dir
 from pipelines.engine import checkpoint as ckpt
@@ -143,7 +143,10 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
         try:
-            run = self._start()
+            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train)
+            if resume is not None and resume[1] >= self.cfg.train.max_steps:  # the agreed step: every rank returns
+                return self._nothing_to_do(*resume)
+            run = self._start(resume[0] if resume else None)
             batches = self.train_data.batches()
             self.engine.train()
             stop_reason, last_saved, queued = None, None, []
@@ -171,28 +174,36 @@ class Trainer:
         finally:
             self._restore_sigint()
             unlock_dir(self._run_lock)
-        return {
-            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
-            "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
-            "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
-            "stopped_by": stop_reason, "resumed_from": str(run.resume) if run.resume else None, "world_size": self.engine.world_size,
-        }
+        return self._summary(last_saved, stop_reason, run.resume)
+
+    def _summary(self, checkpoint: Path | None, stopped_by: str | None, resumed_from: Path | None) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
+                "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "tb_dir": str(self.run_dir / "tb"),
+                "checkpoint": str(checkpoint) if checkpoint else None, "stopped_by": stopped_by,
+                "resumed_from": str(resumed_from) if resumed_from else None, "world_size": self.engine.world_size}
 
     # ------------------------------------------------------------------------------------- fit's steps
-    def _start(self) -> _RunState:
-        """Run dir (claimed, locked) and config.yaml, logger / health / throughput, resume, signal handlers."""
+    def _nothing_to_do(self, path: Path, step: int) -> dict[str, Any]:
+        """A rerun of a finished run (at ``max_steps`` or past it): one line; no evaluation, checkpoint or log line."""
+        t = self.cfg.train
+        where = f"max_steps={t.max_steps}" if step == t.max_steps else f"step {step}, past train.max_steps={t.max_steps}"
+        own = path.parent.parent == self.run_dir  # else train.resume names another run's checkpoint
+        what = (f"run {self.run_dir} is already at {where} (checkpoint {path})" if own
+                else f"train.resume={path} is already at {where}")
+        if self.is_main:
+            print(f"{what}: nothing to do. Raise train.max_steps to train further.", flush=True)
+        state = ckpt.read_trainer_state(path)
+        self.step, self.tokens, self.last_eval = step, int(state.get("tokens", 0)), state.get("eval") or {}
+        self.start_loss, self.last_loss = state.get("start_loss"), state.get("last_loss")
+        return self._summary(path, "already_done", path)
+
+    def _start(self, resume: Path | None) -> _RunState:
+        """config.yaml, logger / health / throughput, the resume, signal handlers (the run dir is open)."""
         from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
         from monitoring.profiler import StepProfiler
         from monitoring.sample_keys import SampleKeyLog
 
         cfg, t = self.cfg, self.cfg.train
-        error = None
-        if self.is_main:
-            try:
-                self._run_lock = ckpt.open_run_dir(self.run_dir, self.cfg.train)
-            except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
-                error = exc
-        resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
         logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg),
                            throughput_unit=getattr(self.task, "unit", "tok"))
         health = HealthMonitor(cfg.logging, logger)
