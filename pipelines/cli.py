@@ -4,7 +4,9 @@ Every subcommand is a function of this module's imports that can be called from 
 heavy packages (torch, ray, deepspeed) are imported inside the handlers so `--help` is instant.
 User errors (bad config, missing file, corrupt data, bad prepare or fine-tuning input) print one
 paragraph and exit 2, without a traceback; 1 is left for genuine run failures (a crashed or diverged
-run, a failed sweep arm), so a script or SLURM can tell "fix your input" from "look at the run".
+run, a failed sweep arm), so a script or SLURM can tell "fix your input" from "look at the run". A run
+stopped by Ctrl-C or SIGTERM checkpoints at its next step boundary and exits with 128 + the signal
+(130, 143), with one process as with ``--nproc N`` (``pipelines.engine.stop_signals``).
 ``PRETRAIN_DEBUG=1`` prints the traceback too (for a bug report).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 import traceback
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from core.config import ConfigError, parse_command_line
 from core.shutdown import before_exit
 from monitoring.console import configure_logging
+from pipelines.engine import stop_signals
 from pipelines.engine.config import load_run_config
 
 EXIT_CONFIG = 2
@@ -398,14 +402,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
     configure_logging()
+    stop_signals.forget()
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        stopped = stop_signals.stopped_by()  # a run in this process checkpointed and stopped on Ctrl-C or SIGTERM
+        return 128 + stopped if stopped in (signal.SIGINT, signal.SIGTERM) and code != EXIT_CONFIG else code
     except ConfigError as exc:
         _traceback_if_asked()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM a job turned into one (core.errors.Terminated)
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside a run's loop (or twice), or a SIGTERM a job turned into one
+        print("interrupted", file=sys.stderr)  # (core.errors.Terminated)
         return 128 + getattr(exc, "signum", 2)
     except Exception as exc:
         if isinstance(exc, _user_error_types()):

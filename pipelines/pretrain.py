@@ -2,13 +2,16 @@
 
 Runs unchanged under ``accelerate launch``, ``torchrun``, ``deepspeed`` and ``srun`` (and as a plain
 single process); ``pipelines.engine.distributed`` works out which. Config and corpus problems print one
-paragraph and exit with code 2, before any process group starts.
+paragraph and exit with code 2, before any process group starts. Ctrl-C checkpoints at the next step
+boundary and exits with 130; SIGTERM / SIGUSR1 checkpoint and exit 0, which SLURM's requeue expects.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 from core.config import ConfigError, describe, parse_command_line
@@ -47,14 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the run's loop (or twice): nothing of this session is saved
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     import torch.distributed as td
+
+    from pipelines.engine.stop_signals import stopped_by
 
     if not td.is_initialized() or td.get_rank() == 0:
         print("SUMMARY " + json.dumps(summary, default=str), flush=True)
     if td.is_initialized():
         td.barrier()
         td.destroy_process_group()
-    return 0
+    return 128 + signal.SIGINT if stopped_by() == signal.SIGINT else 0  # Ctrl-C: checkpointed, and 130 as a shell says
 
 
 if __name__ == "__main__":

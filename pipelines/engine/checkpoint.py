@@ -55,7 +55,8 @@ from models.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
            "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError", "claim_run_dir",
-           "refuse_fresh_start_over_checkpoints", "agree_on_resume", "open_run_dir", "param_shapes", "refuse_other_model"]
+           "refuse_fresh_start_over_checkpoints", "agree_on_resume", "open_for_resume", "open_run_dir", "param_shapes",
+           "refuse_other_model"]
 
 log = logging.getLogger(__name__)
 
@@ -267,20 +268,36 @@ def refuse_other_model(path: Path, state: dict[str, Any], shapes: dict[str, list
     )
 
 
-def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError | None) -> Path | None:
-    """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets its choice (or its error)."""
+def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any) -> tuple[int | None, tuple[Path, int] | None]:
+    """Rank 0 opens ``run_dir`` (``open_run_dir``: claimed, locked); every rank gets the checkpoint to resume
+    from and its step (``agree_on_resume``). Returns (rank 0's lock or None, the resume or None)."""
+    lock, error = None, None
+    if engine.rank == 0:
+        try:
+            lock = open_run_dir(run_dir, train_cfg)
+        except ConfigError as exc:  # raised on every rank by agree_on_resume (no rank waits for a dead one)
+            error = exc
+    try:
+        return lock, agree_on_resume(engine, run_dir, train_cfg.resume, error)
+    except BaseException:
+        unlock_dir(lock)
+        raise
+
+
+def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError | None) -> tuple[Path, int] | None:
+    """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets its choice and step (or its error)."""
     if engine.world_size == 1:
         if error is not None:
             raise error
-        return find_resume(run_dir, resume)
+        found = find_resume(run_dir, resume)
+        return (found, _step_of(found)) if found is not None else None
     found = None
     if engine.rank == 0 and error is None:
         try:
             found = find_resume(run_dir, resume)
         except ConfigError as exc:
             error = exc
-    code = -2 if error is not None else (-1 if found is None else int(found.name.split("-")[-1]) if
-                                          resume == "auto" else 0)
+    code = -2 if error is not None else (-1 if found is None else _step_of(found))
     code = int(engine.all_reduce(torch.tensor([float(code if engine.rank == 0 else 0)], dtype=torch.float64), "sum")[0].item())
     if error is not None:
         raise error
@@ -288,7 +305,12 @@ def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError 
         raise ConfigError(f"rank 0 refused to start in {run_dir} (see its message).")
     if code == -1:
         return None
-    return Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)
+    return (Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)), code
+
+
+def _step_of(path: Path) -> int:
+    """The step a (verified) checkpoint holds, from its trainer state."""
+    return int(read_trainer_state(path)["step"])
 
 
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, trainer_state: dict[str, Any],

@@ -327,7 +327,7 @@ def in_process_run(threads: int = 0) -> Iterator[None]:
     import faulthandler
     import signal
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     deterministic, num_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     linear = torch.nn.functional.linear
@@ -382,5 +382,3 @@ def barrier_if_initialized() -> None:
     """Wait for every rank when a process group exists (outside the engine, e.g. around rank-0 file work)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-

@@ -1,5 +1,5 @@
 """The launcher as a user should meet it: each rank's error line once, no launcher report after it, and
-a signal sent to ``pretrain`` passed on to the ranks (``forwarding_signals``).
+a signal sent to ``pretrain`` (``kill PID``, Ctrl-C) passed on to the ranks (``forwarding_signals``).
 
 When ranks stop on a problem the user must fix, each prints one ``error: ...`` line and exits with
 code 2. torch's elastic agent (behind ``accelerate launch`` and ``torchrun``) then adds its own
@@ -13,15 +13,17 @@ report when no rank explained itself) passes unchanged. ``PRETRAIN_DEBUG=1`` tur
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LaunchOutput", "forwarding_signals"]
+__all__ = ["LaunchOutput", "Forwarder", "forwarding_signals", "kill_tree"]
 
 _AGENT_LINE = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ .*torch/distributed/elastic/")  # glog-style lines of the agent
 _REPORT_RULE = re.compile(r"^={20,}\s*$")
@@ -38,8 +40,8 @@ class LaunchOutput:
         self._thread = threading.Thread(target=self._copy, name="launch-output", daemon=True)
         self._thread.start()
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
     def _emit(self, lines: list[str]) -> None:
         out = sys.stderr  # looked up per write: tests and notebooks replace it
@@ -78,32 +80,91 @@ class LaunchOutput:
             self._emit(held)
 
 
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class Forwarder:
+    """The signals ``forwarding_signals`` passed on (in order), and whether a second Ctrl-C killed the job."""
+
+    def __init__(self, installed: bool):
+        self.installed = installed  # False outside the main thread: the launcher must then share our session
+        self.signals: list[int] = []
+        self.aborted = False
+        self.proc: subprocess.Popen | None = None
+        self.output: LaunchOutput | None = None
+
+    def attach(self, proc: subprocess.Popen, output: LaunchOutput | None) -> None:
+        """The launcher has started: pass on what arrived before it did."""
+        self.proc, self.output = proc, output
+        if self.aborted:
+            kill_tree(proc.pid)
+        for signum in self.signals:
+            self._send(signum)
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in self.signals:  # a second Ctrl-C: stop now, no checkpoint
+            self.aborted = True
+            if self.proc is not None:
+                kill_tree(self.proc.pid)
+            return
+        self.signals.append(signum)
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        if self.proc is None:
+            return
+        if self.output is not None:
+            self.output.stopping = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(self.proc.pid) == self.proc.pid:  # its own group: deepspeed's launch.py and ranks are in it
+                os.killpg(self.proc.pid, signum)
+            else:
+                self.proc.send_signal(signum)
+
+
 @contextlib.contextmanager
-def forwarding_signals(proc: subprocess.Popen, output: LaunchOutput | None) -> Iterator[list[int]]:
-    """Pass a SIGTERM sent to this process on to the launcher, and keep waiting; yields the signals passed.
+def forwarding_signals() -> Iterator[Forwarder]:
+    """While the launcher runs, pass SIGTERM, SIGINT (Ctrl-C), SIGHUP and SIGQUIT sent to this process on to
+    it (``Forwarder.attach``), and keep waiting.
 
-    ``kill PID`` (or a scheduler stopping the job) reaches only this process; by default it would die
-    at once and leave the launcher and its ranks training on, orphaned. The launcher (torchrun,
-    accelerate) hands it to every rank, which checkpoints at its next step boundary and exits; this
-    process then returns (``launch``: 128 + the signal, as a shell reports a terminated command; the
-    ranks' stop line names the checkpoint) and ``output`` leaves out the agent's shutdown report. Only SIGTERM: torch's elastic agent dies of
-    SIGUSR1 without passing it on (SLURM sends its pre-emption warning to every rank itself).
+    ``launch`` starts the launcher in a session of its own, so a terminal's Ctrl-C reaches this process
+    only, and the launcher once, from here -- as ``kill PID`` (or a scheduler stopping the job) does,
+    which reaches only this process anyway (by default it would die at once and leave the launcher and
+    its ranks training on, orphaned). The launcher (torchrun, accelerate) hands SIGTERM or SIGINT to
+    every rank, which checkpoints at its next step boundary and exits; ``launch`` then returns 128 + the
+    signal, as a shell reports a stopped command (the ranks' stop line names the checkpoint), and the
+    output leaves out the agent's shutdown report. A second Ctrl-C kills the launcher, its ranks and
+    their workers at once (``kill_tree``): a checkpoint being written stays a ``.tmp-`` folder that a
+    resume ignores, the complete ones are untouched. SIGHUP (the terminal closed) and SIGQUIT go on as
+    they came, as the terminal would have sent them. Not SIGUSR1: torch's elastic agent dies of it
+    without passing it on (SLURM sends its pre-emption warning to every rank itself).
     """
-    received: list[int] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        if output is not None:
-            output.stopping = True
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
+    forwarder = Forwarder(installed=threading.current_thread() is threading.main_thread())
+    previous = {sig: signal.signal(sig, forwarder) for sig in _FORWARDED} if forwarder.installed else {}
     try:
-        previous = signal.signal(signal.SIGTERM, forward)
-    except ValueError:  # not the main thread: nothing to install
-        previous = None
-    try:
-        yield received
+        yield forwarder
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: one set outside Python, which cannot be put back
+                signal.signal(sig, handler)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every process below it: torch's ranks run in sessions of
+    their own, and their loader workers and forkserver are their children (read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    proc_dir = Path("/proc")
+    for entry in proc_dir.iterdir() if proc_dir.is_dir() else []:
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # not a process, or one that has just ended
+            continue
+    victims, todo = [], [pid]
+    while todo:
+        victims.append(todo.pop())
+        todo.extend(children.get(victims[-1], []))
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

@@ -133,18 +133,17 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_processes))))
     env.update(extra_env or {})
     debug = bool(os.environ.get("PRETRAIN_DEBUG"))
-    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stderr=None if debug else subprocess.PIPE)
-    output = None if debug else LaunchOutput(proc.stderr)  # each rank's error line once, not the launcher's report
-    try:
-        with forwarding_signals(proc, output) as received:
-            code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
+    with forwarding_signals() as forwarded:  # Ctrl-C reaches this process only: the launcher has its own session
+        proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stderr=None if debug else subprocess.PIPE,
+                                start_new_session=forwarded.installed)
+        output = None if debug else LaunchOutput(proc.stderr)  # each rank's error line once, not the launcher's report
+        forwarded.attach(proc, output)
         code = proc.wait()
-    else:
-        if received:  # stopped as asked (the ranks checkpointed): the signal's exit code, however the launcher ended
-            code = 128 + received[0]
-    if output is None:
-        return code
-    output.join()
-    return 2 if code and output.errors else code  # a problem the ranks explained: the user's to fix, as with one process
+    if output is not None:
+        output.join(timeout=10 if forwarded.aborted else None)  # killed: a stray writer must not hold us
+    if forwarded.aborted:
+        print("aborted (Ctrl-C twice): the launcher and its ranks were killed. A checkpoint they were writing is "
+              "left as checkpoints/.tmp-step-*, which a resume ignores; the complete ones are intact.", file=sys.stderr)
+    if forwarded.signals:  # stopped as asked (the ranks checkpointed): the signal's exit code, however the launcher ended
+        return 128 + forwarded.signals[0]
+    return 2 if code and output is not None and output.errors else code  # a problem the ranks explained: the user's to fix

@@ -20,7 +20,8 @@ from core.config import ConfigError
 from core.registry import did_you_mean
 from pipelines.engine.config import RunConfig
 
-__all__ = ["ATTENTION_KERNELS", "build_model", "compile_blocks_if", "compile_each_block_", "compile_kwargs", "preferred_attention"]
+__all__ = ["ATTENTION_KERNELS", "build_model", "compile_blocks_if", "compile_each_block_", "compile_kwargs", "flops_per_sample",
+           "preferred_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,16 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
             raise ConfigError(f"model.activation_checkpointing: {cfg.model.name} does not support it.")
         model.set_activation_checkpointing(True)
     return model, {"name": cfg.model.name, "overrides": overrides}
+
+
+def flops_per_sample(model_config: Any, task: Any) -> float:
+    """Training FLOPs of one sample (the MFU's numerator); 0 where the model has no FLOP count."""
+    try:
+        from models.flops import training_flops_per_sample
+
+        return float(training_flops_per_sample(model_config, **task.flops_kwargs()))
+    except Exception:  # noqa: BLE001 - MFU is optional (custom models have no FLOP count)
+        return 0.0
 
 
 @contextlib.contextmanager

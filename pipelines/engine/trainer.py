@@ -25,25 +25,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.config import ConfigError, save_config, to_dict
+from core.config import save_config, to_dict
 from core.corpus_kinds import corpus_kind
 from core.files import unlock_dir
 from pipelines.engine import checkpoint as ckpt
 from pipelines.engine import distributed as dist
-from pipelines.engine import engines
+from pipelines.engine import engines, stop_signals
 from pipelines.engine.check import run_schedule
 from pipelines.engine.config import RunConfig
 from pipelines.engine.hooks import RunHooks
 from pipelines.engine.host_reads import HostCopy, StepOutcome, loss_or_nan
-from pipelines.engine.model_build import build_model, preferred_attention
+from pipelines.engine.model_build import build_model, flops_per_sample, preferred_attention
 from pipelines.engine.run_data import RunData, build_sources, open_run_data
+from pipelines.engine.stop_signals import signal_name
+from pipelines.loading.workers import register_stack_dump
 
 __all__ = ["Trainer", "train", "build_model", "RunData", "open_run_data", "build_sources"]  # re-exported: model_build, run_data
 
@@ -134,14 +135,18 @@ class Trainer:
         self.health_stop_step: int | None = None  # the step whose values stopped the run (health)
         self.start_loss: float | None = None
         self.last_eval: dict[str, float] = {}
-        self._signal: int | None = None
+        self._signal: int | None = None  # the stop signal this process received (``stop_signals``)
+        self._restore_sigint: Any = lambda: None
         self._run_lock: int | None = None  # rank 0's lock on run_dir while fit() runs
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
         try:
-            run = self._start()
+            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train)
+            if resume is not None and resume[1] >= self.cfg.train.max_steps:  # the agreed step: every rank returns
+                return self._nothing_to_do(*resume)
+            run = self._start(resume[0] if resume else None)
             batches = self.train_data.batches()
             self.engine.train()
             stop_reason, last_saved, queued = None, None, []
@@ -167,33 +172,42 @@ class Trainer:
             run.profiler.close()
             run.logger.close()
         finally:
+            self._restore_sigint()
             unlock_dir(self._run_lock)
-        return {
-            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
-            "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval,
-            "checkpoint": str(last_saved) if last_saved else None, "tb_dir": str(self.run_dir / "tb"),
-            "stopped_by": stop_reason, "resumed_from": str(run.resume) if run.resume else None, "world_size": self.engine.world_size,
-        }
+        return self._summary(last_saved, stop_reason, run.resume)
+
+    def _summary(self, checkpoint: Path | None, stopped_by: str | None, resumed_from: Path | None) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "steps": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
+                "end_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "tb_dir": str(self.run_dir / "tb"),
+                "checkpoint": str(checkpoint) if checkpoint else None, "stopped_by": stopped_by,
+                "resumed_from": str(resumed_from) if resumed_from else None, "world_size": self.engine.world_size}
 
     # ------------------------------------------------------------------------------------- fit's steps
-    def _start(self) -> _RunState:
-        """Run dir (claimed, locked) and config.yaml, logger / health / throughput, resume, signal handlers."""
+    def _nothing_to_do(self, path: Path, step: int) -> dict[str, Any]:
+        """A rerun of a finished run (at ``max_steps`` or past it): one line; no evaluation, checkpoint or log line."""
+        t = self.cfg.train
+        where = f"max_steps={t.max_steps}" if step == t.max_steps else f"step {step}, past train.max_steps={t.max_steps}"
+        own = path.parent.parent == self.run_dir  # else train.resume names another run's checkpoint
+        what = (f"run {self.run_dir} is already at {where} (checkpoint {path})" if own
+                else f"train.resume={path} is already at {where}")
+        if self.is_main:
+            print(f"{what}: nothing to do. Raise train.max_steps to train further.", flush=True)
+        state = ckpt.read_trainer_state(path)
+        self.step, self.tokens, self.last_eval = step, int(state.get("tokens", 0)), state.get("eval") or {}
+        self.start_loss, self.last_loss = state.get("start_loss"), state.get("last_loss")
+        return self._summary(path, "already_done", path)
+
+    def _start(self, resume: Path | None) -> _RunState:
+        """config.yaml, logger / health / throughput, the resume, signal handlers (the run dir is open)."""
         from monitoring import HealthMonitor, RunLogger, ThroughputMeter, peak_remeasure, resolve_peak_flops
         from monitoring.profiler import StepProfiler
         from monitoring.sample_keys import SampleKeyLog
 
         cfg, t = self.cfg, self.cfg.train
-        error = None
-        if self.is_main:
-            try:
-                self._run_lock = ckpt.open_run_dir(self.run_dir, self.cfg.train)
-            except ConfigError as exc:  # raised on every rank below (no rank waits for a dead one)
-                error = exc
-        resume = ckpt.agree_on_resume(self.engine, self.run_dir, self.cfg.train.resume, error)
         logger = RunLogger(self.run_dir, cfg.logging, is_main=self.is_main, total_steps=t.max_steps, config_dict=to_dict(cfg),
                            throughput_unit=getattr(self.task, "unit", "tok"))
         health = HealthMonitor(cfg.logging, logger)
-        meter = ThroughputMeter(self._flops_per_sample(),
+        meter = ThroughputMeter(flops_per_sample(self.model_config, self.task),
                                 resolve_peak_flops(cfg.logging.peak_flops, self.engine.device, t.precision),
                                 self.engine.world_size,
                                 remeasure_peak=peak_remeasure(cfg.logging.peak_flops, self.engine.device, t.precision))
@@ -205,7 +219,8 @@ class Trainer:
                 print(f"Resuming from {resume} (step {self.step}).", flush=True)
         if self.is_main:  # after the resume: a refused one leaves the config that wrote the checkpoints
             save_config(self.hooks.config_to_save or cfg, self.run_dir / "config.yaml")
-        self._install_signal_handlers()
+        register_stack_dump()  # SIGUSR2: every thread's stack (where is a hung job?)
+        self._restore_sigint = stop_signals.install(self._on_stop_signal, announce=self.is_main)
         profiler = StepProfiler(self.run_dir, cfg.logging.profile_steps, self.engine.rank, self.engine.device.type)
         return _RunState(logger=logger, health=health, meter=meter, trace=SampleKeyLog.open(self.run_dir, cfg.logging.sample_keys, self.engine.rank), profiler=profiler,
                          resume=resume, started=time.time())
@@ -382,8 +397,13 @@ class Trainer:
         periodic = t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps
         if periodic or stop_reason:  # the last step is saved at the end of fit, after the final evaluation
             last_saved = self.save(run.health, run.meter)
-        if stop_reason:
-            logger.event(self.step, "stop", f"Stopping early ({stop_reason}); checkpoint {last_saved}.", reason=stop_reason)
+        if stop_reason:  # a signal is named where this rank got it (another rank's stops it too)
+            signum = self._signal if stop_reason == "signal" else None
+            stop_signals.record_stop(signum)
+            again = " Run the same command again to continue from it." if stop_reason == "signal" else ""
+            name = signal_name(signum)
+            logger.event(self.step, "stop", f"Stopping early ({name or stop_reason}); checkpoint {last_saved}.{again}",
+                         reason=stop_reason, **({"signal": name} if name else {}))
             return last_saved, True
         return last_saved, False
 
@@ -456,29 +476,10 @@ class Trainer:
         dev = self.engine.device
         return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
-    def _flops_per_sample(self) -> float:
-        try:
-            from models.flops import training_flops_per_sample
-
-            return float(training_flops_per_sample(self.model_config, **self.task.flops_kwargs()))
-        except Exception:  # noqa: BLE001 - MFU is optional (custom models have no FLOP count)
-            return 0.0
-
-    def _install_signal_handlers(self) -> None:
-        """SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint at the next step boundary, then stop.
-        SIGUSR2: print every thread's stack (where is a hung job?)."""
-        from pipelines.loading.workers import register_stack_dump
-
-        def handler(signum: int, _frame: Any) -> None:
-            self._signal = signum
-
-        register_stack_dump()
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
+    def _on_stop_signal(self, signum: int) -> None:
+        """SIGTERM / SIGUSR1 (SLURM pre-emption) / SIGINT (Ctrl-C): checkpoint at the next step boundary, then
+        stop (``stop_signals``)."""
+        self._signal = signum
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

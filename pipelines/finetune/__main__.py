@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from core.config import ConfigError, parse_command_line
@@ -31,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FinetuneError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2  # input the user must fix (README Safety: exit 2), as `pretrain finetune` answers it
-    return 0
+    except KeyboardInterrupt:  # Ctrl-C before the run's loop (or twice)
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    from pipelines.engine.stop_signals import stopped_by
+
+    return 128 + signal.SIGINT if stopped_by() == signal.SIGINT else 0  # Ctrl-C: checkpointed, 130 as a shell says
 
 
 if __name__ == "__main__":

@@ -19,7 +19,10 @@ worker therefore freezes what it inherited (``gc.freeze``, as the ``gc`` docs ad
 servers); its collections then scan only its own objects.
 
 Signals: SLURM delivers the pre-emption warning (USR1) and SIGTERM to *every* process of the job
-step; the trainer checkpoints on them, its workers and the forkserver must just survive. SIGUSR2
+step, a terminal its Ctrl-C (SIGINT) to every process of the foreground job, and torch's launcher each
+of them to a rank's whole process group; the trainer checkpoints on them, its workers and the
+forkserver must just survive (a worker that took Ctrl-C as torch's do would end, and its rank's next
+batch with it). SIGUSR2
 makes every process print its Python stacks (``scancel --signal=USR2 JOB`` on a job that seems
 hung).
 """
@@ -41,7 +44,7 @@ from typing import Any
 START_METHODS = ("forkserver", "spawn", "fork")
 # Modules a worker needs; the forkserver imports them once so that each worker starts in ~0.1 s.
 _PRELOAD = ["pipelines.loading.loader", "pipelines.engine.objectives"]
-_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+_JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2}
 
 
 def worker_context(method: str) -> Any:
@@ -101,10 +104,10 @@ def _ensure_forkserver(ctx: Any) -> None:
 
 
 def worker_init(_worker_id: int, owner_pid: int | None = None) -> None:
-    """Workers leave SIGTERM/SIGUSR1 to their rank (which checkpoints), dump stacks on SIGUSR2, and
-    exit when ``owner_pid`` (the rank that made the loader) does. Bind it with functools.partial."""
+    """Workers leave SIGTERM/SIGUSR1/SIGINT to their rank (which checkpoints), dump stacks on SIGUSR2,
+    and exit when ``owner_pid`` (the rank that made the loader) does. Bind it with functools.partial."""
     gc.freeze()  # the inherited heap is never collected here: no walk over it, no copy-on-write faults
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     register_stack_dump()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)  # blocked since the forkserver's start

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from core.config import ConfigError
+from core.errors import Terminated
 from core.files import atomic_write_text, claim_output_dir
 from pipelines.ops.demo_data import (
     write_classification_task,
@@ -137,6 +138,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     t = _stage(f"3/5 Pretraining tiny BERT (MLM + NSP): {opts.num_processes} DeepSpeed ZeRO-2 processes")
     code = launch(str(PRETRAIN_CONFIG), train_overrides, opts.num_processes)
+    if code > 128:  # stopped as asked (Ctrl-C, SIGTERM): the ranks checkpointed; the demo ends here, as `pretrain train`
+        raise Terminated(code - 128)
     if code != 0:
         where = f"; what it wrote is in {run_dir}" if run_dir.is_dir() else ""
         if code == 2:  # the ranks explained it (a config or data problem): their one paragraph is above

@@ -22,6 +22,21 @@ def job_env() -> dict[str, str]:
     return env
 
 
+def job_processes(marker: str) -> list[int]:
+    """Live processes whose command line names ``marker`` (a run dir) and runs a rank (``pipelines.pretrain``):
+    the launcher and its ranks."""
+    pids = []
+    for proc_dir in Path("/proc").iterdir():
+        try:
+            cmdline = (proc_dir / "cmdline").read_bytes().decode(errors="replace")
+            state = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if proc_dir.name.isdigit() and marker in cmdline and "pipelines.pretrain" in cmdline and state != "Z":
+            pids.append(int(proc_dir.name))
+    return pids
+
+
 def traced(overrides: list[str], trace_dir: Path | None) -> list[str]:
     """``overrides`` plus the per-step sample-key log (``logging.sample_keys``) into ``trace_dir``."""
     return [*overrides, f"logging.sample_keys={trace_dir}"] if trace_dir is not None else list(overrides)

@@ -168,14 +168,16 @@ def test_the_readme_classification_command_learns_on_a_bert_tiny_size_release(tm
 
 def test_the_shipped_config_resumes_when_the_job_runs_again(hf_checkpoint, topic_task, tmp_path, capsys):
     """A requeued job runs the same command again: with the shipped `train.resume: auto` it continues from
-    its newest checkpoint (here: the last one) instead of being refused for a run dir with checkpoints."""
+    its newest checkpoint instead of being refused for a run dir with checkpoints -- here the last one, so
+    it has no step left to train and says so (nothing evaluated or saved again), and releases the same model."""
     from monitoring.logger import read_metrics_lines
 
     args = overrides(hf_checkpoint, topic_task, tmp_path / "run", "epochs=1")
     first = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
     capsys.readouterr()
     second = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
-    assert "Resuming from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"run {tmp_path / 'run'} is already at max_steps=" in out and "nothing to do" in out, out[-2000:]
     assert second["best_step"] == first["best_step"] and second["metrics"] == pytest.approx(first["metrics"])
     steps = [r["step"] for r in read_metrics_lines(tmp_path / "run" / "metrics.jsonl") if r.get("split") == "train"]
     assert steps == sorted(set(steps))  # no step trained twice

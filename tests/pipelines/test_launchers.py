@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from job_helpers import job_env, summary_of
+from job_helpers import job_env, job_processes, summary_of
 
 from core.config import ConfigError
 from pipelines.engine.distributed import accelerate_file_settings, load_launched_config
@@ -162,19 +162,6 @@ def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_ta
         server.listen()
 
 
-def _job_processes(marker: str) -> list[int]:
-    """Live processes whose command line names ``marker`` (the run dir): the launcher and its ranks."""
-    pids = []
-    for proc_dir in Path("/proc").iterdir():
-        try:
-            cmdline = (proc_dir / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if proc_dir.name.isdigit() and marker in cmdline and "pipelines.pretrain" in cmdline:
-            pids.append(int(proc_dir.name))
-    return pids
-
-
 @pytest.mark.slow
 def test_sigterm_to_a_multi_process_train_stops_every_rank_with_a_checkpoint(bert_corpus, tmp_path):
     """`kill PID` of `pretrain train --nproc 2` reaches only that process: it must pass the signal on, so the
@@ -194,7 +181,7 @@ def test_sigterm_to_a_multi_process_train_stops_every_rank_with_a_checkpoint(ber
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     time.sleep(1)
-    assert _job_processes(str(run_dir)) == [], "ranks outlived the command"
+    assert job_processes(str(run_dir)) == [], "ranks outlived the command"
     assert proc.returncode == 128 + signal.SIGTERM, (out[-2000:], err[-4000:])
     stop = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "stop"' in line]
     assert stop and stop[-1]["reason"] == "signal"

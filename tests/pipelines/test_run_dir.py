@@ -1,6 +1,6 @@
 """What a run directory holds up to when a user reruns into it: one job at a time, a resume with another
 model refused (its config kept), a new learning rate on resume applied, the logged rate the applied one,
-and ``train.overwrite`` deleting only what runs wrote."""
+a finished run left as it is, and ``train.overwrite`` deleting only what runs wrote."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_a_second_job_in_a_run_dir_in_use_is_refused_and_the_lock_dies_with_the_
     finally:
         first.send_signal(signal.SIGTERM)  # it checkpoints and ends
         first.communicate(timeout=120)
-    assert first.returncode == 0
+    assert first.returncode == 128 + signal.SIGTERM  # stopped as asked, as `kill PID` of `--nproc N` ends
     after = _train(*args, f"train.max_steps={max(_train_lines(run_dir)) + 1}")
     assert after.returncode == 0 and "Resuming from" in after.stdout, after.stderr[-3000:]
 
@@ -93,6 +93,36 @@ def test_the_logged_lr_is_the_applied_one_and_a_new_lr_on_resume_applies(engine,
     for k in range(4, 9):
         assert logged[k]["lr"] == pytest.approx(0.01 * g(k - 1), rel=1e-6), (k, logged[k]["lr"])
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["lr"] == 0.01
+
+
+def _files(run_dir: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of a run dir with its bytes and mtime, but the lock (it names the job holding it)."""
+    return {p.relative_to(run_dir).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_writes_nothing_and_says_so(bert_corpus, tmp_path):
+    """The same command again, once the run is at train.max_steps: one line, exit 0, and not a byte written
+    -- it used to evaluate again, rewrite the final checkpoint and append a second resume and eval line to
+    metrics.jsonl. With --nproc 2 every rank returns (none waits in a collective); a higher max_steps trains on."""
+    run_dir = tmp_path / "run"
+    args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", "train.eval_batches=2", "train.max_steps=2"]
+    assert _train(*args).returncode == 0
+    before = _files(run_dir)
+    assert "checkpoints/step-00000002/trainer_state.json" in before
+    said = (f"run {run_dir} is already at max_steps=2 (checkpoint {run_dir}/checkpoints/step-00000002): nothing to do. "
+            f"Raise train.max_steps to train further.")
+    for nproc in ("1", "2"):
+        again = _train(*args, "--nproc", nproc)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert again.stdout.count(said) == 1 and "Resuming from" not in again.stdout, again.stdout[-3000:]
+        assert "Traceback" not in again.stderr, again.stderr[-3000:]
+        assert _files(run_dir) == before, f"--nproc {nproc} wrote into the run dir"
+    further = _train(*[a for a in args if a != "train.max_steps=2"], "train.max_steps=3")
+    assert further.returncode == 0 and "Resuming from" in further.stdout, further.stderr[-3000:]
+    assert sorted(_train_lines(run_dir)) == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step-00000003" / "trainer_state.json").is_file()
 
 
 def test_overwrite_deletes_the_runs_checkpoints_but_not_a_folder_of_yours_beside_them(tmp_path):

@@ -62,7 +62,7 @@ def _children(pid: int) -> dict[int, str]:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
-def test_forkserver_and_workers_survive_the_preemption_signals(corpus):
+def test_forkserver_and_workers_survive_the_preemption_signals_and_ctrl_c(corpus):
     src = _src(corpus, "forkserver", workers_=1)
     server = [pid for pid, cmd in _children(os.getpid()).items() if "multiprocessing.forkserver" in cmd]
     assert len(server) == 1, _children(os.getpid())
@@ -70,9 +70,10 @@ def test_forkserver_and_workers_survive_the_preemption_signals(corpus):
     first = [tuple(next(stream)["keys"])]
     worker = [pid for pid in _children(server[0])]
     assert worker, "the loader's worker is a child of the forkserver"
-    for pid in server + worker:  # what `scancel --signal=USR1` and SLURM's SIGTERM do to every process of the step
-        os.kill(pid, signal.SIGUSR1)
+    for pid in server + worker:  # what `scancel --signal=USR1` and SLURM's SIGTERM do to every process of the step,
+        os.kill(pid, signal.SIGUSR1)  # and a terminal's Ctrl-C to every process of its job (torch's launcher: of a rank's)
         os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
     time.sleep(0.5)
     rest = [tuple(b["keys"]) for b in stream]
     assert first + rest == _keys(_src(corpus, "fork", workers_=1), 10)
