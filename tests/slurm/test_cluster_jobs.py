@@ -80,7 +80,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, bert_corpus,
     events = [json.loads(ln) for ln in metrics.read_text().splitlines() if '"event"' in ln]
     stop = next(e for e in events if e["event"] == "stop")
     resume = next(e for e in events if e["event"] == "resume")
-    assert "signal" in stop["message"] and 0 < stop["step"] == resume["step"] < steps, events
+    assert stop["reason"] == "signal" and "(SIGUSR1)" in stop["message"] and 0 < stop["step"] == resume["step"] < steps, events
     assert (run_dir / "logs" / f"job-{job}-r1-node0.log").is_file()
     # the budget exactly, no step twice: in metrics.jsonl and in each rank's append-only trace
     train_steps = [r["step"] for r in train_records(run_dir)]
