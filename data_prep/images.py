@@ -11,8 +11,8 @@ pixels, so what is stored here is never resized by anything else. ``raw`` stores
 itself (``core.families.vit.eval_view``: the evaluation reads it as it is), and ``resize_shorter``
 is the processor's resize (bilinear, its size arithmetic), which the evaluation then repeats as a copy
 when it equals ``eval_resize`` and the training refuses otherwise (``stored_geometry_problem``).
-Before, raw pixels were resized bicubic to the model's size and the evaluation resized them again:
-10-17 % of the digits' predictions differed from ``transformers``' on the same release.
+A second resize (at prepare, then at evaluation) changed 10-17 % of the digits' predictions against
+``transformers``' on the same release (tests/data_prep/test_image_release.py holds them equal).
 Why raw stores the processor's crop rather than the larger resized square it is cut from: the
 stored square stays the model's size, so every random-resized training crop is an upsampling, where
 the device's bilinear ``grid_sample`` equals PIL's, and the bytes per image stay those measured in
