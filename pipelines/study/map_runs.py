@@ -6,7 +6,8 @@ entry in ``sweep.json`` (two warmup arms with the same ``schedule.warmup`` but o
 config: post, pre or tfixup), its depth and lr from its config. ``label_settings`` adds to the row
 label (the ``norm`` field) what else tells runs apart: β₂ when the sweep has several (``post β2=0.999``),
 then every other axis whose labels differ inside one (row, depth, lr) cell (``post width=w64``), so a
-cell never pools two models.
+cell never pools two models. Whether a run is the baseline, Adam without warmup, is read from its resolved
+config (``is_no_warmup_adam``), never from its labels: ``none``, ``no_warmup`` or ``constant`` name the same arm.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["NO_WARMUP", "MAP_AXES", "run_result", "label_settings"]
+__all__ = ["ADAM_NAMES", "MAP_AXES", "is_no_warmup_adam", "run_result", "label_settings"]
 
-NO_WARMUP = "adam-none"  # the arm labelled optimizer `adam`, warmup `none` in the sweep file
+ADAM_NAMES = ("adam", "adamw")  # the optimizers whose runs without warmup are the map's baseline
 MAP_AXES = ("optimizer", "warmup", "norm")  # the labels that are the arm and the row; depth and lr are numbers
 
 
@@ -46,9 +47,31 @@ def _depth_of(cfg: dict[str, Any]) -> int:
         return 0
 
 
+def is_no_warmup_adam(cfg: dict[str, Any], first: int = 100) -> bool:
+    """Whether the resolved run config ``cfg`` is Adam (or AdamW) whose learning rate is not warmed up: the
+    warmup factor of ``schedule`` is 1 at each of the first ``first`` updates (``warmup: none``, or a linear
+    warmup of 0 or 1 steps). A warmup this process has not registered counts only under the name ``none``."""
+    from pipelines.engine.schedules import WARMUPS, ScheduleContext
+
+    opt, sched = cfg.get("optim") or {}, cfg.get("schedule") or {}
+    if str(opt.get("name", "")).lower() not in ADAM_NAMES:
+        return False
+    name = str(sched.get("warmup", "linear"))  # ScheduleConfig's default
+    if name not in WARMUPS:
+        return name == "none"
+    betas = opt.get("betas") or [0.9, 0.999]
+    ctx = ScheduleContext(base_lr=float(opt.get("lr") or 1.0), total_steps=max(first, 1),
+                          warmup_steps=int(sched.get("warmup_steps") or 0), beta2=float(betas[1]),
+                          d_model=int(sched.get("d_model") or 0) or 1)
+    try:
+        return all(WARMUPS.lookup(name).factor(t, ctx) == 1.0 for t in range(1, first + 1))
+    except (ArithmeticError, ValueError):  # e.g. an exponential warmup of 0 steps, which training refuses
+        return False
+
+
 def run_result(r: Any) -> dict[str, Any]:
     """The numbers ``classify`` needs from one ``analysis.StudyRun``: arm, norm, depth, lr, seed, start, final,
-    and ``axes``: the labels of the sweep's other axes (``StudyRun.labels``; a run without labels gets its arm
+    ``baseline`` (``is_no_warmup_adam`` of its config: the arm label only names it) and ``axes``: the labels of the sweep's other axes (``StudyRun.labels``; a run without labels gets its arm
     from its config, ``optim.name-schedule.warmup``, as before labels were read)."""
     cfg = r.config
     opt = cfg.get("optim", {})
@@ -70,6 +93,7 @@ def run_result(r: Any) -> dict[str, Any]:
     return {
         "name": r.name,
         "arm": arm,
+        "baseline": is_no_warmup_adam(cfg),
         "norm": str(labels.get("norm") or _norm_of(cfg)),
         "beta2": float(betas[1]),
         "depth": _depth_of(cfg),

@@ -19,7 +19,9 @@ the need. ``configs/sweeps/warmup_map.yaml`` runs that grid; this module turns i
    not fail by 1 or 2. A cell where no arm has two such seeds has no seed spread: rule 3 is skipped.
 
 A run's arm (``adam-lin10``) and its axis labels are the sweep's own, read from its entry in
-``sweep.json`` (``pipelines.study.map_runs.run_result``); Adam without warmup is the arm ``adam-none``.
+``sweep.json`` (``pipelines.study.map_runs.run_result``). Adam without warmup, the baseline the claims are
+about, is the arm whose runs' resolved configs are Adam/AdamW with no warmup (``baseline_arm``), whatever its
+label; a sweep without one gets maps and no baseline claims, and its table says so in one line.
 
 The *final loss* is the validation loss logged at the last step (the same batches for every run)
 when there is one, else the mean of the last three logged training losses. A cell's *failure
@@ -40,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from monitoring.report import save_figure
-from pipelines.study.map_runs import NO_WARMUP, label_settings, run_result
+from pipelines.study.map_runs import label_settings, run_result
 from pipelines.study.plateau import unigram_plateau
 
 __all__ = [
     "DEFAULT_K",
     "run_result",
     "label_settings",
+    "baseline_arm",
     "classify",
     "cell_stats",
     "claims",
@@ -71,6 +74,20 @@ def _finite(v: Any) -> bool:
 
 def _cell(res: dict[str, Any]) -> tuple[str, int, float]:
     return res["norm"], res["depth"], res["lr"]
+
+
+def baseline_arm(results: Iterable[dict[str, Any]]) -> str | None:
+    """The arm label of Adam without warmup: the first arm (sweep order) all of whose runs are ``baseline``
+    (``map_runs.is_no_warmup_adam`` of their configs); None when the sweep has no such arm."""
+    arms: dict[str, bool] = {}
+    for r in results:
+        arms[r["arm"]] = arms.get(r["arm"], True) and bool(r.get("baseline"))
+    return next((arm for arm, ok in arms.items() if ok), None)
+
+
+NO_BASELINE = ("No arm of this sweep is Adam without warmup (optim.name adam or adamw with schedule.warmup=none "
+               "or a linear warmup of 0 steps): the map shows each arm, and nothing is compared against that "
+               "baseline; add such an arm (e.g. warmups: {none: [schedule.warmup=none]}) to draw those claims.")
 
 
 def classify(results: Iterable[dict[str, Any]], k: float = DEFAULT_K, min_std: float = MIN_STD) -> list[dict[str, Any]]:
@@ -136,26 +153,27 @@ def claims(classified: list[dict[str, Any]], k: float = DEFAULT_K) -> dict[str, 
     the smallest failing lr per depth for Adam without warmup, and whether a warmup arm rescues those cells."""
     stats = cell_stats(classified)
     norms, arms, depths, lrs = _axes(classified)
-    out: dict[str, Any] = {"k": k, "norms": {}}
+    base = baseline_arm(classified)
+    out: dict[str, Any] = {"k": k, "baseline_arm": base, "norms": {}}
     for norm in norms:
         per_arm = {}
         for arm in arms:
             cells = [(d, lr) for d in depths for lr in lrs if stats.get((norm, arm, d, lr), {}).get("rate", 0) > 0.5]
             per_arm[arm] = [{"depth": d, "lr": lr, "rate": stats[(norm, arm, d, lr)]["rate"]} for d, lr in cells]
-        ran = [(d, lr) for d in depths for lr in lrs if (norm, NO_WARMUP, d, lr) in stats]  # a slice has holes
+        ran = [(d, lr) for d in depths for lr in lrs if (norm, base, d, lr) in stats]  # a slice has holes
         first_fail = {}
         for d in sorted({d for d, _ in ran}):
-            failing = [lr for lr in lrs if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+            failing = [lr for lr in lrs if stats.get((norm, base, d, lr), {}).get("rate", 0) > 0.5]
             first_fail[str(d)] = min(failing) if failing else None
         rescued = []
-        for c in per_arm.get(NO_WARMUP, []):
-            ok = [a for a in arms if a != NO_WARMUP and stats.get((norm, a, c["depth"], c["lr"]), {}).get("rate", 1) <= 0.5]
+        for c in per_arm.get(base, []):
+            ok = [a for a in arms if a != base and stats.get((norm, a, c["depth"], c["lr"]), {}).get("rate", 1) <= 0.5]
             rescued.append({"depth": c["depth"], "lr": c["lr"], "arms_ok": ok})
         out["norms"][norm] = {
             "majority_fail_cells": per_arm,
             "no_warmup_first_failing_lr": first_fail,
             "no_warmup_failures_rescued_by": rescued,
-            "no_warmup_fail_cells": len(per_arm.get(NO_WARMUP, [])),
+            "no_warmup_fail_cells": len(per_arm.get(base, [])),
             "cells": len(ran),  # the cells where Adam without warmup ran
         }
     return out
@@ -327,10 +345,13 @@ def markdown(classified: list[dict[str, Any]], found: dict[str, Any], spread: di
                     lines.append("| " + " | ".join([norm, arm, str(d), *cells]) + " |")
     lines.append("")
     lines.append(f"Failure: diverged, final loss above start, or > {found['k']:g} pooled seed std above the best arm of the cell.")
-    for norm, c in found["norms"].items():
+    base = found.get("baseline_arm")
+    if base is None:
+        lines.append(f"- {NO_BASELINE}")
+    for norm, c in found["norms"].items() if base else ():
         ff = ", ".join(f"{d} layers: {_lr_text(lr) if lr else 'none'}" for d, lr in c["no_warmup_first_failing_lr"].items())
         lines.append(
-            f"- {norm}: Adam without warmup fails (majority of seeds) in {c['no_warmup_fail_cells']}/{c['cells']} "
+            f"- {norm}: Adam without warmup ({base}) fails (majority of seeds) in {c['no_warmup_fail_cells']}/{c['cells']} "
             f"cells; smallest failing lr per depth: {ff}."
         )
         for res in c["no_warmup_failures_rescued_by"]:
@@ -397,10 +418,11 @@ def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     stats = cell_stats(classified)
     norms, _arms, _depths, _lrs = _axes(classified)
+    base = baseline_arm(classified)
 
     def cells(norm: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
         ran = sorted((d, lr) for (n, _a, d, lr) in stats if n == norm)  # the cells this setting has runs in (a slice)
-        return ran, [(d, lr) for d, lr in ran if stats.get((norm, NO_WARMUP, d, lr), {}).get("rate", 0) > 0.5]
+        return ran, [(d, lr) for d, lr in ran if stats.get((norm, base, d, lr), {}).get("rate", 0) > 0.5]
 
     stack = [n for n in norms if n.split(" ")[0] == norms[0].split(" ")[0]]  # "post β2=0.999", "post β2=0.98"
     norm = next((n for n in stack if cells(n)[1]), norms[0])
@@ -412,7 +434,8 @@ def focus_cell(classified: list[dict[str, Any]]) -> dict[str, Any]:
         depth = max(d for d, _ in ran)
         lr = max(lr for d, lr in ran if d == depth)
     beta2 = next(r.get("beta2") for r in classified if r["norm"] == norm)
-    why = "smallest lr where Adam without warmup fails" if failing else "no failure of Adam without warmup: largest lr"
+    why = ("smallest lr where Adam without warmup fails" if failing else "no failure of Adam without warmup: largest lr"
+           if base else "no arm is Adam without warmup: largest lr")
     return {"norm": norm, "beta2": beta2, "depth": depth, "lr": lr, "why": why}
 
 
@@ -424,10 +447,11 @@ def focus_runs(runs: list[Any], focus: dict[str, Any] | None = None) -> list[Any
     if not results:
         return runs
     focus = focus or focus_cell(list(results.values()))
+    base = baseline_arm(results.values())
 
     def shown(c: dict[str, Any]) -> bool:
         if c["depth"] != focus["depth"] or c["lr"] != focus["lr"]:
             return False
-        return c["norm"] == focus["norm"] or c["arm"] == NO_WARMUP
+        return c["norm"] == focus["norm"] or (base is not None and c["arm"] == base)
 
     return [r for r in runs if r.name in results and shown(results[r.name])]

@@ -21,9 +21,12 @@ NORMS = {
 }
 
 
-def result(arm, seed, final, start=9.7, norm="post", depth=6, lr=1e-2):
+def result(arm, seed, final, start=9.7, norm="post", depth=6, lr=1e-2, baseline=None):
+    """One run as ``map_runs.run_result`` gives it; ``baseline`` (its config is Adam without warmup) defaults
+    to what the shipped sweeps label ``adam-none``."""
     return {"name": f"{arm}-{norm}-{depth}-{lr}-s{seed}", "arm": arm, "norm": norm, "depth": depth, "lr": lr,
-            "seed": seed, "start": start, "final": final}
+            "seed": seed, "start": start, "final": final,
+            "baseline": arm == "adam-none" if baseline is None else baseline}
 
 
 def test_failure_classification_on_hand_made_runs():
@@ -365,3 +368,73 @@ def test_map_reads_arm_and_axis_labels_from_the_sweep_record(tmp_path, bert_corp
     (sweep_dir / "sweep.json").write_text(json.dumps(manifest))
     old = render_study(sweep_dir, tmp_path / "old")
     assert {r["name"]: (r["norm"], r["arm"]) for r in json.loads((old.parent / "map_summary.json").read_text())["runs"]} == rows
+
+
+def test_the_baseline_is_what_the_run_config_says_not_its_label():
+    """Adam without warmup is read from each run's resolved config: `warmup: none` or a linear warmup of 0
+    steps, under any label; RAdam, a real warmup or another optimizer is not it."""
+    from pipelines.study.map_runs import is_no_warmup_adam
+
+    def cfg(name, warmup, steps=0):
+        return {"optim": {"name": name, "lr": 1e-3, "betas": [0.9, 0.95]},
+                "schedule": {"warmup": warmup, "warmup_steps": steps, "decay": "constant"}}
+
+    assert is_no_warmup_adam(cfg("adam", "none")) and is_no_warmup_adam(cfg("adamw", "none"))
+    assert is_no_warmup_adam(cfg("adam", "linear", 0))
+    assert not any(is_no_warmup_adam(c) for c in (cfg("radam", "none"), cfg("lamb", "none"), cfg("adam", "linear", 10),
+                                                  cfg("adam", "untuned_exponential"), cfg("adam", "exponential", 0)))
+
+
+def test_a_sweep_without_the_baseline_says_so_in_one_line():
+    """An Adam-without-warmup arm labelled `constant` is the baseline of the claims and the focus cell; with no
+    such arm the table says so in one line instead of claiming 0/0 cells, and the focus cell says why."""
+    from pipelines.study.warmup_map import NO_BASELINE, baseline_arm, focus_cell, markdown
+
+    rows = [result(arm, s, (7.0 if arm == "adam-constant" and lr == 1e-2 else 5.0) + 0.01 * s, lr=lr,
+                   baseline=arm == "adam-constant")
+            for arm in ("adam-lin10", "adam-constant", "radam-none") for lr in (1e-3, 1e-2) for s in range(2)]
+    classified = classify(rows)
+    found = claims(classified)
+    assert baseline_arm(classified) == found["baseline_arm"] == "adam-constant"
+    assert found["norms"]["post"]["no_warmup_fail_cells"] == 1 and found["norms"]["post"]["cells"] == 2
+    assert focus_cell(classified)["lr"] == 1e-2
+    assert "- post: Adam without warmup (adam-constant) fails (majority of seeds) in 1/2 cells" in markdown(classified, found)
+
+    without = classify([r for r in rows if r["arm"] != "adam-constant"])
+    found = claims(without)
+    table = markdown(without, found)
+    assert found["baseline_arm"] is None and table.count(NO_BASELINE) == 1 and "Adam without warmup fails" not in table
+    assert focus_cell(without)["why"] == "no arm is Adam without warmup: largest lr"
+
+
+@pytest.mark.slow
+def test_report_finds_the_baseline_by_config_under_another_label(tmp_path, bert_corpus, capsys):
+    """A real sweep with only a linear warmup: `pretrain report` prints the one line that no arm is Adam without
+    warmup. The user adds that arm as `constant` (a linear warmup of 0 steps): the report's claims use it."""
+    from test_sweep import TINY_RUN
+
+    from pipelines.cli import main
+    from pipelines.study.warmup_map import NO_BASELINE
+
+    grid = {"out_dir": str(tmp_path / "sw"), "corpus": str(bert_corpus), "run": TINY_RUN,
+            "optimizers": {"adam": ["optim.name=adam"]},
+            "warmups": {"lin2": ["schedule.warmup=linear", "schedule.warmup_steps=2"]},
+            "lrs": [1e-3, 1e30], "seeds": [0], "axes": {"norm": {"post": NORMS["post"]}}}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    run_local(load_sweep(path))
+    assert main(["report", str(tmp_path / "sw")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(NO_BASELINE) == 1 and "Adam without warmup fails" not in printed, printed
+
+    grid["warmups"]["constant"] = ["schedule.warmup=linear", "schedule.warmup_steps=0"]
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    run_local(load_sweep(path))
+    assert main(["report", str(tmp_path / "sw")]) == 0
+    printed = capsys.readouterr().out
+    assert NO_BASELINE not in printed, printed
+    assert "- post: Adam without warmup (adam-constant) fails (majority of seeds) in " in printed, printed
+    summary = json.loads((tmp_path / "sw" / "study" / "map_summary.json").read_text())
+    assert summary["claims"]["baseline_arm"] == "adam-constant" and summary["claims"]["norms"]["post"]["cells"] == 2
+    assert summary["focus"]["why"] == "smallest lr where Adam without warmup fails"  # 1e30 diverges
+    assert {r["arm"] for r in summary["runs"] if r["baseline"]} == {"adam-constant"}
