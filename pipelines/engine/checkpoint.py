@@ -32,7 +32,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ from models.safe_load import CheckpointError, safe_torch_load
 
 __all__ = ["save_checkpoint", "load_rank_state", "find_resume", "rng_state", "set_rng_state", "list_checkpoints",
            "step_dir_name", "verify_checkpoint", "read_trainer_state", "CheckpointError", "claim_run_dir",
-           "refuse_fresh_start_over_checkpoints", "agree_on_resume", "open_for_resume", "open_run_dir", "param_shapes",
+           "refuse_fresh_start_over_checkpoints", "Resume", "agree_on_resume", "open_for_resume", "open_run_dir", "param_shapes",
            "refuse_other_model"]
 
 log = logging.getLogger(__name__)
@@ -268,9 +268,37 @@ def refuse_other_model(path: Path, state: dict[str, Any], shapes: dict[str, list
     )
 
 
-def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any) -> tuple[int | None, tuple[Path, int] | None]:
+class Resume(NamedTuple):
+    """The checkpoint every rank resumes from, its step, and the budget of ``train`` it has already reached
+    (``TrainConfig.budget_reached``; None: train on)."""
+
+    path: Path
+    step: int
+    finished: str | None
+
+    def nothing_to_do(self, run_dir: Path, train_cfg: Any) -> str:
+        """The one line a rerun of a finished run prints: where it is, which budget to raise."""
+        t, state = train_cfg, read_trainer_state(self.path)
+        tokens, minutes = int(state.get("tokens", 0)), float(state.get("train_seconds", 0.0)) / 60
+        where, detail = {
+            "max_steps": (f"step {self.step}, past train.max_steps={t.max_steps}" if self.step > t.max_steps
+                          else f"max_steps={t.max_steps}", ""),
+            "max_tokens": (f"max_tokens={t.max_tokens}", f"{tokens} tokens at step {self.step}"),
+            "max_time_minutes": (f"max_time_minutes={t.max_time_minutes:g}", f"{minutes:.2f} minutes of training at step {self.step}"),
+        }[self.finished]
+        if self.path.parent.parent == Path(run_dir):  # else train.resume names another run's checkpoint
+            what = f"run {run_dir} is already at {where} ({detail}{'; ' if detail else ''}checkpoint {self.path})"
+        else:
+            what = f"train.resume={self.path} is already at {where}" + (f" ({detail})" if detail else "")
+        return f"{what}: nothing to do. Raise train.{self.finished} to train further."
+
+
+_BUDGETS = ("max_steps", "max_tokens", "max_time_minutes")  # how a budget travels in agree_on_resume's all-reduce
+
+
+def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any) -> tuple[int | None, Resume | None]:
     """Rank 0 opens ``run_dir`` (``open_run_dir``: claimed, locked); every rank gets the checkpoint to resume
-    from and its step (``agree_on_resume``). Returns (rank 0's lock or None, the resume or None)."""
+    from, its step and its reached budget (``agree_on_resume``). Returns (rank 0's lock or None, the resume or None)."""
     lock, error = None, None
     if engine.rank == 0:
         try:
@@ -278,39 +306,47 @@ def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any) -> tuple[int | N
         except ConfigError as exc:  # raised on every rank by agree_on_resume (no rank waits for a dead one)
             error = exc
     try:
-        return lock, agree_on_resume(engine, run_dir, train_cfg.resume, error)
+        return lock, agree_on_resume(engine, run_dir, train_cfg, error)
     except BaseException:
         unlock_dir(lock)
         raise
 
 
-def agree_on_resume(engine: Any, run_dir: Path, resume: str, error: ConfigError | None) -> tuple[Path, int] | None:
-    """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets its choice and step (or its error)."""
+def agree_on_resume(engine: Any, run_dir: Path, train_cfg: Any, error: ConfigError | None) -> Resume | None:
+    """Rank 0 picks (and verifies) the checkpoint to resume from and sees which budget it has reached;
+    every rank gets its choice (or its error), so no rank trains on while another returns."""
+    resume = train_cfg.resume
     if engine.world_size == 1:
         if error is not None:
             raise error
         found = find_resume(run_dir, resume)
-        return (found, _step_of(found)) if found is not None else None
-    found = None
+        return _resume_of(found, train_cfg) if found is not None else None
+    chosen = None
     if engine.rank == 0 and error is None:
         try:
             found = find_resume(run_dir, resume)
+            chosen = _resume_of(found, train_cfg) if found is not None else None
         except ConfigError as exc:
             error = exc
-    code = -2 if error is not None else (-1 if found is None else _step_of(found))
-    code = int(engine.all_reduce(torch.tensor([float(code if engine.rank == 0 else 0)], dtype=torch.float64), "sum")[0].item())
+    code = -2 if error is not None else (-1 if chosen is None else chosen.step)
+    finished = _BUDGETS.index(chosen.finished) + 1 if chosen is not None and chosen.finished else 0
+    mine = [float(code), float(finished)] if engine.rank == 0 else [0.0, 0.0]
+    code, finished = (int(v) for v in engine.all_reduce(torch.tensor(mine, dtype=torch.float64), "sum").tolist())
     if error is not None:
         raise error
     if code == -2:
         raise ConfigError(f"rank 0 refused to start in {run_dir} (see its message).")
     if code == -1:
         return None
-    return (Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)), code
+    path = Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)
+    return Resume(path, code, _BUDGETS[finished - 1] if finished else None)
 
 
-def _step_of(path: Path) -> int:
-    """The step a (verified) checkpoint holds, from its trainer state."""
-    return int(read_trainer_state(path)["step"])
+def _resume_of(path: Path, train_cfg: Any) -> Resume:
+    """A verified checkpoint as a ``Resume``: its step and the budget its trainer state has reached."""
+    state = read_trainer_state(path)
+    step = int(state["step"])
+    return Resume(path, step, train_cfg.budget_reached(step, int(state.get("tokens", 0)), float(state.get("train_seconds", 0.0))))
 
 
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, *, cfg: Any, trainer_state: dict[str, Any],

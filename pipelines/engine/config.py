@@ -193,8 +193,9 @@ class TrainConfig:
     )
     run_dir: str = option("runs/default", help="Directory for config.yaml, metrics.jsonl, tb/ and checkpoints/.")
     max_steps: int = option(1000, help="Optimizer steps to train; the run stops at the first budget reached.")
-    max_tokens: int = option(0, help="Token budget (0 = none).")
-    max_time_minutes: float = option(0.0, help="Wall-time budget in minutes (0 = none); checkpoints before stopping.")
+    max_tokens: int = option(0, help="Token budget of the run (0 = none).")
+    max_time_minutes: float = option(0.0, help="Wall-time budget of the run's training in minutes (0 = none), summed over "
+                                               "its invocations as far as its checkpoint holds them; checkpoints before stopping.")
     grad_accum_steps: int = option(1, help="Micro-batches accumulated per optimizer step (derived when global_batch_size is set).")
     global_batch_size: int = option(0, help="Samples per optimizer step over all ranks, held on any number of GPUs: each "
                                             "rank's share in micro-batches of at most data.micro_batch_size, the rest "
@@ -225,6 +226,20 @@ class TrainConfig:
         check_at_least("train", self, 0, "seed", why=" (numpy seeds the data order)")
         if not self.max_time_minutes >= 0:
             raise ConfigError(f"train.max_time_minutes must be >= 0 (0 = no time budget), got {self.max_time_minutes}.")
+
+    def budget_reached(self, step: int, tokens: int, seconds: float) -> str | None:
+        """The budget a run at ``step``, with ``tokens`` trained in ``seconds`` of training, has reached
+        (``max_steps``, ``max_tokens`` or ``max_time_minutes``), or None. Every budget is the run's, not one
+        invocation's: a rerun of a run that reached one has nothing to do, and raising it trains on.
+        ``max_time_minutes`` counts the training time its checkpoint holds (from the end of start-up to the
+        save, over every invocation); time after the last checkpoint is not counted, as its steps are redone."""
+        if step >= self.max_steps:
+            return "max_steps"
+        if 0 < self.max_tokens <= tokens:
+            return "max_tokens"
+        if 0 < self.max_time_minutes <= seconds / 60:
+            return "max_time_minutes"
+        return None
 
 
 @dataclass(kw_only=True)

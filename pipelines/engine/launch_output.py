@@ -116,7 +116,12 @@ class Forwarder:
         if self.output is not None:
             self.output.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(self.proc.pid) == self.proc.pid:  # its own group: deepspeed's launch.py and ranks are in it
+            ranks = _deepspeed_ranks(self.proc.pid)
+            if ranks:  # to the ranks only: DeepSpeed's launch.py would SIGTERM them and SIGKILL them 30 s later
+                for pid in ranks:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signum)
+            elif os.getpgid(self.proc.pid) == self.proc.pid:  # its own group: deepspeed's launch.py and ranks are in it
                 os.killpg(self.proc.pid, signum)
             else:
                 self.proc.send_signal(signum)
@@ -131,7 +136,8 @@ def forwarding_signals() -> Iterator[Forwarder]:
     only, and the launcher once, from here -- as ``kill PID`` (or a scheduler stopping the job) does,
     which reaches only this process anyway (by default it would die at once and leave the launcher and
     its ranks training on, orphaned). The launcher (torchrun, accelerate) hands SIGTERM or SIGINT to
-    every rank, which checkpoints at its next step boundary and exits; ``launch`` then returns 128 + the
+    every rank (DeepSpeed's ranks get it from here: ``_deepspeed_ranks``), which checkpoints at its next
+    step boundary and exits; ``launch`` then returns 128 + the
     signal, as a shell reports a stopped command (the ranks' stop line names the checkpoint), and the
     output leaves out the agent's shutdown report. A second Ctrl-C kills the launcher, its ranks and
     their workers at once (``kill_tree``): a checkpoint being written stays a ``.tmp-`` folder that a
@@ -149,9 +155,8 @@ def forwarding_signals() -> Iterator[Forwarder]:
                 signal.signal(sig, handler)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every process below it: torch's ranks run in sessions of
-    their own, and their loader workers and forkserver are their children (read from ``/proc``)."""
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, read from ``/proc`` (empty where there is none)."""
     children: dict[int, list[int]] = {}
     proc_dir = Path("/proc")
     for entry in proc_dir.iterdir() if proc_dir.is_dir() else []:
@@ -159,10 +164,36 @@ def kill_tree(pid: int) -> None:
             children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
         except (OSError, ValueError, IndexError):  # not a process, or one that has just ended
             continue
-    victims, todo = [], [pid]
+    return children
+
+
+def _tree(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """``pid`` and every process below it."""
+    found, todo = [], [pid]
     while todo:
-        victims.append(todo.pop())
-        todo.extend(children.get(victims[-1], []))
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def _deepspeed_ranks(pid: int) -> list[int]:
+    """The ranks DeepSpeed's per-node ``deepspeed.launcher.launch`` started below ``pid`` (none: another launcher,
+    or ranks not started yet). Its SIGINT / SIGTERM handler SIGTERMs each rank and SIGKILLs it 30 s later, a
+    checkpoint still being written or not; given the signal themselves, the ranks checkpoint and exit first."""
+    children = _children()
+    for below in _tree(pid, children):
+        try:
+            if b"deepspeed.launcher.launch" in Path(f"/proc/{below}/cmdline").read_bytes():
+                return children.get(below, [])
+        except OSError:
+            continue
+    return []
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every process below it: torch's ranks run in sessions of
+    their own, and their loader workers and forkserver are their children (read from ``/proc``)."""
+    victims = _tree(pid, _children())
     for victim in victims:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(victim, signal.SIGKILL)

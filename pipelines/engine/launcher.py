@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 from core.config import ConfigError
+from pipelines.engine import stop_signals
 from pipelines.engine.check import check_accelerate_file
 from pipelines.engine.launch_output import LaunchOutput, forwarding_signals
 
@@ -145,5 +146,6 @@ def launch(config_path: str, overrides: list[str], num_processes: int, *, launch
         print("aborted (Ctrl-C twice): the launcher and its ranks were killed. A checkpoint they were writing is "
               "left as checkpoints/.tmp-step-*, which a resume ignores; the complete ones are intact.", file=sys.stderr)
     if forwarded.signals:  # stopped as asked (the ranks checkpointed): the signal's exit code, however the launcher ended
+        stop_signals.record_stop(forwarded.signals[0])  # as a run in this process would (a sweep stops on it)
         return 128 + forwarded.signals[0]
     return 2 if code and output is not None and output.errors else code  # a problem the ranks explained: the user's to fix

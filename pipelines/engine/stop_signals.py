@@ -62,7 +62,8 @@ def install(on_signal: Callable[[int], None], *, announce: bool) -> Callable[[],
 
 
 def record_stop(signum: int | None) -> None:
-    """The trainer stopped its run on ``signum`` (this process's own signal; None: another rank's)."""
+    """The trainer stopped its run on ``signum`` (this process's own signal; None: another rank's), or
+    ``launch`` passed ``signum`` on to the job it started, which stopped on it."""
     if signum is not None:
         _stops.append(int(signum))
 

@@ -61,7 +61,6 @@ class _RunState:
     trace: Any
     profiler: Any  # monitoring.profiler.StepProfiler: logging.profile_steps
     resume: Path | None
-    started: float
 
 
 @dataclasses.dataclass
@@ -138,15 +137,16 @@ class Trainer:
         self._signal: int | None = None  # the stop signal this process received (``stop_signals``)
         self._restore_sigint: Any = lambda: None
         self._run_lock: int | None = None  # rank 0's lock on run_dir while fit() runs
+        self._started = time.time()  # when the run would have started, had it trained without a break (``_start``)
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
         try:
             self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train)
-            if resume is not None and resume[1] >= self.cfg.train.max_steps:  # the agreed step: every rank returns
-                return self._nothing_to_do(*resume)
-            run = self._start(resume[0] if resume else None)
+            if resume is not None and resume.finished:  # agreed: every rank returns
+                return self._nothing_to_do(resume)
+            run = self._start(resume.path if resume else None)
             batches = self.train_data.batches()
             self.engine.train()
             stop_reason, last_saved, queued = None, None, []
@@ -183,19 +183,15 @@ class Trainer:
                 "resumed_from": str(resumed_from) if resumed_from else None, "world_size": self.engine.world_size}
 
     # ------------------------------------------------------------------------------------- fit's steps
-    def _nothing_to_do(self, path: Path, step: int) -> dict[str, Any]:
-        """A rerun of a finished run (at ``max_steps`` or past it): one line; no evaluation, checkpoint or log line."""
-        t = self.cfg.train
-        where = f"max_steps={t.max_steps}" if step == t.max_steps else f"step {step}, past train.max_steps={t.max_steps}"
-        own = path.parent.parent == self.run_dir  # else train.resume names another run's checkpoint
-        what = (f"run {self.run_dir} is already at {where} (checkpoint {path})" if own
-                else f"train.resume={path} is already at {where}")
+    def _nothing_to_do(self, resume: ckpt.Resume) -> dict[str, Any]:
+        """A rerun of a finished run (at a budget, ``TrainConfig.budget_reached``): one line; no evaluation,
+        checkpoint or log line."""
         if self.is_main:
-            print(f"{what}: nothing to do. Raise train.max_steps to train further.", flush=True)
-        state = ckpt.read_trainer_state(path)
-        self.step, self.tokens, self.last_eval = step, int(state.get("tokens", 0)), state.get("eval") or {}
+            print(resume.nothing_to_do(self.run_dir, self.cfg.train), flush=True)
+        state = ckpt.read_trainer_state(resume.path)
+        self.step, self.tokens, self.last_eval = resume.step, int(state.get("tokens", 0)), state.get("eval") or {}
         self.start_loss, self.last_loss = state.get("start_loss"), state.get("last_loss")
-        return self._summary(path, "already_done", path)
+        return self._summary(resume.path, "already_done", resume.path)
 
     def _start(self, resume: Path | None) -> _RunState:
         """config.yaml, logger / health / throughput, the resume, signal handlers (the run dir is open)."""
@@ -211,8 +207,9 @@ class Trainer:
                                 resolve_peak_flops(cfg.logging.peak_flops, self.engine.device, t.precision),
                                 self.engine.world_size,
                                 remeasure_peak=peak_remeasure(cfg.logging.peak_flops, self.engine.device, t.precision))
+        trained_seconds = 0.0  # the run's training time before this invocation (max_time_minutes budgets the run)
         if resume is not None:
-            self._restore(resume, health, meter)
+            trained_seconds = self._restore(resume, health, meter)
             logger.truncate_after(self.step)
             logger.event(self.step, "resume", f"Resuming from {resume} at step {self.step} ({self.tokens} tokens).", path=str(resume))
             if self.is_main:
@@ -222,8 +219,9 @@ class Trainer:
         register_stack_dump()  # SIGUSR2: every thread's stack (where is a hung job?)
         self._restore_sigint = stop_signals.install(self._on_stop_signal, announce=self.is_main)
         profiler = StepProfiler(self.run_dir, cfg.logging.profile_steps, self.engine.rank, self.engine.device.type)
+        self._started = time.time() - trained_seconds
         return _RunState(logger=logger, health=health, meter=meter, trace=SampleKeyLog.open(self.run_dir, cfg.logging.sample_keys, self.engine.rank), profiler=profiler,
-                         resume=resume, started=time.time())
+                         resume=resume)
 
     def _reads_now(self, number: int, run: _RunState) -> bool:
         """Whether step ``number`` reads its host values before the next step is queued: a step that acts on
@@ -241,7 +239,7 @@ class Trainer:
                 or number == 1 or number >= t.max_steps or every(t.log_every) or every(t.eval_every)
                 or every(t.checkpoint_every) or diagnostics_due(number, lg.diagnostics_every)
                 or (not one_rank and every(lg.skew_every)) or t.max_tokens > 0 or run.trace is not None
-                or (one_rank and (self._signal is not None or self._time_up(run))))
+                or (one_rank and (self._signal is not None or self._time_up())))
 
     def _train_step(self, batches: Any, run: _RunState, read_now: bool) -> _QueuedStep:
         """One optimizer step: ``grad_accum`` micro-batches forward (backward all but the last), the
@@ -299,12 +297,12 @@ class Trainer:
         """The step's one small all-reduce, on the loss's device: loss, tokens, bad samples and the stop
         flags (signal, wall time) summed over ranks, so every rank takes the same decisions from them.
         Its values are read by ``_QueuedStep.read`` (tests/pipelines/test_host_syncs.py counts the reads)."""
-        host = torch.tensor([float(tokens), float(bad), float(self._signal or 0), float(self._time_up(run))],
+        host = torch.tensor([float(tokens), float(bad), float(self._signal or 0), float(self._time_up())],
                             dtype=torch.float64)
         return self.engine.all_reduce(torch.cat([local_loss.reshape(1), host.to(local_loss.device, non_blocking=True)]), "sum")
 
-    def _time_up(self, run: _RunState) -> bool:
-        return 0 < self.cfg.train.max_time_minutes <= (time.time() - run.started) / 60
+    def _time_up(self) -> bool:
+        return 0 < self.cfg.train.max_time_minutes <= (time.time() - self._started) / 60
 
     def _finish_steps(self, queued: list[_QueuedStep], run: _RunState, *, keep_newest: bool) -> str | None:
         """Read the queued steps in order -- all, or all but the newest -- and act on each: counters,
@@ -431,6 +429,7 @@ class Trainer:
         state = {
             "version": 1, "step": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
             "last_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "task": self.task.name,
+            "train_seconds": time.time() - self._started,  # the run's training time so far (max_time_minutes)
             "eval_batches": self.cfg.train.eval_batches,
             "world_size": self.engine.world_size, "engine": self.cfg.distributed.engine,
             "zero_stage": self.cfg.distributed.zero_stage if self.engine.deepspeed else None,
@@ -454,7 +453,8 @@ class Trainer:
         health.consecutive_nan = 0  # the saved state is a good one: a resumed run starts a fresh count
         return self.save(health, meter)
 
-    def _restore(self, path: Path, health: Any, meter: Any) -> None:
+    def _restore(self, path: Path, health: Any, meter: Any) -> float:
+        """Load the checkpoint at ``path``; returns the run's training seconds it holds."""
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
         ckpt.refuse_other_model(path, state, self.param_shapes)
         self.engine.load(path, state)
@@ -471,6 +471,7 @@ class Trainer:
         elif self.is_main:
             log.warning("World size changed (%s -> %s): RNG streams are re-seeded; resume is not bitwise exact.",
                         state.get("world_size"), self.engine.world_size)
+        return float(state.get("train_seconds", 0.0))
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         dev = self.engine.device

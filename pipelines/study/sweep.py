@@ -24,7 +24,9 @@ A run is complete when ``RUN_DIR/done`` exists (written atomically after the run
 (reached ``train.max_steps``, final checkpoint written) or ``diverged`` (the health monitor stopped
 it on NaN/Inf, ``logging.nan_policy``) -- both are results and are skipped on the next invocation.
 Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``interrupted`` and is
-retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error).
+retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error). Ctrl-C
+checkpoints the running runs and starts no more (``pretrain sweep`` exits 130; SIGTERM too, 143, with ``jobs: 1``);
+the same command resumes.
 
 Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` (``--slurm``: ``pipelines.study.sweep_slurm``) and, for ``slurm/sweep_array.sbatch``,
 ``python -m pipelines.study.sweep run-one SWEEP.yaml --index $SLURM_ARRAY_TASK_ID``; N processes sharing one
@@ -41,6 +43,7 @@ import fnmatch
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,6 +62,7 @@ from core.config import (
     save_config,
 )
 from core.files import atomic_write_text, claim_output_dir, discard
+from pipelines.engine import stop_signals
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
 from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, check_overrides, report_failure
@@ -304,6 +308,8 @@ def run_one(
     except Exception as exc:  # noqa: BLE001 - a failed run is a result of the sweep, not its end
         error, rc = report_failure(exc)  # one paragraph for a config/data error; rc as `pretrain train` exits
     status = run_status(spec.run_dir, cfg.train.max_steps)
+    if rc - 128 in (signal.SIGINT, signal.SIGTERM) and status["stopped_by"] == "signal":
+        error = None  # the job checkpointed and stopped as asked (`launch`'s 128 + signal): interrupted, not failed
     if error is not None and status["status"] not in ("ok", "diverged"):
         status["status"] = "failed"
     record = close_attempt(sweep.out_dir, spec, started, status, rc=rc, error=error)
@@ -360,10 +366,7 @@ def run_local(
                       flush=True)
                 break
     else:  # each run in its own process; a thread per slot only waits on it
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
-            results += list(pool.map(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True), specs))
+        results += _run_in_parallel(sweep, specs, extra, force=force)
     counts: dict[str, int] = {}
     for r in results:
         key = "skipped" if r.get("skipped") else r["status"]
@@ -372,10 +375,30 @@ def run_local(
     return results
 
 
+def _run_in_parallel(sweep: SweepConfig, specs: list[RunSpec], extra: list[str] | tuple[str, ...], *,
+                     force: bool) -> list[dict[str, Any]]:
+    """``sweep.jobs`` runs at a time, each a process of this one's group (a thread per slot waits on it).
+    Ctrl-C reaches those processes from the terminal, and each checkpoints and stops; here it starts no
+    further run, waits for the running ones and returns their records (a second Ctrl-C aborts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
+        futures = [pool.submit(run_one, sweep, spec, extra, force=force, subprocess_run=True) for spec in specs]
+        try:
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:
+            stop_signals.record_stop(signal.SIGINT)
+            started = [f for f in futures if not f.cancel()]  # every cancel before the first wait: no slot frees first
+            records = [f.result() for f in started]
+            print("sweep stopped by a signal; run the same command again to resume it.", flush=True)
+            return records
+
+
 def _stopped_by_signal(record: dict[str, Any]) -> bool:
-    """This attempt was stopped by SIGTERM/SIGUSR1 (a skipped run's record may name the signal of an earlier,
-    since resumed attempt: that is no reason to stop)."""
-    return record.get("stopped_by") == "signal" and not record.get("skipped")
+    """This attempt was stopped by a signal (SIGTERM, SIGUSR1, Ctrl-C) and left its run unfinished. A record
+    that ran on to the end (``ok``), or a skipped one, may still name the signal of an earlier, since resumed
+    attempt: that is no reason to stop."""
+    return record.get("stopped_by") == "signal" and record.get("status") == "interrupted" and not record.get("skipped")
 
 
 def run_ensembles(

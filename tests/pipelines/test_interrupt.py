@@ -34,6 +34,8 @@ def _args(corpus: Path, run_dir: Path, max_steps: int = 100_000) -> list[str]:
 def _command(entry: str, corpus: Path, run_dir: Path) -> list[str]:
     if entry == "rank":  # one rank run directly, as `python -m pipelines.pretrain` without a launcher
         return [sys.executable, "-m", "pipelines.pretrain", *_args(corpus, run_dir)]
+    if entry == "deepspeed":  # two ranks under DeepSpeed's launcher (its runner, then launch.py, then the ranks)
+        return [sys.executable, "-m", "pipelines.cli", "train", *_args(corpus, run_dir), "--nproc", "2", "--launcher", "deepspeed"]
     return [sys.executable, "-m", "pipelines.cli", "train", *_args(corpus, run_dir), "--nproc", entry]
 
 
@@ -88,14 +90,17 @@ def _assert_resumes(corpus: Path, run_dir: Path, checkpoint: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", ["2", "1", "rank"])
+@pytest.mark.parametrize("entry", ["2", "1", "rank", "deepspeed"])
 def test_ctrl_c_checkpoints_at_the_step_boundary_and_exits_130(entry, bert_corpus, tmp_path):
     """`pretrain train --nproc 2` (the ranks under `accelerate launch`), `--nproc 1` and a rank run directly:
-    every rank used to print a KeyboardInterrupt traceback, the command exited 1, and nothing was saved."""
+    every rank used to print a KeyboardInterrupt traceback, the command exited 1, and nothing was saved.
+    `--launcher deepspeed`: its runner printed a KeyboardInterrupt traceback, and its launch.py SIGTERMed the
+    ranks (the stop line named SIGTERM) and SIGKILLs them 30 s later, a checkpoint being written or not."""
     run_dir = tmp_path / "run"
     proc, out, err = _start_and_interrupt(_command(entry, bert_corpus, run_dir), run_dir)
     checkpoint = _assert_stopped_with_a_checkpoint(proc, out, err, run_dir)
-    _assert_resumes(bert_corpus, run_dir, checkpoint)
+    if entry != "deepspeed":  # resuming is the launcher's no part: the other entries check it (and save ~20 s here)
+        _assert_resumes(bert_corpus, run_dir, checkpoint)
 
 
 @pytest.mark.slow
@@ -112,3 +117,63 @@ def test_a_second_ctrl_c_aborts_at_once_and_leaves_no_partial_checkpoint(bert_co
     for checkpoint in list_checkpoints(run_dir):
         verify_checkpoint(checkpoint)
     assert find_resume(run_dir, "auto") == (list_checkpoints(run_dir) or [None])[-1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_with_its_run_checkpointed_and_the_same_command_resumes(bert_corpus, tmp_path):
+    """`pretrain sweep --local` with runs it launches (`launcher: python`; `--nproc 2`'s Ctrl-C is tested above, and
+    a sweep's launch is the same): Ctrl-C checkpoints the running run, starts no further one, says how to go on and
+    exits 130 -- it exited 1, the run recorded as failed. The same command again resumes that run from its
+    checkpoint and finishes the sweep (it used to stop again after the resumed run, on its old stop event)."""
+    from test_sweep import TINY_RUN, write_sweep
+
+    run = {**TINY_RUN, "train": {**TINY_RUN["train"], "max_steps": 24, "grad_accum_steps": 8}}
+    path = write_sweep(tmp_path / "sweep.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=run,
+                       lrs=[1e-3, 2e-3], seeds=[0], launcher="python")
+    cmd = [sys.executable, "-m", "pipelines.cli", "sweep", str(path), "--local"]
+    runs = tmp_path / "sw" / "runs"
+    proc, out, err = _start_and_interrupt(cmd, runs / "adam-none-lr1e-3-s0")
+    checkpoint = _assert_stopped_with_a_checkpoint(proc, out, err, runs / "adam-none-lr1e-3-s0")
+    assert out.count("sweep stopped by a signal after run 0; run the same command again to resume it.") == 1, out[-3000:]
+    assert not (runs / "adam-none-lr2e-3-s0").exists(), "a run started after Ctrl-C"
+    [record] = [json.loads(line) for line in (tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()]
+    assert (record["status"], record["stopped_by"], record["error"]) == ("interrupted", "signal", None), record
+
+    again = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout[-3000:], again.stderr[-3000:])
+    step = int(checkpoint.name.split("-")[1])
+    assert f"Resuming from {checkpoint} (step {step})." in again.stdout, again.stdout[-3000:]
+    for name in ("adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0"):
+        assert json.loads((runs / name / "done").read_text())["status"] == "ok", name
+    steps = [json.loads(line)["step"] for line in (runs / "adam-none-lr1e-3-s0" / "metrics.jsonl").read_text().splitlines()
+             if '"split": "train"' in line]
+    assert steps == list(range(1, 25)), steps
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_sweep_of_parallel_runs_checkpoints_the_running_ones_and_starts_no_more(bert_corpus, tmp_path):
+    """`jobs: 2`: the two running runs get the terminal's Ctrl-C and checkpoint (recorded as interrupted, not
+    failed), the third never starts, and the sweep says how to go on and exits 130."""
+    from test_sweep import TINY_RUN, write_sweep
+
+    run = {**TINY_RUN, "train": {**TINY_RUN["train"], "max_steps": 100_000, "grad_accum_steps": 8}}
+    path = write_sweep(tmp_path / "sweep.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=run,
+                       lrs=[1e-3, 2e-3, 3e-3], seeds=[0], jobs=2)
+    runs = tmp_path / "sw" / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(path), "--local"], cwd=REPO,
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not all((runs / name / "metrics.jsonl").exists() and '"split": "train"' in (runs / name / "metrics.jsonl").read_text()
+                  for name in ("adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, out[-2000:], err[-4000:])
+    assert "Traceback" not in out + err, err[-4000:]
+    assert out.count("sweep stopped by a signal; run the same command again to resume it.") == 1, out[-3000:]
+    assert not (runs / "adam-none-lr3e-3-s0").exists(), "a run started after Ctrl-C"
+    records = [json.loads(line) for line in (tmp_path / "sw" / "sweep.jsonl").read_text().splitlines()]
+    assert sorted((r["name"], r["status"], r["stopped_by"]) for r in records) == [
+        ("adam-none-lr1e-3-s0", "interrupted", "signal"), ("adam-none-lr2e-3-s0", "interrupted", "signal")], records
+    assert job_processes(str(runs)) == [], "processes of the sweep outlived it"

@@ -125,6 +125,43 @@ def test_rerunning_a_finished_run_writes_nothing_and_says_so(bert_corpus, tmp_pa
     assert (run_dir / "checkpoints" / "step-00000003" / "trainer_state.json").is_file()
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["max_tokens", "max_time_minutes"])
+def test_rerunning_a_run_that_reached_its_token_or_time_budget_writes_nothing(budget, bert_corpus, tmp_path):
+    """A run stopped by train.max_tokens, or by train.max_time_minutes (the run's training time over all its
+    invocations), is finished as one at max_steps is: the same command again, on 1 or 2 processes, says so in
+    one line and writes nothing -- it used to train one step past the token budget, or another
+    max_time_minutes. Raising the budget trains on from the checkpoint."""
+    run_dir = tmp_path / "run"
+    first = {"max_tokens": "300", "max_time_minutes": "0.01"}[budget]  # ~200 tokens a step; 0.6 s
+    args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", "train.eval_batches=2"]
+    done = _train(*args, f"train.{budget}={first}")
+    assert done.returncode == 0 and f"Budget reached ({budget.removesuffix('_minutes')})" in done.stdout, done.stdout[-3000:]
+    before = _files(run_dir)
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    step, tokens, minutes = state["step"], state["tokens"], state.get("train_seconds", 0.0) / 60
+    assert step < 200 and tokens >= 300 if budget == "max_tokens" else step < 200, state
+    detail = f"{tokens} tokens" if budget == "max_tokens" else f"{minutes:.2f} minutes of training"
+    said = (f"run {run_dir} is already at {budget}={first} ({detail} at step {step}; checkpoint {checkpoint}): "
+            f"nothing to do. Raise train.{budget} to train further.")
+    for nproc in ("1", "2"):
+        again = _train(*args, f"train.{budget}={first}", "--nproc", nproc)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert again.stdout.count(said) == 1 and "Resuming from" not in again.stdout, again.stdout[-3000:]
+        assert "Traceback" not in again.stderr, again.stderr[-3000:]
+        assert _files(run_dir) == before, f"--nproc {nproc} wrote into the run dir"
+    assert budget == "max_tokens" or minutes >= 0.01, state  # the checkpoint holds the run's training time
+    raised = tokens + 1 if budget == "max_tokens" else round(minutes + 0.01, 4)
+    further = _train(*args, f"train.{budget}={raised}")
+    assert further.returncode == 0 and f"Resuming from {checkpoint} (step {step})." in further.stdout, further.stderr[-3000:]
+    trained = sorted(_train_lines(run_dir))
+    assert trained[:step] == list(range(1, step + 1)) and len(trained) > step, trained
+    if budget == "max_tokens":
+        assert trained == list(range(1, step + 2))  # one step more reaches tokens + 1
+
+
 def test_overwrite_deletes_the_runs_checkpoints_but_not_a_folder_of_yours_beside_them(tmp_path):
     from types import SimpleNamespace
 
