@@ -19,11 +19,11 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LaunchOutput", "Forwarder", "forwarding_signals", "kill_tree"]
+__all__ = ["LaunchOutput", "Forwarder", "forwarding_signals", "relaying_signals", "kill_tree"]
 
 _AGENT_LINE = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ .*torch/distributed/elastic/")  # glog-style lines of the agent
 _REPORT_RULE = re.compile(r"^={20,}\s*$")
@@ -147,12 +147,69 @@ def forwarding_signals() -> Iterator[Forwarder]:
     """
     forwarder = Forwarder(installed=threading.current_thread() is threading.main_thread())
     previous = {sig: signal.signal(sig, forwarder) for sig in _FORWARDED} if forwarder.installed else {}
+    relay = _relay if not forwarder.installed else None
+    if relay is not None:
+        relay.join(forwarder)
     try:
         yield forwarder
     finally:
+        if relay is not None:
+            relay.leave(forwarder)
         for sig, handler in previous.items():
             if handler is not None:  # None: one set outside Python, which cannot be put back
                 signal.signal(sig, handler)
+
+
+class _Relay:
+    """The launches running outside the main thread while ``relaying_signals`` is open, and what it passed on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: set[Forwarder] = set()
+        self.received: list[int] = []
+
+    def join(self, forwarder: Forwarder) -> None:
+        with self.lock:
+            self.running.add(forwarder)
+            forwarder.signals.extend(self.received[:1])  # a launch starting after the signal: stopped at once
+
+    def leave(self, forwarder: Forwarder) -> None:
+        with self.lock:
+            self.running.discard(forwarder)
+
+    def __call__(self, signum: int) -> None:
+        with self.lock:
+            self.received.append(signum)
+            running = list(self.running)
+        for forwarder in running:
+            forwarder(signum, None)
+
+
+_relay: _Relay | None = None  # the open relaying_signals, if any
+
+
+@contextlib.contextmanager
+def relaying_signals(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """In the main thread of a process whose launches run in other threads (a sweep's parallel runs), where
+    their forwarders cannot be signal handlers: a SIGTERM sent to this process alone (``kill PID``, a
+    scheduler) calls ``on_signal`` (which stops queued work) and goes on to every such launch, running or
+    starting later, whose ranks checkpoint and stop. Without it this process died at once and left its
+    launches training, unsupervised. Ctrl-C is left alone: the terminal sends it to those launches, which
+    share this process's group, itself."""
+    global _relay
+    relay = _Relay()
+
+    def handler(signum: int, _frame: Any) -> None:
+        on_signal(signum)
+        relay(signum)
+
+    previous, _relay = signal.signal(signal.SIGTERM, handler), relay
+    try:
+        yield
+    finally:
+        _relay = None
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _children() -> dict[int, list[int]]:

@@ -25,7 +25,7 @@ A run is complete when ``RUN_DIR/done`` exists (written atomically after the run
 it on NaN/Inf, ``logging.nan_policy``) -- both are results and are skipped on the next invocation.
 Anything else (an exception, a non-zero exit, a pre-emption) is ``failed``/``interrupted`` and is
 retried. Every attempt appends one line to ``SWEEP_DIR/sweep.jsonl`` (status, wall time, error). Ctrl-C
-checkpoints the running runs and starts no more (``pretrain sweep`` exits 130; SIGTERM too, 143, with ``jobs: 1``);
+checkpoints the running runs and starts no more (``pretrain sweep`` exits 130; SIGTERM too, 143);
 the same command resumes.
 
 Entry points: ``pretrain sweep SWEEP.yaml --local|--slurm`` (``--slurm``: ``pipelines.study.sweep_slurm``) and, for ``slurm/sweep_array.sbatch``,
@@ -62,10 +62,10 @@ from core.config import (
     save_config,
 )
 from core.files import atomic_write_text, claim_output_dir, discard
-from pipelines.engine import stop_signals
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
 from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, check_overrides, report_failure
+from pipelines.study.sweep_parallel import STOPPED, run_in_parallel
 
 __all__ = [
     "SweepConfig",
@@ -366,32 +366,14 @@ def run_local(
                       flush=True)
                 break
     else:  # each run in its own process; a thread per slot only waits on it
-        results += _run_in_parallel(sweep, specs, extra, force=force)
+        results += run_in_parallel(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True),
+                                   specs, sweep.jobs)
     counts: dict[str, int] = {}
     for r in results:
         key = "skipped" if r.get("skipped") else r["status"]
         counts[key] = counts.get(key, 0) + 1
     print("sweep finished: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
     return results
-
-
-def _run_in_parallel(sweep: SweepConfig, specs: list[RunSpec], extra: list[str] | tuple[str, ...], *,
-                     force: bool) -> list[dict[str, Any]]:
-    """``sweep.jobs`` runs at a time, each a process of this one's group (a thread per slot waits on it).
-    Ctrl-C reaches those processes from the terminal, and each checkpoints and stops; here it starts no
-    further run, waits for the running ones and returns their records (a second Ctrl-C aborts)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
-        futures = [pool.submit(run_one, sweep, spec, extra, force=force, subprocess_run=True) for spec in specs]
-        try:
-            return [f.result() for f in futures]
-        except KeyboardInterrupt:
-            stop_signals.record_stop(signal.SIGINT)
-            started = [f for f in futures if not f.cancel()]  # every cancel before the first wait: no slot frees first
-            records = [f.result() for f in started]
-            print("sweep stopped by a signal; run the same command again to resume it.", flush=True)
-            return records
 
 
 def _stopped_by_signal(record: dict[str, Any]) -> bool:
@@ -447,7 +429,7 @@ def run_ensembles(
         print(f"=== ensemble of {len(group)} -> {', '.join(f'{k} {v}' for k, v in counts.items() if v)} "
               f"({time.time() - started:.1f}s)", flush=True)
         if any(_stopped_by_signal(r) for r in results):
-            print("sweep stopped by a signal; run the same command again to resume it.", flush=True)
+            print(STOPPED, flush=True)
             break
     for spec in left:  # an interrupted ensemble's run dir (its marker says so) is replaced, not resumed
         if (Path(spec.run_dir) / ENSEMBLE_MARKER).is_file():

@@ -151,9 +151,12 @@ def test_ctrl_c_stops_a_sweep_with_its_run_checkpointed_and_the_same_command_res
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_a_sweep_of_parallel_runs_checkpoints_the_running_ones_and_starts_no_more(bert_corpus, tmp_path):
-    """`jobs: 2`: the two running runs get the terminal's Ctrl-C and checkpoint (recorded as interrupted, not
-    failed), the third never starts, and the sweep says how to go on and exits 130."""
+@pytest.mark.parametrize("how", ["ctrl_c", "kill"])
+def test_a_stopped_sweep_of_parallel_runs_checkpoints_the_running_ones_and_starts_no_more(how, bert_corpus, tmp_path):
+    """`jobs: 2`: the two running runs checkpoint (recorded as interrupted, not failed), the third never starts,
+    and the sweep says how to go on and exits 128 + the signal. `ctrl_c`: the terminal's SIGINT reaches the
+    sweep and its runs (one process group); it exited 1. `kill`: `kill PID` sends SIGTERM to the sweep process
+    only, which passes it on to its runs; the sweep died at once and left its runs training, unsupervised."""
     from test_sweep import TINY_RUN, write_sweep
 
     run = {**TINY_RUN, "train": {**TINY_RUN["train"], "max_steps": 100_000, "grad_accum_steps": 8}}
@@ -167,9 +170,13 @@ def test_ctrl_c_on_a_sweep_of_parallel_runs_checkpoints_the_running_ones_and_sta
                   for name in ("adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGINT)
+    signum = signal.SIGINT if how == "ctrl_c" else signal.SIGTERM
+    if how == "ctrl_c":
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, out[-2000:], err[-4000:])
+    assert proc.returncode == 128 + signum, (proc.returncode, out[-2000:], err[-4000:], job_processes(str(runs)))
     assert "Traceback" not in out + err, err[-4000:]
     assert out.count("sweep stopped by a signal; run the same command again to resume it.") == 1, out[-3000:]
     assert not (runs / "adam-none-lr3e-3-s0").exists(), "a run started after Ctrl-C"
