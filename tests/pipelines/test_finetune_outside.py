@@ -101,6 +101,22 @@ def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training
 
 
 @pytest.mark.parametrize("config", ["classification_small.yaml", "qa.yaml"])
+def test_a_release_without_tokenizer_files_is_refused_before_training(topic_task, tmp_path, config):
+    """transformers 5 builds a 5-token tokenizer for a directory with no tokenizer files: fine-tuning trained
+    on all-[UNK] inputs and released a model without a tokenizer. Now one message names the missing files."""
+    src = save_outside_bert(tmp_path / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        (src / name).unlink(missing_ok=True)
+    train, val = topic_task
+    cfg = load_config(CONFIG.parent / config, [
+        f"checkpoint={src}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={tmp_path / 'run'}"],
+        cls=FinetuneConfig)
+    with pytest.raises(FinetuneError, match=r"no tokenizer files \(none of tokenizer.json, vocab.txt, vocab.json\)"):
+        run_finetune(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("config", ["classification_small.yaml", "qa.yaml"])
 def test_an_image_release_is_refused_for_its_family_not_its_tokenizer(topic_task, tmp_path, config):
     """A ViT release has no tokenizer at all: the message must name the model, before a tokenizer is read."""
     import transformers
