@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_fixtures import save_outside_bert, write_pair_task, write_regression_task, write_topic_task
+from finetune_fixtures import (
+    pydoc_paragraphs,
+    save_outside_bert,
+    write_pair_task,
+    write_regression_task,
+    write_topic_task,
+)
 
 from core.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
@@ -76,6 +82,20 @@ def test_the_release_tokenizer_feeds_the_model_what_training_did(topic_task, tmp
     with torch.no_grad():
         pred = hf(**served).logits.argmax(-1)
     assert result["metrics"]["accuracy"] == pytest.approx((pred == trained["labels"]).float().mean().item())
+
+
+def test_the_release_tokenizer_truncates_to_the_position_table(topic_task, tmp_path):
+    """A tokenizer saved without model_max_length (transformers' 10**30) gave a release that pipeline(...,
+    truncation=True) fed 300 positions into a 128-position model: a crash. The release's tokenizer stops there."""
+    from transformers import AutoTokenizer, pipeline
+
+    src = save_outside_bert(tmp_path / "src")
+    assert AutoTokenizer.from_pretrained(src).model_max_length > 10**20
+    release = finetune(src, topic_task, tmp_path / "run", "epochs=1")["release_dir"]
+    assert AutoTokenizer.from_pretrained(release).model_max_length == 128
+    long_text = " ".join(pydoc_paragraphs(40))
+    assert pipeline("text-classification", model=release)(long_text, truncation=True)[0]["label"] in {
+        "debugger", "string-methods", "formatstrings"}
 
 
 def test_max_seq_len_beyond_the_position_table_is_refused_before_training(topic_task, tmp_path):
