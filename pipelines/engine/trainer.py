@@ -431,7 +431,8 @@ class Trainer:
         state = {
             "version": 1, "step": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
             "last_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "task": self.task.name,
-            "eval_batches": self.cfg.train.eval_batches,
+            "eval_batches": self.eval_data.eval_limit(self.cfg.train.eval_batches) if self.eval_data
+            else self.cfg.train.eval_batches,
             "world_size": self.engine.world_size, "engine": self.cfg.distributed.engine,
             "zero_stage": self.cfg.distributed.zero_stage if self.engine.deepspeed else None,
             "precision": self.cfg.train.precision, "model_build": self.model_build, "param_shapes": self.param_shapes,
