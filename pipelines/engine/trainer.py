@@ -143,7 +143,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
         try:
-            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train)
+            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train, self.param_shapes)
             if resume is not None and resume[1] >= self.cfg.train.max_steps:  # the agreed step: every rank returns
                 return self._nothing_to_do(*resume)
             run = self._start(resume[0] if resume else None)
