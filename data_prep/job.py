@@ -343,9 +343,12 @@ def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
     if bad and bad / (bad + good) > cfg.max_bad_fraction:
         worst = sorted(stats.bad_by_file.items(), key=lambda kv: -sum(kv[1].values()))[:5]
         listing = "; ".join(f"{p}: {dict(r)}" for p, r in worst)
+        fields = sorted({s.text_field for s in cfg.sources if s.type != "text"})  # missing_field: likely the config's
+        field = (f"missing_field: no string under text_field={'/'.join(fields)}; if the records keep their text under "
+                 f"another key, set sources[].text_field to it. " if stats.counts.get("bad.missing_field") else "")
         raise PrepError(
             f"{bad} of {bad + good} input records in {where} are bad ({bad / (bad + good):.1%} > max_bad_fraction="
-            f"{cfg.max_bad_fraction}). Worst files: {listing}. Fix or remove these files, or raise max_bad_fraction."
+            f"{cfg.max_bad_fraction}). Worst files: {listing}. {field}Fix or remove these files, or raise max_bad_fraction."
         )
 
 

@@ -40,6 +40,8 @@ from safetensors import SafetensorError
 
 from core.config import ConfigError, save_config
 from core.files import (
+    LOCK,
+    MARKER,
     atomic_write_text,
     claim_output_dir,
     clean_trash,
@@ -296,35 +298,42 @@ class Resume(NamedTuple):
 _BUDGETS = ("max_steps", "max_tokens", "max_time_minutes")  # how a budget travels in agree_on_resume's all-reduce
 
 
-def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any) -> tuple[int | None, Resume | None]:
+def open_for_resume(engine: Any, run_dir: Path, train_cfg: Any,
+                    shapes: dict[str, list[int]] | None = None) -> tuple[int | None, Resume | None]:
     """Rank 0 opens ``run_dir`` (``open_run_dir``: claimed, locked); every rank gets the checkpoint to resume
-    from, its step and its reached budget (``agree_on_resume``). Returns (rank 0's lock or None, the resume or None)."""
+    from, its step and its reached budget (``agree_on_resume``; one of another model than ``shapes`` is refused
+    there). Returns (rank 0's lock or None, the resume or None). A refused start takes back a run dir it created."""
     lock, error = None, None
+    created = engine.rank == 0 and not Path(run_dir).exists()
     if engine.rank == 0:
         try:
             lock = open_run_dir(run_dir, train_cfg)
         except ConfigError as exc:  # raised on every rank by agree_on_resume (no rank waits for a dead one)
             error = exc
     try:
-        return lock, agree_on_resume(engine, run_dir, train_cfg, error)
+        return lock, agree_on_resume(engine, run_dir, train_cfg, error, shapes)
     except BaseException:
         unlock_dir(lock)
+        if created and Path(run_dir).is_dir() and {p.name for p in Path(run_dir).iterdir()} <= {MARKER, LOCK}:
+            discard(run_dir)  # only our marker and lock: nothing of the user's, nothing of a run
         raise
 
 
-def agree_on_resume(engine: Any, run_dir: Path, train_cfg: Any, error: ConfigError | None) -> Resume | None:
-    """Rank 0 picks (and verifies) the checkpoint to resume from and sees which budget it has reached;
-    every rank gets its choice (or its error), so no rank trains on while another returns."""
+def agree_on_resume(engine: Any, run_dir: Path, train_cfg: Any, error: ConfigError | None,
+                    shapes: dict[str, list[int]] | None = None) -> Resume | None:
+    """Rank 0 picks (and verifies) the checkpoint to resume from, refuses one of another model than ``shapes``
+    and sees which budget it has reached; every rank gets its choice (or its error), so no rank trains on
+    while another returns."""
     resume = train_cfg.resume
     if engine.world_size == 1:
         if error is not None:
             raise error
-        found = find_resume(run_dir, resume)
+        found = _resume_of_model(run_dir, resume, shapes)
         return _resume_of(found, train_cfg) if found is not None else None
     chosen = None
     if engine.rank == 0 and error is None:
         try:
-            found = find_resume(run_dir, resume)
+            found = _resume_of_model(run_dir, resume, shapes)
             chosen = _resume_of(found, train_cfg) if found is not None else None
         except ConfigError as exc:
             error = exc
@@ -340,6 +349,15 @@ def agree_on_resume(engine: Any, run_dir: Path, train_cfg: Any, error: ConfigErr
         return None
     path = Path(resume) if resume != "auto" else Path(run_dir) / "checkpoints" / step_dir_name(code)
     return Resume(path, code, _BUDGETS[finished - 1] if finished else None)
+
+
+def _resume_of_model(run_dir: Path, resume: str, shapes: dict[str, list[int]] | None) -> Path | None:
+    """``find_resume``'s checkpoint, refused (``refuse_other_model``) before anything is written if another model wrote it."""
+    found = find_resume(run_dir, resume)
+    if found is not None and shapes is not None:
+        refuse_other_model(found, read_trainer_state(found), shapes)
+    return found
+
 
 
 def _resume_of(path: Path, train_cfg: Any) -> Resume:

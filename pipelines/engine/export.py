@@ -158,6 +158,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 #: Files a tokenizer directory may hold; copied into releases (never a model's own weights/config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "added_tokens.json")
+#: One of these holds a tokenizer's vocabulary; without one, transformers 5's AutoTokenizer builds an empty one.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
+
+
+def has_tokenizer(tokenizer_dir: str | os.PathLike) -> bool:
+    """Whether ``tokenizer_dir`` holds a vocabulary (``VOCABULARY_FILES``), not only special tokens."""
+    return any((Path(tokenizer_dir) / name).is_file() for name in VOCABULARY_FILES)
 
 
 def tokenizer_special_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int | None] | None:
@@ -165,7 +172,7 @@ def tokenizer_special_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int | N
     from models.hf import SPECIAL_ID_NAMES
 
     d = Path(tokenizer_dir)
-    if not any((d / name).is_file() for name in ("tokenizer.json", "vocab.txt", "vocab.json")):
+    if not has_tokenizer(d):
         return None
     from transformers import AutoTokenizer
 

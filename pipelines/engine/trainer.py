@@ -143,7 +143,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or a budget, a signal, a health stop, early stopping); return a summary."""
         try:
-            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train)
+            self._run_lock, resume = ckpt.open_for_resume(self.engine, self.run_dir, self.cfg.train, self.param_shapes)
             if resume is not None and resume.finished:  # agreed: every rank returns
                 return self._nothing_to_do(resume)
             run = self._start(resume.path if resume else None)
@@ -430,7 +430,8 @@ class Trainer:
             "version": 1, "step": self.step, "tokens": self.tokens, "start_loss": self.start_loss,
             "last_loss": getattr(self, "last_loss", None), "eval": self.last_eval, "task": self.task.name,
             "train_seconds": time.time() - self._started,  # the run's training time so far (max_time_minutes)
-            "eval_batches": self.cfg.train.eval_batches,
+            "eval_batches": self.eval_data.eval_limit(self.cfg.train.eval_batches) if self.eval_data
+            else self.cfg.train.eval_batches,
             "world_size": self.engine.world_size, "engine": self.cfg.distributed.engine,
             "zero_stage": self.cfg.distributed.zero_stage if self.engine.deepspeed else None,
             "precision": self.cfg.train.precision, "model_build": self.model_build, "param_shapes": self.param_shapes,
@@ -454,9 +455,8 @@ class Trainer:
         return self.save(health, meter)
 
     def _restore(self, path: Path, health: Any, meter: Any) -> float:
-        """Load the checkpoint at ``path``; returns the run's training seconds it holds."""
+        """Load the checkpoint at ``path`` (of this model: ``open_for_resume``); returns the run's training seconds it holds."""
         state, rng, data_state = ckpt.load_rank_state(path, self.engine.rank)
-        ckpt.refuse_other_model(path, state, self.param_shapes)
         self.engine.load(path, state)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.last_good_step = self.step

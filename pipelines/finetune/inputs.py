@@ -62,14 +62,16 @@ def check_segments(pair: bool, model_config: Any, release: Path) -> None:
                             f"with type_vocab_size >= 2.")
 
 
-def release_tokenizer(base: Path, pad_id: int, staging: Path) -> tuple[Path, list[str]]:
+def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int) -> tuple[Path, list[str]]:
     """The tokenizer directory to ship with the release, and what was changed in it.
 
     ``base`` itself when its tokenizer already does what training did (our own releases: copied byte for
     byte); else a copy saved in ``staging`` with pad token ``pad_id``, ``padding_side="right"`` (BERT's
     positions are absolute: left padding moves every token of a short text to other positions than it
     was trained at, and scores worse) and ``token_type_ids`` in ``model_input_names`` (trained with
-    segment ids: without them, a pair's second text reads as the first). Pinning the tokenizer, rather
+    segment ids: without them, a pair's second text reads as the first) and ``model_max_length`` at most
+    ``max_positions`` (transformers' unset default is 10**30, so ``truncation=True`` kept inputs longer than
+    the position table and the model crashed on them). Pinning the tokenizer, rather
     than documenting call arguments, gives every transformers user (``pipeline`` included) the trained
     behaviour by default.
     """
@@ -81,6 +83,8 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path) -> tuple[Path, lis
         fixes["pad_token"] = tok.convert_ids_to_tokens(pad_id)
     if tok.padding_side != "right":
         fixes["padding_side"] = "right"
+    if tok.model_max_length > max_positions:
+        fixes["model_max_length"] = max_positions
     if "token_type_ids" not in tok.model_input_names:
         fixes["model_input_names"] = [*BERT_INPUTS, *(n for n in tok.model_input_names if n not in BERT_INPUTS)]
     if not fixes:
@@ -94,7 +98,7 @@ def write_task_release(hf: Any, out: Path, base: Path, pad_id: int, card: str) -
     from pipelines.engine.export import write_release
 
     with tempfile.TemporaryDirectory(prefix=".release-tokenizer-", dir=out.parent) as staging:
-        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging))
+        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging), hf.config.max_position_embeddings)
         if changed:  # the base's tokenizer would feed transformers users other inputs than training did
             print(f"The release's tokenizer says what training fed the model: {', '.join(changed)}.", flush=True)
             card += f"\nIts tokenizer is `{base}`'s with {', '.join(f'`{c}`' for c in changed)}, as in training.\n"

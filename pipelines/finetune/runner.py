@@ -169,8 +169,15 @@ def checkpoint_family(path: Path) -> str | None:
 
 
 def load_tokenizer(release: Path):
+    """The release's tokenizer; refused without vocabulary files (transformers 5 would build one of 5 special tokens
+    and every word would be [UNK])."""
     from transformers import AutoTokenizer
 
+    from pipelines.engine.export import VOCABULARY_FILES, has_tokenizer
+
+    if not has_tokenizer(release):
+        raise FinetuneError(f"{release}: no tokenizer files (none of {', '.join(VOCABULARY_FILES)}). Copy the tokenizer "
+                            f"the model was trained with into it (tokenizer.save_pretrained('{release}')).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(release), trust_remote_code=False)
     except (OSError, ValueError) as exc:

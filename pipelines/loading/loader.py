@@ -58,7 +58,7 @@ from core.corpus import DataError, Manifest, ShardInfo, load_manifest, verify_sh
 from core.corpus_kinds import corpus_kind
 from pipelines.loading.blend import SlotCursor
 from pipelines.loading.handover import Packed
-from pipelines.loading.map_style import MapStyleSource, evaluation_plan
+from pipelines.loading.map_style import MapStyleSource, evaluation_plan, whole_split_limit
 from pipelines.loading.shard_io import Decoded, SampleLimits, ShardReader, decode_sample, read_samples
 from pipelines.loading.workers import loader_kwargs, worker_context
 
@@ -425,6 +425,9 @@ class StreamingSource:
                 if isinstance(batch, _Failed):
                     raise DataError(batch.message)
                 yield batch, next(counted)
+
+    def eval_limit(self, limit: int) -> int:
+        return whole_split_limit(self.sequences[0].total, self.mb, self.world, limit)
 
     def rewind(self) -> None:
         """Back to the first sample."""

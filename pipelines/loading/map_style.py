@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from core.corpus import DataError
 from pipelines.loading.workers import loader_kwargs
 
-__all__ = ["MapStyleSource", "evaluation_plan"]
+__all__ = ["MapStyleSource", "evaluation_plan", "whole_split_limit"]
 
 
 class _PositionedSource:
@@ -98,6 +98,9 @@ class MapStyleSource(_PositionedSource):
         for batch, (_, _, counted) in zip(loader, plan, strict=True):
             yield batch, counted
 
+    def eval_limit(self, limit: int) -> int:
+        return whole_split_limit(len(self.dataset), self.mb, self.world, limit)
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples_seen": self.samples_seen,
                 "world_size": self.world, "micro_batch_size": self.mb, "seed": self.seed}
@@ -105,6 +108,12 @@ class MapStyleSource(_PositionedSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self.samples_seen = int(state.get("samples_seen", 0))
+
+
+def whole_split_limit(total: int, mb: int, world: int, limit: int) -> int:
+    """``limit`` as ``evaluation_plan`` applies it: 0 (the whole split) when it reaches the split's last batch, so
+    a release card does not call an evaluation of every sample a part of the split."""
+    return 0 if not limit or limit >= math.ceil(total / (world * mb)) else limit
 
 
 def evaluation_plan(total: int, mb: int, rank: int, world: int, limit: int | None = None) -> list[tuple[int, int, bool]]:

@@ -39,6 +39,16 @@ def test_bad_records_are_counted_per_file_and_rule(ray_cluster, tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+def test_a_wrong_text_field_is_named_with_the_fix(ray_cluster, tmp_path):
+    """Every record lacked the field: the message said only 'Fix or remove these files', not the config key."""
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"id": i, "text": d}) for i, d in enumerate(_docs(50))) + "\n")
+    src = [SourceConfig(type="jsonl", paths=[str(tmp_path / "docs.jsonl")], text_field="body")]
+    with pytest.raises(PrepError, match=r"docs.jsonl: \{'missing_field': 50\}\. missing_field: no string under "
+                                        r"text_field=body; .* set sources\[\]\.text_field to it"):
+        run_prepare(_cfg(tmp_path, src))
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_path_fails_fast_naming_it(tmp_path):
     with pytest.raises(PrepError, match="nowhere/.*txt"):
         run_prepare(_cfg(tmp_path, [SourceConfig(type="text", paths=[str(tmp_path / "nowhere/*.txt")])]))

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_fixtures import save_outside_bert, write_pair_task, write_regression_task, write_topic_task
+from finetune_fixtures import (
+    pydoc_paragraphs,
+    save_outside_bert,
+    write_pair_task,
+    write_regression_task,
+    write_topic_task,
+)
 
 from core.config import load_config
 from pipelines.finetune import FinetuneConfig, run_finetune
@@ -78,6 +84,20 @@ def test_the_release_tokenizer_feeds_the_model_what_training_did(topic_task, tmp
     assert result["metrics"]["accuracy"] == pytest.approx((pred == trained["labels"]).float().mean().item())
 
 
+def test_the_release_tokenizer_truncates_to_the_position_table(topic_task, tmp_path):
+    """A tokenizer saved without model_max_length (transformers' 10**30) gave a release that pipeline(...,
+    truncation=True) fed 300 positions into a 128-position model: a crash. The release's tokenizer stops there."""
+    from transformers import AutoTokenizer, pipeline
+
+    src = save_outside_bert(tmp_path / "src")
+    assert AutoTokenizer.from_pretrained(src).model_max_length > 10**20
+    release = finetune(src, topic_task, tmp_path / "run", "epochs=1")["release_dir"]
+    assert AutoTokenizer.from_pretrained(release).model_max_length == 128
+    long_text = " ".join(pydoc_paragraphs(40))
+    assert pipeline("text-classification", model=release)(long_text, truncation=True)[0]["label"] in {
+        "debugger", "string-methods", "formatstrings"}
+
+
 def test_max_seq_len_beyond_the_position_table_is_refused_before_training(topic_task, tmp_path):
     src = save_outside_bert(tmp_path / "src", max_position_embeddings=32)
     with pytest.raises(FinetuneError, match=r"data.max_seq_len=64 exceeds the model's max_position_embeddings=32"):
@@ -97,6 +117,22 @@ def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training
     src = save_outside_bert(tmp_path / "src", no_pad_token=True, pad_token_id=None)
     with pytest.raises(FinetuneError, match="the tokenizer has no pad token and config.json no pad_token_id"):
         finetune(src, topic_task, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("config", ["classification_small.yaml", "qa.yaml"])
+def test_a_release_without_tokenizer_files_is_refused_before_training(topic_task, tmp_path, config):
+    """transformers 5 builds a 5-token tokenizer for a directory with no tokenizer files: fine-tuning trained
+    on all-[UNK] inputs and released a model without a tokenizer. Now one message names the missing files."""
+    src = save_outside_bert(tmp_path / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        (src / name).unlink(missing_ok=True)
+    train, val = topic_task
+    cfg = load_config(CONFIG.parent / config, [
+        f"checkpoint={src}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={tmp_path / 'run'}"],
+        cls=FinetuneConfig)
+    with pytest.raises(FinetuneError, match=r"no tokenizer files \(none of tokenizer.json, vocab.txt, vocab.json\)"):
+        run_finetune(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

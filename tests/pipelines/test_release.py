@@ -323,3 +323,44 @@ def test_the_card_says_which_part_of_the_validation_split_its_figures_cover():
     assert "first 20 batches per rank of the validation split, on 2 rank(s)" in _eval_scope({"eval_batches": 20, "world_size": 2})
     assert _eval_scope({"eval_batches": 0, "world_size": 2}) == "On the whole validation split, each sample once."
     assert "did not record" in _eval_scope({"world_size": 1})  # a checkpoint written before the field
+
+
+@pytest.mark.slow
+def test_bert_release_scores_the_run_eval_in_transformers_and_its_card_says_the_whole_split(tmp_path):
+    """Two ranks evaluate all 32 validation pairs within `train.eval_batches=10` (2 batches each): transformers'
+    BertForPreTraining, fed the same masked batches, gives the run's MLM and NSP figures, and the card says the
+    whole split (it said "a part of the split", whose figures move with the rank count, which these do not)."""
+    import corpus_fixtures as cf
+    from job_helpers import run_pretrain, summary_of
+    from transformers import BertForPreTraining
+
+    from core.corpus import load_manifest
+    from pipelines.engine.export import export_checkpoint
+    from pipelines.engine.objectives import MLMNSPTask
+    from pipelines.loading.loader import StreamingSource
+
+    corpus = cf.make_bert_corpus(tmp_path / "corpus")
+    summary = summary_of(run_pretrain("configs/train/bert_tiny_cpu.yaml", [
+        f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", "train.max_steps=6", "data.micro_batch_size=8",
+        "data.num_workers=0", "train.eval_every=0", "train.eval_batches=10", "train.checkpoint_every=0",
+        "schedule.warmup_steps=2"],
+        processes=2))
+    out = export_checkpoint(summary["checkpoint"], tmp_path / "release")
+    manifest = load_manifest(corpus)
+    val = StreamingSource(manifest, "validation", MLMNSPTask(manifest, seed=0).collate, micro_batch_size=8, rank=0,
+                          world=1, shuffle=False, train=False)
+    model = BertForPreTraining.from_pretrained(str(out)).eval()
+    sums = dict.fromkeys(("mlm", "mlm_n", "nsp", "nsp_n"), 0.0)
+    with torch.no_grad():
+        for batch, _ in val.evaluation_batches():
+            got = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")})
+            sums["mlm"] += float(torch.nn.functional.cross_entropy(got.prediction_logits.flatten(0, 1), batch["labels"].flatten(),
+                                                                   reduction="sum"))
+            sums["mlm_n"] += int((batch["labels"] != -100).sum())
+            sums["nsp"] += float(torch.nn.functional.cross_entropy(got.seq_relationship_logits, batch["next_sentence_label"],
+                                                                   reduction="sum"))
+            sums["nsp_n"] += len(batch["next_sentence_label"])
+    assert sums["nsp_n"] == 32
+    assert summary["eval"]["mlm_loss"] == pytest.approx(sums["mlm"] / sums["mlm_n"], rel=1e-5)
+    assert summary["eval"]["nsp_loss"] == pytest.approx(sums["nsp"] / sums["nsp_n"], rel=1e-5)
+    assert "On the whole validation split, each sample once." in (out / "README.md").read_text()

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import corpus_fixtures as cf
 import pytest
 import yaml
 from job_helpers import job_env
@@ -66,6 +67,27 @@ def test_resuming_with_another_model_is_one_message_and_keeps_the_config(bert_co
     assert "bert.blocks.2." in other.stderr and "absent in the checkpoint" in other.stderr
     assert (run_dir / "config.yaml").read_bytes() == saved  # still the config that wrote the checkpoints
     assert _train(*args, "train.max_steps=3").returncode == 0  # the same model resumes as before
+
+
+@pytest.mark.slow
+def test_a_start_refused_for_its_resume_checkpoint_leaves_no_run_dir(bert_corpus, tmp_path):
+    """train.resume naming another model's checkpoint (or none) was refused, but left the new run dir behind,
+    marked and locked, with an empty metrics.jsonl: the refused command now takes back what it created."""
+    gpt_corpus = cf.make_gpt_corpus(tmp_path / "gpt")
+    gpt = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(REPO / "configs/train/gpt_tiny_cpu.yaml"),
+                          *QUIET, f"data.corpus={gpt_corpus}", f"train.run_dir={tmp_path / 'gpt-run'}", "train.max_steps=1",
+                          "distributed.engine=ddp"], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert gpt.returncode == 0, gpt.stderr[-3000:]
+    other = tmp_path / "gpt-run" / "checkpoints" / "step-00000001"
+    for resume, said in ((other, "was written by another model than this run builds"), (tmp_path / "none", "not a complete checkpoint")):
+        proc = _train(f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path / 'bert-run'}", f"train.resume={resume}",
+                      "distributed.engine=ddp")
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert not (tmp_path / "bert-run").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")  # a run dir that exists is never taken back
+    proc = _train(f"data.corpus={bert_corpus}", f"train.run_dir={tmp_path / 'mine'}", f"train.resume={other}")
+    assert proc.returncode == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
 @pytest.mark.slow
