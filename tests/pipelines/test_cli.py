@@ -162,6 +162,36 @@ def test_overrides_may_follow_the_options_as_they_may_precede_them(tmp_path, cap
     assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: config")  # not key=value
 
 
+def test_a_readme_command_run_outside_the_repository_names_the_root_and_a_misspelt_config_its_neighbour(
+        tmp_path, monkeypatch, capsys):
+    """The README's `pretrain train configs/train/...` from another directory said "check the path (configs live
+    under configs/)" of a path that does start with configs/; a misspelt file name got the same advice."""
+    monkeypatch.chdir(tmp_path)
+    for nproc in ("1", "2"):
+        code = main(["train", "configs/train/bert_tiny_cpu.yaml", "data.corpus=demo_out/corpus", "--nproc", nproc])
+        line = _one_error_line(capsys.readouterr().err)
+        assert code == 2 and f"current directory, {tmp_path}" in line and f"repository root, {REPO}" in line, line
+        assert f"full path {REPO / 'configs/train/bert_tiny_cpu.yaml'}" in line
+    code = main(["finetune", str(REPO / "configs/finetune/clasification_small.yaml")])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"Did you mean `{REPO / 'configs/finetune/classification_small.yaml'}`?" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_corpus_path_that_is_a_file_says_so_and_names_the_directory(tmp_path, capsys):
+    """data.corpus=FILE said "FILE/manifest.json does not exist", a path inside a file; the manifest itself names
+    the folder to use instead."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for corpus, fix in ((tmp_path / "notes.txt", "the directory `pretrain prepare` wrote"),
+                        (tmp_path / "corpus" / "manifest.json", f"the folder holding it, {tmp_path / 'corpus'}")):
+        code = main(["train", BERT_CPU, f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+        line = _one_error_line(capsys.readouterr().err)
+        assert code == 2 and f"{corpus} is a file, not a corpus directory. Point at {fix}" in line, line
+    assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "run").exists()
+
+
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
     mixture = f"data.corpora=[{{path: {bert_corpus}, weight: 0.7}}, {{path: {tmp_path / 'absent'}, weight: 0.3}}]"
     code = main(["train", BERT_CPU, mixture, f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
