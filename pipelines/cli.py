@@ -215,9 +215,9 @@ def _add(
     return parser
 
 
-def _add_config_args(parser: argparse.ArgumentParser, what: str) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, what: str, example: str = "optim.lr=3e-4") -> None:
     parser.add_argument("config", help=f"YAML {what} config (may `extends:` another file).")
-    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Dotted overrides, e.g. optim.lr=3e-4.")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=f"Dotted overrides, e.g. {example}.")
 
 
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Prepare a corpus as a Ray job: read, clean, dedup, tokenize, pair/pack, write WebDataset shards + manifest.",
         "pretrain prepare configs/data/demo_bert.yaml output=corpus \"sources=[{type: text, paths: ['docs/*.md']}]\"",
     )
-    _add_config_args(p, "data-preparation")
+    _add_config_args(p, "data-preparation", "tokenizer.vocab_size=16000")
 
     p = _add(
         sub,

@@ -28,6 +28,27 @@ def test_subcommand_help_has_an_example(command, capsys):
     assert "Example:" in out and f"pretrain {command}" in out
 
 
+@pytest.mark.parametrize("command, config, cls", [
+    ("prepare", "configs/data/demo_bert.yaml", "data_prep.config:PrepConfig"),
+    ("train", "configs/train/bert_tiny_cpu.yaml", "pipelines.engine.config:RunConfig"),
+    ("finetune", "configs/finetune/classification.yaml", "pipelines.finetune.config:FinetuneConfig"),
+    ("submit", "configs/train/bert_tiny_cpu.yaml", "pipelines.engine.config:RunConfig"),
+    ("plan", "configs/train/gpu/gpt2_small.yaml", "pipelines.engine.config:RunConfig"),
+])
+def test_the_override_a_help_page_shows_is_one_its_config_takes(command, config, cls, capsys):
+    """`pretrain prepare --help` offered optim.lr=3e-4, a key a data-preparation config refuses."""
+    import importlib
+    import re
+
+    from core.config import load_config
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    example = re.search(r"e\.g\. (\S+=\S+?)\.?\s", " ".join(capsys.readouterr().out.split())).group(1)
+    module, name = cls.split(":")
+    load_config(REPO / config, [example], cls=getattr(importlib.import_module(module), name))
+
+
 def test_console_script_and_module_help():
     exe = Path(sys.executable).parent / "pretrain"
     for cmd in ([str(exe), "--help"], [sys.executable, "-m", "pipelines.pretrain", "--help"]):
