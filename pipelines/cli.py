@@ -80,6 +80,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
+    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
+        from pipelines.engine.launcher import check_local_world
+
+        check_local_world(args.nproc)
     check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
@@ -99,6 +103,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     check(cfg, world_size=args.nproc)
+    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
+        from pipelines.engine.launcher import check_local_world
+
+        check_local_world(args.nproc)
     check_inputs(cfg, world_size=args.nproc)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch

@@ -22,7 +22,7 @@ from core.config import ConfigError
 from pipelines.engine.check import check_accelerate_file
 from pipelines.engine.launch_output import LaunchOutput, forwarding_signals
 
-__all__ = ["launch", "free_port", "fresh_world_env", "quiet_libraries", "accelerator_present"]
+__all__ = ["launch", "check_local_world", "free_port", "fresh_world_env", "quiet_libraries", "accelerator_present"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,22 @@ def accelerator_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def check_local_world(num_processes: int) -> None:
+    """``--nproc N`` on this machine: a rank past the last GPU has no device to run on, and ranks past the CPUs this
+    process may use share cores (each with its own model copy and loader workers) until the machine runs out of memory."""
+    if accelerator_present():
+        import torch
+
+        have, kind = torch.cuda.device_count(), "GPU"
+    else:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        kind = "CPU"
+    if num_processes > have:
+        raise ConfigError(f"--nproc {num_processes} asks for {num_processes} training processes, one per {kind}, but this "
+                          f"machine gives this process {have} {kind}(s). Use --nproc {have} or fewer "
+                          f"(more processes do not make a run faster here; `pretrain submit` spreads a job over nodes).")
 
 
 def free_port() -> int:

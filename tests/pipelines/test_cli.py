@@ -213,6 +213,24 @@ def test_a_corpus_path_that_is_a_file_says_so_and_names_the_directory(tmp_path, 
     assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_more_processes_than_the_machine_has_is_one_line_before_any_starts(command, bert_corpus, tmp_path, capsys):
+    """`--nproc 64` on a 2-CPU machine launched 64 ranks (each a model copy and loader workers) onto 2 cores."""
+    import os
+
+    too_many = str(len(os.sched_getaffinity(0)) + 64)  # past the CPUs, and past any machine's GPUs
+    run = tmp_path / "run"
+    argv = (["train", BERT_CPU, f"data.corpus={bert_corpus}"] if command == "train" else
+            ["finetune", CLASSIFICATION, f"checkpoint={tmp_path}", f"data.train={tmp_path / 'train.tsv'}",
+             f"data.validation={tmp_path / 'train.tsv'}"])
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"doc {i}\t{i % 2}\n" for i in range(8)))
+    (tmp_path / "config.json").write_text("{}")
+    code = main([*argv, f"train.run_dir={run}", "--nproc", too_many])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"--nproc {too_many} asks for {too_many} training processes" in line and "Use --nproc " in line, line
+    assert not run.exists()
+
+
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
     mixture = f"data.corpora=[{{path: {bert_corpus}, weight: 0.7}}, {{path: {tmp_path / 'absent'}, weight: 0.3}}]"
     code = main(["train", BERT_CPU, mixture, f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
