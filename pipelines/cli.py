@@ -76,7 +76,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.engine.check import check, check_inputs
+    from pipelines.engine.check import check, check_inputs, check_run_dir
 
     cfg = load_run_config(args.config, args.overrides)
     check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
@@ -85,6 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         check_local_world(args.nproc)
     check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
+    check_run_dir(cfg)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 
@@ -98,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
-    from pipelines.engine.check import check, check_inputs
+    from pipelines.engine.check import check, check_inputs, check_run_dir
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
@@ -108,6 +109,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
         check_local_world(args.nproc)
     check_inputs(cfg, world_size=args.nproc)
+    check_run_dir(cfg)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 

@@ -231,6 +231,30 @@ def test_more_processes_than_the_machine_has_is_one_line_before_any_starts(comma
     assert not run.exists()
 
 
+@pytest.mark.parametrize("command, nproc", [("train", "2"), ("finetune", "1"), ("finetune", "2")])
+def test_a_run_dir_of_the_users_own_files_is_one_line_before_any_rank_or_data(command, nproc, bert_corpus, tmp_path,
+                                                                             capsys):
+    """train.run_dir=FOLDER-OF-YOURS: refused by the ranks after a launch (the launcher's lines, then two errors), and
+    by fine-tuning only after it had read the data; now one line first, the folder untouched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"doc {i}\t{i % 2}\n" for i in range(8)))
+    if command == "finetune":
+        from finetune_fixtures import save_hf_bert_checkpoint
+
+        save_hf_bert_checkpoint(tmp_path / "release")
+        capsys.readouterr()  # transformers' save_pretrained progress bar
+    argv = (["train", BERT_CPU, f"data.corpus={bert_corpus}"] if command == "train" else
+            ["finetune", CLASSIFICATION, f"checkpoint={tmp_path / 'release'}", f"data.train={tmp_path / 'train.tsv'}",
+             f"data.validation={tmp_path / 'train.tsv'}"])
+    code = main([*argv, f"train.run_dir={mine}", "--nproc", nproc])
+    out, err = capsys.readouterr()
+    line = _one_error_line(err)
+    assert code == 2 and f"train.run_dir {mine} is not empty and was not created by pretrain" in line, line
+    assert not out and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
     mixture = f"data.corpora=[{{path: {bert_corpus}, weight: 0.7}}, {{path: {tmp_path / 'absent'}, weight: 0.3}}]"
     code = main(["train", BERT_CPU, mixture, f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
