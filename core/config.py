@@ -72,7 +72,7 @@ def load_yaml(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str
         raise ConfigError(f"Config file {path} is a directory, not a YAML file. Name the .yaml file inside it "
                           f"(configs live under configs/).")
     if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist. Check the path (configs live under configs/).")
+        raise ConfigError(_missing_config(path))
     resolved = path.resolve()
     if resolved in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, resolved))
@@ -95,6 +95,18 @@ def load_yaml(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str
     for parent in parents:
         merged = deep_merge(merged, load_yaml(path.parent / parent, (*_seen, resolved)))
     return deep_merge(merged, data)
+
+
+def _missing_config(path: Path) -> str:
+    """Why ``path`` is not found and the fix: the repository's copy when run from elsewhere, else a near name."""
+    where = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+    repo = Path(__file__).resolve().parents[1]  # the checkout; its configs/ are what the docs' commands name
+    if where and (repo / path).is_file():
+        return (f"Config file {path} does not exist{where}. Run the command from the repository root, {repo}, "
+                f"or give the full path {repo / path}.")
+    siblings = sorted(p.name for p in path.parent.glob("*.y*ml")) if path.parent.is_dir() else []
+    hint = did_you_mean(path.name, siblings, prefix=f"{path.parent}/" if str(path.parent) != "." else "")
+    return f"Config file {path} does not exist{where}.{hint or ' Check the path (configs live under configs/).'}"
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

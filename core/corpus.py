@@ -194,9 +194,14 @@ def read_manifest(corpus: str | os.PathLike) -> dict[str, Any]:
     path = root / "manifest.json"
     if not str(corpus):
         raise DataError("data.corpus is empty. Set it to a corpus directory written by `pretrain prepare`.")
+    if root.is_file():  # root/manifest.json "does not exist" would send the user looking inside a file
+        fix = (f"the folder holding it, {root.parent}" if root.name == "manifest.json"
+               else "the directory `pretrain prepare` wrote (it holds manifest.json and the shards)")
+        raise DataError(f"{root} is a file, not a corpus directory. Point at {fix}.")
     if not path.is_file():
+        where = "" if root.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
         raise DataError(
-            f"{path} does not exist: {root} is not a finished corpus. "
+            f"{path} does not exist{where}: {root} is not a finished corpus. "
             f"Point at a directory written by `pretrain prepare` (or run it to build one)."
         )
     try:

@@ -76,11 +76,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.engine.check import check, check_inputs
+    from pipelines.engine.check import check, check_inputs, check_run_dir
 
     cfg = load_run_config(args.config, args.overrides)
     check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
+    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
+        from pipelines.engine.launcher import check_local_world
+
+        if warning := check_local_world(args.nproc):
+            print(f"warning: {warning}", file=sys.stderr)
     check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
+    check_run_dir(cfg)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 
@@ -94,12 +100,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
-    from pipelines.engine.check import check, check_inputs
+    from pipelines.engine.check import check, check_inputs, check_run_dir
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
     check(cfg, world_size=args.nproc)
+    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
+        from pipelines.engine.launcher import check_local_world
+
+        if warning := check_local_world(args.nproc):
+            print(f"warning: {warning}", file=sys.stderr)
     check_inputs(cfg, world_size=args.nproc)
+    check_run_dir(cfg)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 
@@ -215,9 +227,9 @@ def _add(
     return parser
 
 
-def _add_config_args(parser: argparse.ArgumentParser, what: str) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, what: str, example: str = "optim.lr=3e-4") -> None:
     parser.add_argument("config", help=f"YAML {what} config (may `extends:` another file).")
-    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="Dotted overrides, e.g. optim.lr=3e-4.")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=f"Dotted overrides, e.g. {example}.")
 
 
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Prepare a corpus as a Ray job: read, clean, dedup, tokenize, pair/pack, write WebDataset shards + manifest.",
         "pretrain prepare configs/data/demo_bert.yaml output=corpus \"sources=[{type: text, paths: ['docs/*.md']}]\"",
     )
-    _add_config_args(p, "data-preparation")
+    _add_config_args(p, "data-preparation", "tokenizer.vocab_size=16000")
 
     p = _add(
         sub,

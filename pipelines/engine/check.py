@@ -30,7 +30,7 @@ from core.config import ConfigError, check_registry_names
 from core.families import UnknownModel, families_for_task, family_of_model, model_catalog, model_names
 from pipelines.engine.schedules import build_schedule
 
-__all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "bucket_overlap", "check", "check_accelerate_file", "check_inputs",
+__all__ = ["ACCELERATE_PRECISION", "apply_batch_split", "batch_split", "bucket_overlap", "check", "check_accelerate_file", "check_inputs", "check_run_dir",
            "is_pretraining_task", "model_catalog", "model_width", "one_graph_per_block", "run_schedule", "split_batch",
            "zero_overlap"]
 
@@ -332,6 +332,14 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
                 raise
             warnings.append(f"{exc} (a dry run renders anyway)")
     return warnings
+
+
+def check_run_dir(cfg: Any) -> None:
+    """``train.run_dir`` must be new, empty or a run dir of ours: refused here, once, before any rank starts and before
+    fine-tuning reads its data (the ranks' own refusal came after a launch, as several lines)."""
+    from core.files import check_output_dir
+
+    check_output_dir(cfg.train.run_dir, "run", what="train.run_dir", reuse=True)
 
 
 #: accelerate's ``mixed_precision`` values a run can honour -> ``train.precision`` (fp8 needs Transformer

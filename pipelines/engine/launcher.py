@@ -23,7 +23,7 @@ from pipelines.engine import stop_signals
 from pipelines.engine.check import check_accelerate_file
 from pipelines.engine.launch_output import LaunchOutput, forwarding_signals
 
-__all__ = ["launch", "free_port", "fresh_world_env", "quiet_libraries", "accelerator_present"]
+__all__ = ["launch", "check_local_world", "free_port", "fresh_world_env", "quiet_libraries", "accelerator_present"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +40,31 @@ def accelerator_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+CPU_PROCESSES_PER_CORE = 4  # past this many ranks a core, --nproc on a CPU machine is a slip, not a test of N ranks
+
+
+def check_local_world(num_processes: int) -> str | None:
+    """``--nproc N`` on this machine, before any process starts. On a GPU machine a rank past the last GPU has
+    no device: refused. On CPU, ranks past the cores this process may use share them (each with its own model
+    copy and loader workers): a warning, returned, since two ranks on one core are how a laptop tests a
+    multi-rank run; more than ``CPU_PROCESSES_PER_CORE`` a core is refused."""
+    if accelerator_present():
+        import torch
+
+        have, kind, limit = torch.cuda.device_count(), "GPU", torch.cuda.device_count()
+    else:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        kind, limit = "CPU", CPU_PROCESSES_PER_CORE * have
+    if num_processes > limit:
+        most = f"--nproc {have} or fewer" if kind == "GPU" else f"--nproc {have} (at most {limit}, {CPU_PROCESSES_PER_CORE} a core)"
+        raise ConfigError(f"--nproc {num_processes} asks for {num_processes} training processes, but this machine gives "
+                          f"this process {have} {kind}(s). Use {most}; `pretrain submit` spreads a job over nodes.")
+    if num_processes > have:
+        return (f"--nproc {num_processes} runs {num_processes} training processes on the {have} CPU core(s) this process "
+                f"may use: each gets a share of a core, so the run is slower than with --nproc {have}.")
+    return None
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import parse_command_line
+from core.config import ConfigError, parse_command_line
 from pipelines.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +26,27 @@ def test_subcommand_help_has_an_example(command, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "Example:" in out and f"pretrain {command}" in out
+
+
+@pytest.mark.parametrize("command, config, cls", [
+    ("prepare", "configs/data/demo_bert.yaml", "data_prep.config:PrepConfig"),
+    ("train", "configs/train/bert_tiny_cpu.yaml", "pipelines.engine.config:RunConfig"),
+    ("finetune", "configs/finetune/classification.yaml", "pipelines.finetune.config:FinetuneConfig"),
+    ("submit", "configs/train/bert_tiny_cpu.yaml", "pipelines.engine.config:RunConfig"),
+    ("plan", "configs/train/gpu/gpt2_small.yaml", "pipelines.engine.config:RunConfig"),
+])
+def test_the_override_a_help_page_shows_is_one_its_config_takes(command, config, cls, capsys):
+    """`pretrain prepare --help` offered optim.lr=3e-4, a key a data-preparation config refuses."""
+    import importlib
+    import re
+
+    from core.config import load_config
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    example = re.search(r"e\.g\. (\S+=\S+?)\.?\s", " ".join(capsys.readouterr().out.split())).group(1)
+    module, name = cls.split(":")
+    load_config(REPO / config, [example], cls=getattr(importlib.import_module(module), name))
 
 
 def test_console_script_and_module_help():
@@ -160,6 +181,95 @@ def test_overrides_may_follow_the_options_as_they_may_precede_them(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["train", "--nproc", "2"])
     assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: config")  # not key=value
+
+
+def test_a_readme_command_run_outside_the_repository_names_the_root_and_a_misspelt_config_its_neighbour(
+        tmp_path, monkeypatch, capsys):
+    """The README's `pretrain train configs/train/...` from another directory said "check the path (configs live
+    under configs/)" of a path that does start with configs/; a misspelt file name got the same advice."""
+    monkeypatch.chdir(tmp_path)
+    for nproc in ("1", "2"):
+        code = main(["train", "configs/train/bert_tiny_cpu.yaml", "data.corpus=demo_out/corpus", "--nproc", nproc])
+        line = _one_error_line(capsys.readouterr().err)
+        assert code == 2 and f"current directory, {tmp_path}" in line and f"repository root, {REPO}" in line, line
+        assert f"full path {REPO / 'configs/train/bert_tiny_cpu.yaml'}" in line
+    code = main(["finetune", str(REPO / "configs/finetune/clasification_small.yaml")])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"Did you mean `{REPO / 'configs/finetune/classification_small.yaml'}`?" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_corpus_path_that_is_a_file_says_so_and_names_the_directory(tmp_path, capsys):
+    """data.corpus=FILE said "FILE/manifest.json does not exist", a path inside a file; the manifest itself names
+    the folder to use instead."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for corpus, fix in ((tmp_path / "notes.txt", "the directory `pretrain prepare` wrote"),
+                        (tmp_path / "corpus" / "manifest.json", f"the folder holding it, {tmp_path / 'corpus'}")):
+        code = main(["train", BERT_CPU, f"data.corpus={corpus}", f"train.run_dir={tmp_path / 'run'}", "--nproc", "2"])
+        line = _one_error_line(capsys.readouterr().err)
+        assert code == 2 and f"{corpus} is a file, not a corpus directory. Point at {fix}" in line, line
+    assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_more_processes_than_the_machine_has_is_one_line_before_any_starts(command, bert_corpus, tmp_path, capsys):
+    """`--nproc 64` on a 2-CPU machine launched 64 ranks (each a model copy and loader workers) onto 2 cores."""
+    import os
+
+    too_many = str(5 * len(os.sched_getaffinity(0)) + 64)  # past 4 ranks a core, and past any machine's GPUs
+    run = tmp_path / "run"
+    argv = (["train", BERT_CPU, f"data.corpus={bert_corpus}"] if command == "train" else
+            ["finetune", CLASSIFICATION, f"checkpoint={tmp_path}", f"data.train={tmp_path / 'train.tsv'}",
+             f"data.validation={tmp_path / 'train.tsv'}"])
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"doc {i}\t{i % 2}\n" for i in range(8)))
+    (tmp_path / "config.json").write_text("{}")
+    code = main([*argv, f"train.run_dir={run}", "--nproc", too_many])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"--nproc {too_many} asks for {too_many} training processes" in line and "Use --nproc " in line, line
+    assert not run.exists()
+
+
+def test_a_few_more_ranks_than_cores_is_a_warning_on_cpu():
+    """Two ranks on a one-core machine are how a laptop or a small CI runner tests a multi-rank run: said, not refused."""
+    import os
+
+    from pipelines.engine.launcher import CPU_PROCESSES_PER_CORE, accelerator_present, check_local_world
+
+    if accelerator_present():
+        pytest.skip("the CPU rule: a GPU machine refuses a rank past its last GPU")
+    cores = len(os.sched_getaffinity(0))
+    assert check_local_world(cores) is None
+    warning = check_local_world(cores + 1)
+    assert warning and f"on the {cores} CPU core(s)" in warning and f"slower than with --nproc {cores}" in warning
+    assert check_local_world(CPU_PROCESSES_PER_CORE * cores) is not None
+    with pytest.raises(ConfigError, match=rf"at most {CPU_PROCESSES_PER_CORE * cores}"):
+        check_local_world(CPU_PROCESSES_PER_CORE * cores + 1)
+
+
+@pytest.mark.parametrize("command, nproc", [("train", "2"), ("finetune", "1"), ("finetune", "2")])
+def test_a_run_dir_of_the_users_own_files_is_one_line_before_any_rank_or_data(command, nproc, bert_corpus, tmp_path,
+                                                                             capsys):
+    """train.run_dir=FOLDER-OF-YOURS: refused by the ranks after a launch (the launcher's lines, then two errors), and
+    by fine-tuning only after it had read the data; now one line first, the folder untouched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    (tmp_path / "train.tsv").write_text("text\tlabel\n" + "".join(f"doc {i}\t{i % 2}\n" for i in range(8)))
+    if command == "finetune":
+        from finetune_fixtures import save_hf_bert_checkpoint
+
+        save_hf_bert_checkpoint(tmp_path / "release")
+        capsys.readouterr()  # transformers' save_pretrained progress bar
+    argv = (["train", BERT_CPU, f"data.corpus={bert_corpus}"] if command == "train" else
+            ["finetune", CLASSIFICATION, f"checkpoint={tmp_path / 'release'}", f"data.train={tmp_path / 'train.tsv'}",
+             f"data.validation={tmp_path / 'train.tsv'}"])
+    code = main([*argv, f"train.run_dir={mine}", "--nproc", nproc])
+    out, err = capsys.readouterr()
+    line = _one_error_line(err)
+    assert code == 2 and f"train.run_dir {mine} is not empty and was not created by pretrain" in line, line
+    assert not out and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 def test_a_mixture_with_a_missing_corpus_names_it(bert_corpus, tmp_path, capsys):
