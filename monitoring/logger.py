@@ -61,10 +61,6 @@ _sync = getattr(os, "fdatasync", os.fsync)  # the data is what matters; skip the
 SYNC_EVERY_S = 10.0  # fdatasync metrics.jsonl at most this often, besides events and close (lines reach the OS at once)
 
 
-_sync = getattr(os, "fdatasync", os.fsync)  # the data is what matters; skip the metadata flush
-SYNC_EVERY_S = 10.0  # fdatasync metrics.jsonl at most this often, besides events and close (lines reach the OS at once)
-
-
 class MetricsFile(Sink):
     """``run_dir/metrics.jsonl``, the run's record: appended to, repaired after a crash, and cut back
     on resume (``guard`` / ``truncate_after`` return the first step the other sinks must purge)."""

@@ -34,6 +34,11 @@ def base_license(base: Path) -> str:
     return "other"
 
 
+def _loader_of(path: str) -> str:
+    """The `datasets` loader that reads ``path`` as the model index's dataset type (a local file has no Hub id)."""
+    return "csv" if Path(path).suffix.lower() in (".tsv", ".csv") else "json"
+
+
 def write_card(release: Path, *, name: str, base: Path, pipeline_tag: str, train_file: str, dev_file: str,
                metrics: dict[str, float], body: str) -> Path:
     """Write `release/README.md`: front matter with `model-index` results for ``metrics`` + ``body``."""
@@ -49,7 +54,7 @@ def write_card(release: Path, *, name: str, base: Path, pipeline_tag: str, train
         "tags": ["fine-tuned", "pretrain"],
         "model-index": [{"name": name, "results": [{
             "task": {"type": pipeline_tag, "name": _TASK_NAMES.get(pipeline_tag, pipeline_tag)},
-            "dataset": {"type": "json", "name": Path(dev_file).name, "split": "validation"},
+            "dataset": {"type": _loader_of(dev_file), "name": Path(dev_file).name, "split": "validation"},
             "metrics": results,
         }]}],
     }

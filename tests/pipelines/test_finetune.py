@@ -57,6 +57,7 @@ def test_finetune_from_transformers_checkpoint_round_trips(hf_checkpoint, topic_
     scores = {r.metric_type: r.metric_value for r in card.data.eval_results}
     assert scores["accuracy"] == pytest.approx(result["metrics"]["accuracy"], abs=1e-4)
     assert set(scores) == {"accuracy", "macro_f1", "mcc"}
+    assert {r.dataset_type for r in card.data.eval_results} == {"csv"}  # the TSV task, read by `datasets`' csv loader
     assert "best epoch" in card.text and "accuracy" in card.text
 
     # label names travel through the exported config; transformers and our loader give the same logits
