@@ -64,7 +64,7 @@ from core.config import (
 from core.files import atomic_write_text, claim_output_dir, discard
 from pipelines.engine.config import RunConfig
 from pipelines.study.attempts import FINAL_STATUSES, append_log, close_attempt, done_record, run_status
-from pipelines.study.sweep_checks import EXIT_CONFIG, check_grid, check_overrides, report_failure
+from pipelines.study.sweep_checks import EXIT_CONFIG, RUN_RECORD, check_grid, check_overrides, report_failure
 from pipelines.study.sweep_parallel import STOPPED, run_in_parallel
 
 __all__ = [
@@ -188,7 +188,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] =
     check_overrides(cfg, where=str(path))  # no key set twice by the grid (a silent winner would mislabel runs)
     # every grid point, before the first run starts; corpora too once the --set overrides are known (run_local)
     check_grid(expand(cfg), lambda spec: run_config(cfg, spec), world_size=cfg.num_processes, where=str(path),
-               inputs=False)
+               inputs=False, runs=False)
     return cfg
 
 
@@ -289,15 +289,16 @@ def run_one(
     print(f"=== sweep run {spec.index}: {spec.name}", flush=True)
     error, rc = None, 0
     try:
+        from pipelines.engine.checkpoint import claim_run_dir
+
+        claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
+        resolved = spec.run_dir / RUN_RECORD  # base + run + overrides, resolved: what the run ran (and a child sees)
+        save_config(cfg, resolved)
         if sweep.num_processes == 1 and sweep.launcher != "python" and not subprocess_run:
             _train_in_process(cfg, sweep.threads)
         else:
-            from pipelines.engine.checkpoint import claim_run_dir
             from pipelines.engine.launcher import launch
 
-            claim_run_dir(spec.run_dir)  # marked as a run dir before the first file goes in
-            resolved = spec.run_dir / "sweep_run.yaml"  # base + run + overrides, resolved: the child sees `cfg`
-            save_config(cfg, resolved)
             launcher = "python" if sweep.num_processes == 1 else sweep.launcher
             env = {"OMP_NUM_THREADS": str(sweep.threads)} if sweep.threads else None
             rc = launch(str(resolved), [], sweep.num_processes, launcher=launcher, extra_env=env)
@@ -349,7 +350,7 @@ def run_local(
     specs = expand(sweep)
     check_overrides(sweep, extra, where=f"sweep {sweep.out_dir}")
     check_grid(specs, lambda spec: run_config(sweep, spec, extra), world_size=sweep.num_processes,
-               where=f"sweep {sweep.out_dir}", extra=extra)  # before any run (or the manifest) is written
+               where=f"sweep {sweep.out_dir}", extra=extra, rerun_finished=force)  # before any run or the manifest
     write_manifest(sweep, specs)
     if shard is not None:
         specs = [s for s in specs if s.index % shard[1] == shard[0]]

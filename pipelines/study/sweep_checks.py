@@ -13,11 +13,15 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
+from core.config import ConfigError, load_config, to_dict
 
-__all__ = ["check_grid", "check_overrides", "report_failure", "EXIT_CONFIG", "EXIT_FAILURE"]
+__all__ = ["check_grid", "check_overrides", "refuse_changed_run", "report_failure", "RUN_RECORD", "EXIT_CONFIG",
+           "EXIT_FAILURE"]
+
+RUN_RECORD = "sweep_run.yaml"  # RUN_DIR/sweep_run.yaml: the resolved config the sweep started the run with
 
 EXIT_CONFIG = 2  # a run stopped by a config or data error (what `pretrain train` exits with)
 EXIT_FAILURE = 1  # any other failure of an in-process run
@@ -62,9 +66,11 @@ def check_overrides(sweep: Any, extra: Sequence[str] = (), *, where: str) -> Non
 
 
 def check_grid(specs: Sequence[Any], resolve: Callable[[Any], Any], *, world_size: int, where: str,
-               extra: Sequence[str] = (), inputs: bool = True) -> None:
+               extra: Sequence[str] = (), inputs: bool = True, runs: bool = True, rerun_finished: bool = False) -> None:
     """Raise ``ConfigError`` for the first grid point whose resolved config (``resolve(spec)``) or corpus
-    would fail its run. ``where`` names the sweep (its file or out_dir); ``extra`` are the ``--set`` overrides."""
+    (``inputs``) would fail its run, or whose run dir holds a run started under other settings (``runs``:
+    ``refuse_changed_run``; ``rerun_finished``: ``--force`` replaces the finished ones). ``where`` names the
+    sweep (its file or out_dir); ``extra`` are the ``--set`` overrides."""
     from pipelines.engine.check import check, check_inputs
 
     with_set = f" with --set {' '.join(extra)}" if extra else ""
@@ -73,12 +79,38 @@ def check_grid(specs: Sequence[Any], resolve: Callable[[Any], Any], *, world_siz
         try:
             cfg = resolve(spec)  # loading checks names (optim.lr, schedule.warmup) and suggests the near ones
             check(cfg, world_size=world_size)
+            if runs:
+                refuse_changed_run(spec.run_dir, cfg, rerun_finished=rerun_finished)
             key = repr((cfg.data, cfg.train.global_batch_size, cfg.train.grad_accum_steps))
             if inputs and key not in seen:  # the runs of a sweep mostly share one corpus: read its manifest once
                 seen.add(key)
                 check_inputs(cfg, world_size=world_size)
         except ConfigError as exc:
             raise ConfigError(f"{where}: grid point {spec.index} ({spec.name}){with_set}: {exc}") from None
+
+
+def refuse_changed_run(run_dir: str | os.PathLike, cfg: Any, *, rerun_finished: bool = False) -> None:
+    """Refuse a grid point whose run dir holds a run the sweep started with other settings (its
+    ``RUN_RECORD``; ``logging.*`` aside, which changes no result). Else a finished run counted as the
+    result of settings it never ran (a sweep rerun on another corpus reported the old corpus's losses
+    under the new one), and an unfinished one resumed under a mix of both."""
+    from monitoring.sinks import flatten
+
+    run_dir = Path(run_dir)
+    finished = (run_dir / "done").is_file()
+    if not (run_dir / RUN_RECORD).is_file() or (finished and rerun_finished):
+        return
+    old = flatten(to_dict(load_config(run_dir / RUN_RECORD, [], cls=type(cfg))))
+    new = flatten(to_dict(cfg))
+    changed = [k for k in new if not k.startswith("logging.") and old.get(k) != new[k]]
+    if changed:
+        shown = "; ".join(f"{k}: {old.get(k)!r} then, {new[k]!r} now" for k in changed[:3])
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        fix = ("add --force to run the finished ones again under these settings" if finished
+               else f"delete {run_dir} to start it again under these settings")
+        raise ConfigError(f"its run dir {run_dir} holds a run {'finished' if finished else 'started'} under other "
+                          f"settings ({shown}{more}; {run_dir / RUN_RECORD}). Give the sweep a new out_dir for the "
+                          f"new settings, or {fix}.")
 
 
 def report_failure(exc: BaseException) -> tuple[str, int]:

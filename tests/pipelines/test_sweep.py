@@ -328,3 +328,37 @@ def test_a_set_typo_or_a_missing_corpus_is_refused_before_any_run(tmp_path, bert
     err = capsys.readouterr().err
     assert f"{tmp_path / 'nowhere'}/manifest.json does not exist" in err and "Traceback" not in err, err
     assert not (tmp_path / "sw").exists()
+
+
+def test_a_sweep_rerun_under_other_settings_is_refused_not_counted(tmp_path, bert_corpus, capsys):
+    """The same sweep dir again with another corpus (or a --set that changes the runs): its finished runs were
+    skipped and reported as results of the new settings, and an unfinished one resumed under a mix of both.
+    Now one line names the changed key, exit 2, nothing written; --force runs the finished ones again."""
+    import shutil
+
+    from pipelines import cli
+
+    other = tmp_path / "other-corpus"
+    shutil.copytree(bert_corpus, other)
+    sweep = write_sweep(tmp_path / "s.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=TINY_RUN)
+    assert cli.main(["sweep", str(sweep), "--local"]) == 0
+    log, run = tmp_path / "sw" / "sweep.jsonl", tmp_path / "sw" / "runs" / "adam-none-lr1e-3-s0"
+    before = {p: p.read_bytes() for p in [log, *run.rglob("*")] if p.is_file()}
+    capsys.readouterr()
+
+    for args in ([f"corpus={other}"], ["--set", "optim.weight_decay=0.5"]):
+        assert cli.main(["sweep", str(sweep), *args, "--local"]) == cli.EXIT_CONFIG, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"its run dir {run} holds a run finished under other settings" in err, err
+        assert (("data.corpus" in err) if args[0].startswith("corpus") else ("optim.weight_decay: 0.01 then, 0.5 now" in err)), err
+        assert "add --force" in err
+        assert {p: p.read_bytes() for p in [log, *run.rglob("*")] if p.is_file()} == before
+
+    (run / "done").unlink()  # an unfinished run: continued only under its own settings
+    assert cli.main(["sweep", str(sweep), f"corpus={other}", "--local"]) == cli.EXIT_CONFIG
+    assert f"delete {run} to start it again" in capsys.readouterr().err
+    (run / "done").write_bytes(before[run / "done"])
+
+    assert cli.main(["sweep", str(sweep), f"corpus={other}", "--force", "--local"]) == 0
+    assert json.loads((run / "done").read_text())["status"] == "ok"
+    assert f"corpus: {other}" in (run / "sweep_run.yaml").read_text()
