@@ -100,7 +100,10 @@ def refuse_changed_run(run_dir: str | os.PathLike, cfg: Any, *, rerun_finished: 
     finished = (run_dir / "done").is_file()
     if not (run_dir / RUN_RECORD).is_file() or (finished and rerun_finished):
         return
-    old = flatten(to_dict(load_config(run_dir / RUN_RECORD, [], cls=type(cfg))))
+    try:
+        old = flatten(to_dict(load_config(run_dir / RUN_RECORD, [], cls=type(cfg))))
+    except ConfigError:  # written by a version with other config keys: nothing to compare key by key
+        return
     new = flatten(to_dict(cfg))
     changed = [k for k in new if not k.startswith("logging.") and old.get(k) != new[k]]
     if changed:
