@@ -50,7 +50,8 @@ class ReadReport:
         if not self.bad:
             return f"{self.path}: {self.total} examples, none skipped{notes}"
         parts = ", ".join(f"{n} {rule} (first at {self.first_bad[rule]})" for rule, n in self.bad.items())
-        return f"{self.path}: {self.total} examples, skipped {sum(self.bad.values())}: {parts}{notes}"
+        skipped = sum(self.bad.values())
+        return f"{self.path}: {self.total} examples read, {self.total - skipped} kept, {skipped} skipped: {parts}{notes}"
 
 
 def require_file(path: Path, what: str) -> None:

@@ -41,6 +41,14 @@ def test_a_label_seen_once_among_common_ones_is_reported(tmp_path):
     assert "warning" not in clean_report.summary()
 
 
+def test_the_read_summary_counts_the_examples_kept_apart_from_the_skipped(tmp_path):
+    """It said "754 examples, skipped 1" for 753 kept: the total counted the skipped row too."""
+    rows = [(f"review {i}", "pos" if i % 2 else "neg") for i in range(200)] + [("", "pos")]  # 0.5 %: under the limit
+    examples, _, report = read_examples(_tsv(tmp_path / "train.tsv", rows), text_column="text", label_column="label")
+    assert len(examples) == 200
+    assert f"{tmp_path / 'train.tsv'}: 201 examples read, 200 kept, 1 skipped: 1 empty text (first at" in report.summary()
+
+
 # ---- corpora: a worker's error is the main process' error; samples are checked against the model -----------
 
 
