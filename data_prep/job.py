@@ -152,8 +152,10 @@ def _sample_files(cfg: PrepConfig, entries, limit: int) -> tuple[list[dict[str, 
     return chosen, size
 
 
-def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimate: bool) -> tuple[Stats, dict[str, str], int, float]:
-    """Run `sample_texts` over `chunks` in Ray: (stats, texts by hash, documents, estimated shard bytes)."""
+def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimate: bool,
+                 where: str = "the tokenizer sample") -> tuple[Stats, dict[str, str], int, float]:
+    """Run `sample_texts` over `chunks` in Ray: (stats, texts by hash, documents, estimated shard bytes);
+    `where` names the sample in an error (the tokenizer's, or the one that sizes the shards)."""
     import ray
 
     from data_prep import stages
@@ -168,7 +170,7 @@ def _read_sample(cfg: PrepConfig, chunks, ctx: JobContext, workers: int, estimat
         n_docs += part["documents"]
         out_bytes += part["shard_bytes"]
         del part
-    _check_bad_share(stats, cfg, where="the tokenizer sample")
+    _check_bad_share(stats, cfg, where=where)
     if not n_docs:
         raise PrepError(
             f"No document survived reading and cleaning in {[p for s in cfg.sources for p in s.paths]} "
@@ -191,7 +193,8 @@ def _reuse_tokenizer(cfg: PrepConfig, out: Path, entries, ctx: JobContext, worke
     tok_info, ctx = _tokenizer_ctx(cfg, out, tok, ttype, ctx)
     limit = min(cfg.tokenizer.sample_bytes, _SIZING_SAMPLE_BYTES)
     chosen, size = _leading_bytes(split_entries(_sample_files(cfg, entries, limit)[0], cfg.sources, _SIZING_RANGE_BYTES), limit)
-    _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True)
+    _, _, _, out_bytes = _read_sample(cfg, chunk_entries(chosen, _SIZING_CHUNKS), ctx, workers, estimate=True,
+                                      where=f"the first {size} bytes read to size the shards")
     return tok_info, out_bytes / max(1, size), ctx
 
 

@@ -48,6 +48,13 @@ def test_a_wrong_text_field_is_named_with_the_fix(ray_cluster, tmp_path):
         run_prepare(_cfg(tmp_path, src))
     assert not (tmp_path / "out").exists()
 
+    # with a tokenizer reused (tokenizer.path), no tokenizer sample is read: the error names the sample it read
+    run_prepare(_cfg(tmp_path, [SourceConfig(type="jsonl", paths=[str(tmp_path / "docs.jsonl")])]))
+    reuse = PrepConfig(kind="packed_lm", output=str(tmp_path / "again"), sources=src, seq_len=16, progress=False,
+                       tokenizer=TokenizerConfig(path=str(tmp_path / "out" / "tokenizer")))
+    with pytest.raises(PrepError, match=r"input records in the first \d+ bytes read to size the shards are bad"):
+        run_prepare(reuse)
+
 
 def test_missing_path_fails_fast_naming_it(tmp_path):
     with pytest.raises(PrepError, match="nowhere/.*txt"):
