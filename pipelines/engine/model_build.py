@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def _init_from(model: torch.nn.Module, path: str) -> None:
     from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
-    hint = "Use the same model.name and model.overrides as the run that wrote it."
+    hint = f"Use the same model.name and model.overrides as the run that wrote it{_written_by(Path(ckpt))}."
     try:
         missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
     except RuntimeError as exc:  # a tensor of another shape
@@ -45,6 +46,20 @@ def _init_from(model: torch.nn.Module, path: str) -> None:
                           f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}). {hint}")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def _written_by(checkpoint: Path) -> str:
+    """``: model.name=X, model.overrides={...} (its config.yaml)`` from the checkpoint's saved run config, or ""."""
+    import yaml
+
+    try:
+        model = (yaml.safe_load((checkpoint / "config.yaml").read_text(encoding="utf-8")) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return ""
+    if not model.get("name"):
+        return ""
+    return (f": model.name={model['name']}, model.overrides={model.get('overrides') or {}} "
+            f"({checkpoint / 'config.yaml'})")
 
 
 def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, Any]]:

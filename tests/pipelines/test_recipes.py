@@ -127,7 +127,7 @@ def test_model_init_from_starts_from_a_checkpoints_weights(tmp_path):
     from types import SimpleNamespace
 
     import models
-    from core.config import ConfigError
+    from core.config import ConfigError, save_config
     from pipelines.engine.config import load_run_config
     from pipelines.engine.trainer import build_model
 
@@ -138,6 +138,7 @@ def test_model_init_from_starts_from_a_checkpoints_weights(tmp_path):
     torch.save(phase1.state_dict(), ckpt / "engine" / "model.pt")  # the DDP engine's checkpoint layout
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 7, "model_build": {"name": "bert-tiny"}}))
     (ckpt.parent / "latest").write_text("step-00000007\n")
+    save_config(load_run_config(REPO / "configs/train/bert_tiny_cpu.yaml"), ckpt / "config.yaml")  # the run that wrote it
     task = SimpleNamespace(name="mlm_nsp", family="bert", seq_len=32, model_overrides=lambda: {"vocab_size": 200})
     cfg = load_run_config(REPO / "configs/train/bert_tiny_cpu.yaml", [f"model.init_from={tmp_path / 'run'}"])
     model, _ = build_model(cfg, task)
@@ -148,8 +149,9 @@ def test_model_init_from_starts_from_a_checkpoints_weights(tmp_path):
                            phase1.state_dict()["bert.embeddings.word_embeddings.weight"])
     bigger = load_run_config(REPO / "configs/train/bert_tiny_cpu.yaml",
                              [f"model.init_from={ckpt}", "model.overrides={num_layers: 3}"])
-    with pytest.raises(ConfigError, match="model.init_from"):
+    with pytest.raises(ConfigError, match="model.init_from") as refused:
         build_model(bigger, task)
+    assert f"it: model.name=bert-tiny, model.overrides={{}} ({ckpt / 'config.yaml'})." in str(refused.value)  # its writer
     wider = load_run_config(REPO / "configs/train/bert_tiny_cpu.yaml",
                             [f"model.init_from={ckpt}", "model.overrides={hidden_size: 64, intermediate_size: 256}"])
     with pytest.raises(ConfigError, match="model.init_from"):
