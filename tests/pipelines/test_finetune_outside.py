@@ -120,6 +120,13 @@ def test_no_pad_token_in_the_tokenizer_nor_the_config_is_refused_before_training
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def task_config(config: str, checkpoint: Path, task: tuple[Path, Path], run_dir: Path) -> FinetuneConfig:
+    """The shipped fine-tuning ``config`` on ``checkpoint`` and the topic task's files."""
+    train, val = task
+    return load_config(CONFIG.parent / config, [f"checkpoint={checkpoint}", f"data.train={train}",
+                                                f"data.validation={val}", f"train.run_dir={run_dir}"], cls=FinetuneConfig)
+
+
 @pytest.mark.parametrize("config", ["classification_small.yaml", "qa.yaml"])
 def test_a_release_without_tokenizer_files_is_refused_before_training(topic_task, tmp_path, config):
     """transformers 5 builds a 5-token tokenizer for a directory with no tokenizer files: fine-tuning trained
@@ -127,10 +134,7 @@ def test_a_release_without_tokenizer_files_is_refused_before_training(topic_task
     src = save_outside_bert(tmp_path / "src")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         (src / name).unlink(missing_ok=True)
-    train, val = topic_task
-    cfg = load_config(CONFIG.parent / config, [
-        f"checkpoint={src}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={tmp_path / 'run'}"],
-        cls=FinetuneConfig)
+    cfg = task_config(config, src, topic_task, tmp_path / "run")
     with pytest.raises(FinetuneError, match=r"no tokenizer files \(none of tokenizer.json, vocab.txt, vocab.json\)"):
         run_finetune(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -146,10 +150,7 @@ def test_an_image_release_is_refused_for_its_family_not_its_tokenizer(topic_task
     transformers.ViTForImageClassification(transformers.ViTConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
     )).save_pretrained(str(vit), safe_serialization=True)
-    train, val = topic_task
-    cfg = load_config(CONFIG.parent / config, [
-        f"checkpoint={vit}", f"data.train={train}", f"data.validation={val}", f"train.run_dir={tmp_path / 'run'}"],
-        cls=FinetuneConfig)
+    cfg = task_config(config, vit, topic_task, tmp_path / "run")
     with pytest.raises(FinetuneError, match=r"holds a vit model; fine-tuning needs a BERT-architecture encoder"):
         run_finetune(cfg)
     assert not (tmp_path / "run").exists()
