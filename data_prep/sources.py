@@ -67,6 +67,10 @@ def _files_of(src: SourceConfig) -> list[str]:
 def _hf_disk_files(path: str, split: str) -> list[str]:
     root = Path(path)
     if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if (split or "train") not in splits:
+            raise PrepError(f"{path} is a DatasetDict with the splits {splits} (dataset_dict.json), none named "
+                            f"{split or 'train'!r}. Set `split` of the hf_disk source to one of them.")
         root = root / (split or "train")
     state = root / "state.json"
     if not state.is_file():

@@ -119,3 +119,22 @@ def test_an_output_among_the_inputs_is_refused(tmp_path, monkeypatch, pattern):
     # files of a folder that also holds the output: they are no input directory, so this one is allowed
     assert len(resolve_inputs(PrepConfig(kind="bert_pairs", output="texts/corpus", sources=[
         SourceConfig(type="text", paths=["texts/*.txt"])]), "texts/corpus/.state")[0]) == 20
+
+
+def test_a_datasetdict_without_the_split_names_its_splits(tmp_path):
+    """It said the folder was no save_to_disk dataset at all ('no state.json or dataset_dict.json')."""
+    from pydoc_data.topics import topics
+
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": sorted(topics.values())})
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "saved"))
+    for split, fine in (("", True), ("test", True), ("validation", False)):
+        cfg = PrepConfig(kind="bert_pairs", output=str(tmp_path / "out"),
+                         sources=[SourceConfig(type="hf_disk", paths=[str(tmp_path / "saved")], split=split)])
+        if fine:
+            assert len(resolve_inputs(cfg, str(tmp_path))[0]) == 1
+            continue
+        with pytest.raises(PrepError, match=r"saved is a DatasetDict with the splits \['train', 'test'\] "
+                                            r"\(dataset_dict.json\), none named 'validation'\. Set `split`"):
+            resolve_inputs(cfg, str(tmp_path))
