@@ -95,3 +95,16 @@ def test_an_image_corpus_shows_no_seq_len_tokens_or_nsp_counts(tmp_path, capsys)
             assert "seq_len" not in head and "tokens" not in head and "train       2 shards  88 samples  " in head
         else:
             assert "seq_len 32" in head and " tokens  " in head
+
+
+def test_inspect_into_head_ends_without_a_traceback(tmp_path):
+    """`pretrain inspect CORPUS | head -3` printed a BrokenPipeError traceback after the three lines."""
+    import os
+    import subprocess
+
+    root = cf.make_gpt_corpus(tmp_path / "corpus", train_sizes=(400,), val_sizes=(8,))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = f"{sys.executable} -m pipelines.cli inspect {root} -n 400 | head -3"
+    run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    assert len(run.stdout.splitlines()) == 3 and run.stdout.startswith("corpus ")
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr
