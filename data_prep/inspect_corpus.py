@@ -137,7 +137,9 @@ def inspect_corpus(path: str, n: int = 3) -> str:
     if m is not None:
         _verify(m, shard, shown)
         manifest = m.raw
-        lines.append(f"corpus {corpus}  kind {manifest['kind']}  seq_len {manifest['seq_len']}  schema {manifest['schema_version']}")
+        tokenized = corpus_kind(manifest["kind"]).tokenized  # an image corpus has no seq_len, tokens or NSP counts
+        seq = f"  seq_len {manifest['seq_len']}" if tokenized else ""
+        lines.append(f"corpus {corpus}  kind {manifest['kind']}{seq}  schema {manifest['schema_version']}")
         tok = manifest.get("tokenizer")
         if tok:
             lines.append(f"tokenizer {tok['type']} vocab {tok['vocab_size']} sha256 {tok['sha256'][:12]}…  dtype {manifest['token_dtype']}")
@@ -145,8 +147,10 @@ def inspect_corpus(path: str, n: int = 3) -> str:
             lines.append(f"classes {len(manifest['class_map'])}: {manifest['class_map']}")
         for split, info in manifest["splits"].items():
             size = sum(s["bytes"] for s in info["shards"])
-            lines.append(f"{split:<11} {len(info['shards'])} shards  {info['samples']:,} samples  {info['tokens']:,} tokens  {size / 1e6:.1f} MB")
-        counts = manifest.get("stats", {}).get("counts", {})
+            tokens = f"  {info['tokens']:,} tokens" if tokenized else ""
+            lines.append(f"{split:<11} {len(info['shards'])} shards  {info['samples']:,} samples{tokens}  {size / 1e6:.1f} MB")
+        counts = {k: v for k, v in manifest.get("stats", {}).get("counts", {}).items()
+                  if k != "nsp_random" or manifest["kind"] == "bert_pairs"}
         if counts:
             lines.append("cleaning: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     shard = shown

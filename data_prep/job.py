@@ -37,6 +37,7 @@ from data_prep.output_guard import check_reused_tokenizer, claimed_corpus
 from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
 from data_prep.sources import resolve_inputs
+from data_prep.summary import build_summary, format_summary
 from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
@@ -439,57 +440,7 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
         "stats": stats.to_dict(),
     }
     write_manifest(out, manifest)
-    summary = _summary(cfg, manifest, stats, time.time() - t0)
+    summary = build_summary(cfg, manifest, stats, time.time() - t0)
     summary["stages_s"] = {k: round(v, 2) for k, v in stage_s.items()}
     summary["task_s"] = {k: round(v, 2) for k, v in task_s.items()}
     return summary
-
-
-def _summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall: float) -> dict[str, Any]:
-    c = stats.counts
-    splits = manifest["splits"]
-    shards = [s for sp in splits.values() for s in sp["shards"]]
-    tokens = sum(sp["tokens"] for sp in splits.values())
-    samples = sum(sp["samples"] for sp in splits.values())
-    summary: dict[str, Any] = {
-        "output": str(cfg.output),
-        "kind": cfg.kind,
-        "documents_in": int(c.get("documents_in", 0)),
-        "removed": {k.removeprefix("removed."): int(v) for k, v in sorted(c.items()) if k.startswith("removed.")},
-        "bad": {k.removeprefix("bad."): int(v) for k, v in sorted(c.items()) if k.startswith("bad.")},
-        "documents_kept": int(c.get("documents_kept", 0)),
-        "samples": {name: sp["samples"] for name, sp in splits.items()},
-        "tokens": tokens,
-        "shards": len(shards),
-        "bytes": sum(s["bytes"] for s in shards),
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
-        "worker_malloc": find_worker_malloc(cfg.worker_malloc) or "system",
-        "manifest": str(Path(cfg.output) / "manifest.json"),
-    }
-    if cfg.kind == "bert_pairs" and samples:
-        summary["nsp_random_share"] = round(c.get("nsp_random", 0) / samples, 4)
-    if cfg.kind == "packed_lm" and c.get("stream_tokens"):
-        summary["tokens_kept_share"] = round(c.get("stream_tokens_kept", 0) / c["stream_tokens"], 5)
-    return summary
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The end-of-job table: documents in, removed per rule, samples, tokens, shards, MB, time."""
-    rows: list[tuple[str, str]] = [("corpus", s["output"]), ("kind", s["kind"]), ("documents in", f"{s['documents_in']:,}")]
-    rows += [(f"  removed: {k}", f"{v:,}") for k, v in s["removed"].items()]
-    rows += [(f"  bad records: {k}", f"{v:,}") for k, v in s["bad"].items()]
-    rows += [("documents kept", f"{s['documents_kept']:,}")]
-    rows += [(f"samples ({k})", f"{v:,}") for k, v in s["samples"].items()]
-    rows += [("tokens", f"{s['tokens']:,}"), ("shards", str(s["shards"])), ("size", f"{s['bytes'] / 1e6:,.1f} MB")]
-    if "nsp_random_share" in s:
-        rows.append(("NotNext share", f"{s['nsp_random_share']:.1%}"))
-    if "tokens_kept_share" in s:
-        rows.append(("tokens kept by packing", f"{s['tokens_kept_share']:.2%}"))
-    rows += [("wall time", f"{s['wall_s']:.1f} s"), ("tokens/s", f"{s['tokens_per_s']:,.0f}")]
-    rows += [("workers' malloc", s["worker_malloc"])] if "worker_malloc" in s else []
-    rows += [(f"  stage: {k}", f"{v:.1f} s") for k, v in s.get("stages_s", {}).items()]
-    rows += [(f"  in tasks: {k}", f"{v:.1f} s") for k, v in s.get("task_s", {}).items()]
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 2 + max(len(v) for _, v in rows))
-    return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])

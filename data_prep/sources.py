@@ -67,6 +67,10 @@ def _files_of(src: SourceConfig) -> list[str]:
 def _hf_disk_files(path: str, split: str) -> list[str]:
     root = Path(path)
     if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if (split or "train") not in splits:
+            raise PrepError(f"{path} is a DatasetDict with the splits {splits} (dataset_dict.json), none named "
+                            f"{split or 'train'!r}. Set `split` of the hf_disk source to one of them.")
         root = root / (split or "train")
     state = root / "state.json"
     if not state.is_file():
@@ -104,6 +108,7 @@ def resolve_inputs(cfg: PrepConfig, work_dir: str) -> tuple[list[dict[str, Any]]
     Returns `(entries, class_map)`; an entry is `{"path", "source", "size", "label"}` (label is -1
     for text). `class_map` maps label names to integers in sorted order (images only).
     """
+    _refuse_output_among_inputs(cfg)
     entries: list[dict[str, Any]] = []
     labelled: list[tuple[str, int, str]] = []  # images: (path, source index, label name)
     for i, src in enumerate(cfg.sources):
@@ -145,6 +150,21 @@ def resolve_inputs(cfg: PrepConfig, work_dir: str) -> tuple[list[dict[str, Any]]
     return entries, class_map
 
 
+def _refuse_output_among_inputs(cfg: PrepConfig) -> None:
+    """An output inside an input directory (or an input inside the output) is refused: the next run, a resume
+    included, would read the shards, manifest and tokenizer it wrote as documents of the corpus."""
+    out = Path(os.path.realpath(cfg.output))
+    for i, src in enumerate(cfg.sources):
+        for pattern in src.paths:
+            for m in sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]:
+                path = Path(os.path.realpath(m))
+                if path == out or path in out.parents or out in path.parents:
+                    where = "is the input" if path == out else ("lies inside the input directory" if path in out.parents
+                                                               else "holds the input")
+                    raise PrepError(f"output={cfg.output} {where} {m!r} (sources[{i}].paths): prepare would read the "
+                                    f"corpus it writes as input. Choose an output folder outside every input path.")
+
+
 def _one_class_message(cfg: PrepConfig, label: str, n: int) -> str:
     """Why a corpus of one class is refused, naming where the labels came from (a classifier of one class
     reaches loss 0 at once and learns nothing)."""
@@ -171,8 +191,11 @@ def _files_of_dirs(src: SourceConfig) -> list[str]:
 
 
 def _read_label_csv(csv_path: str, src: SourceConfig) -> list[tuple[str, str]]:
+    """(image path, label) of every row. A row without a label, or naming no file, stops the job here with its
+    line: an empty cell would become a class of its own, and a missing file is the CSV's error, not the image's.
+    utf-8-sig: spreadsheet programs save CSV with a byte-order mark, which would otherwise hide the first column."""
     base = os.path.dirname(csv_path)
-    with open(csv_path, newline="", encoding="utf-8") as fh:
+    with open(csv_path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         missing = {src.path_field, src.label_field} - set(reader.fieldnames or [])
         if missing:
@@ -180,7 +203,18 @@ def _read_label_csv(csv_path: str, src: SourceConfig) -> list[tuple[str, str]]:
                 f"{csv_path} has no column(s) {sorted(missing)} (columns: {reader.fieldnames}). Set "
                 f"`path_field`/`label_field` of the image_csv source to the right column names."
             )
-        return [(os.path.join(base, row[src.path_field]), str(row[src.label_field]).strip()) for row in reader]
+        rows = []
+        for row in reader:
+            name, label = (row[src.path_field] or "").strip(), (row[src.label_field] or "").strip()
+            path = os.path.join(base, name)
+            if not label:
+                raise PrepError(f"{csv_path} line {reader.line_num}: the {src.label_field!r} cell of {name!r} is empty. "
+                                f"Fill in its class or remove the row.")
+            if not name or not os.path.isfile(path):
+                raise PrepError(f"{csv_path} line {reader.line_num}: {src.path_field!r} names {name!r}, which is no file "
+                                f"({path}; paths are relative to the CSV's folder). Fix the path or remove the row.")
+            rows.append((path, label))
+        return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -195,18 +229,18 @@ def _decode(raw: bytes) -> Record:
         return None, "invalid_utf8"
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, which Windows editors put first: not part of the first record
+
+
 def _lines(fh: BinaryIO, span: Span) -> Iterator[bytes]:
-    """The lines of `fh`, or of its byte range `span` (which starts and ends at line starts)."""
-    if span is None:
-        yield from fh
-        return
-    start, end = span
+    """The lines of `fh`, or of its byte range `span` (which starts and ends at line starts); the file's BOM dropped."""
+    start, end = (0, None) if span is None else span
     fh.seek(start)
     pos = start
     for line in fh:
-        if pos >= end:
+        if end is not None and pos >= end:
             return
-        yield line
+        yield line.removeprefix(_BOM) if pos == 0 else line
         pos += len(line)
 
 
@@ -247,7 +281,7 @@ def _text_paragraphs(path: str, span: Span = None) -> Iterator[Record]:
 
 def _text_file(path: str) -> Iterator[Record]:
     with open(path, "rb") as fh:
-        raw = fh.read()
+        raw = fh.read().removeprefix(_BOM)
     yield (None, "empty_file") if not raw.strip() else _decode(raw)
 
 

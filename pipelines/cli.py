@@ -437,7 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def entry() -> int:
     """The ``pretrain`` command (pyproject's script): ``main``, then ``before_exit`` -- only where the process
     ends here, never for a caller of ``main`` that goes on running."""
-    code = main()
+    try:
+        code = main()
+    except BrokenPipeError:  # `pretrain inspect CORPUS | head`: the reader has all it wanted, not a crash
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush of stdout is quiet
+        code = 128 + signal.SIGPIPE
     before_exit()
     return code
 

@@ -77,3 +77,34 @@ def test_a_file_that_is_no_shard_is_named(tmp_path, capsys):
 def test_a_missing_path_exits_2(tmp_path, capsys):
     code, _, err = _inspect(tmp_path / "typo", capsys)
     assert code == 2 and f"{tmp_path / 'typo'} does not exist" in _one_paragraph(err)
+
+
+def test_an_image_corpus_shows_no_seq_len_tokens_or_nsp_counts(tmp_path, capsys):
+    """An images corpus read 'seq_len None', '0 tokens' per split and 'nsp_random=0' among its cleaning counts."""
+    import json
+
+    for make, kind in ((cf.make_image_corpus, "images"), (cf.make_gpt_corpus, "packed_lm")):
+        root = make(tmp_path / kind)
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["stats"] = {"counts": {"documents_in": 120, "documents_kept": 120, "nsp_random": 0}}  # as prepare writes
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        code, out, err = _inspect(root, capsys)
+        head = "\n".join(out.splitlines()[:5])
+        assert code == 0 and "nsp_random" not in head and "cleaning: documents_in=120, documents_kept=120" in head, err
+        if kind == "images":
+            assert "seq_len" not in head and "tokens" not in head and "train       2 shards  88 samples  " in head
+        else:
+            assert "seq_len 32" in head and " tokens  " in head
+
+
+def test_inspect_into_head_ends_without_a_traceback(tmp_path):
+    """`pretrain inspect CORPUS | head -3` printed a BrokenPipeError traceback after the three lines."""
+    import os
+    import subprocess
+
+    root = cf.make_gpt_corpus(tmp_path / "corpus", train_sizes=(400,), val_sizes=(8,))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = f"{sys.executable} -m pipelines.cli inspect {root} -n 400 | head -3"
+    run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    assert len(run.stdout.splitlines()) == 3 and run.stdout.startswith("corpus ")
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr

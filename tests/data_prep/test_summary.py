@@ -1,0 +1,33 @@
+"""The table `prepare` prints at the end: an image corpus counts images, never 'tokens 0' and 'tokens/s 0'."""
+
+from __future__ import annotations
+
+from data_prep.clean import Stats
+from data_prep.config import PrepConfig, SourceConfig
+from data_prep.summary import build_summary, format_summary
+
+
+def _summary(kind: str, tokens: int) -> str:
+    """The table of a job that read 400 inputs (2 duplicates, 1 unreadable) into 358 + 40 samples in 15 s."""
+    src = SourceConfig(type="image_folder" if kind == "images" else "text", paths=["digits"])
+    cfg = PrepConfig(kind=kind, output="out", sources=[src], worker_malloc="system")
+    stats = Stats({"documents_in": 400, "documents_kept": 398, "removed.exact_duplicate": 2})
+    stats.bad("digits/3/0042.png", "unreadable_image")
+    shard = {"bytes": 400_000}
+    manifest = {"splits": {"train": {"samples": 358, "tokens": tokens, "shards": [shard]},
+                           "validation": {"samples": 40, "tokens": 0, "shards": [shard]}}}
+    return format_summary(build_summary(cfg, manifest, stats, wall=15.0))
+
+
+def test_an_image_job_counts_images_and_their_rate():
+    rows = {line.rsplit("  ", 1)[0].strip(): line.rsplit("  ", 1)[1].strip() for line in _summary("images", 0).splitlines()
+            if "  " in line}
+    assert rows["images in"] == "400" and rows["images kept"] == "398" and rows["removed: exact_duplicate"] == "2"
+    assert rows["bad records: unreadable_image"] == "1" and rows["images/s"] == "27"  # 398 samples in 15 s
+    assert not {"tokens", "tokens/s", "documents in", "documents kept"} & rows.keys()
+
+
+def test_a_text_job_counts_documents_and_tokens():
+    table = _summary("packed_lm", 183_296)
+    assert "documents in" in table and "documents kept" in table and "183,296" in table and "tokens/s" in table
+    assert "images" not in table
