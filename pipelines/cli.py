@@ -194,7 +194,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pipelines.ops.plan import PlanOptions, make_plan, render_plan, render_sources
+    from pipelines.ops.plan import PlanOptions, make_plan
+    from pipelines.ops.plan_render import render_plan, render_sources
 
     if args.sources:
         print(render_sources())

@@ -47,7 +47,7 @@ from pipelines.ops.model_shapes import (
 )
 
 __all__ = ["PlanOptions", "MemoryRow", "Plan", "make_plan", "memory_rows", "checkpoint_bytes", "young_interval",
-           "daly_interval", "daly_wall_time", "render_plan", "render_sources"]
+           "daly_interval", "daly_wall_time", "duration_text"]
 
 
 
@@ -228,6 +228,28 @@ def _batch(cfg: Any, opts: PlanOptions) -> tuple[Any, tuple[int, int, int]]:
     return cfg, batch_split(cfg, opts.gpus)
 
 
+def duration_text(s: float) -> str:
+    """Seconds as a plan prints them: ms, s, min, h or days."""
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def _train_samples(cfg: Any) -> int:
+    """The training samples of ``data.corpus`` (its manifest), or 0: none set, or a blend of several corpora."""
+    if not cfg.data.corpus:
+        return 0
+    from core.corpus import read_manifest
+
+    return int(((read_manifest(cfg.data.corpus).get("splits") or {}).get("train") or {}).get("samples") or 0)
+
+
 def _corpus_facts(cfg: Any, family: str) -> tuple[dict[str, Any], str]:
     """What the trainer takes from the corpus (``objectives.*.model_kwargs``): vocab_size and seq_len for text,
     num_labels for images; the image size is ``data.image_size``. No corpus set: the model's own defaults."""
@@ -328,6 +350,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     budget = float(cfg.train.max_tokens) if cfg.train.max_tokens else float(cfg.train.max_steps * tokens_step)
     steps = budget / tokens_step
     solve_s = steps * step_s
+    train_samples = _train_samples(cfg)
 
     # checkpoints and failures
     ck = checkpoint_bytes(P, engine=d.engine, precision=cfg.train.precision, stage=stage, moments=moments,
@@ -362,13 +385,13 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if d.engine == "deepspeed" and stage < 3 and opts.gpus > 1 and exposed_s > 0.1 * compute_s and comm_s <= compute_s:
         what = ("the weights gathered after the update" if overlap and stage == 2
                 else f"its gradients reduced after the {'compiled ' if compiled and not per_block else ''}backward")
-        notes.append(f"ZeRO-{stage}: {_dur(exposed_s)} of communication per step are not hidden by the backward and add "
-                     f"to {_dur(compute_s)} of compute ({what}). "
+        notes.append(f"ZeRO-{stage}: {duration_text(exposed_s)} of communication per step are not hidden by the backward and add "
+                     f"to {duration_text(compute_s)} of compute ({what}). "
                      f"distributed.engine=ddp overlaps its reduction with the backward, where the model state fits "
                      f"without partitioning (the ZeRO-0 row).")
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
-                     f"{bw / 1e9:.0f} GB/s = {_dur(comm_s)} > {_dur(compute_s)} of compute; raise the micro batch, or use "
+                     f"{bw / 1e9:.0f} GB/s = {duration_text(comm_s)} > {duration_text(compute_s)} of compute; raise the micro batch, or use "
                      f"ZeRO-1 with grad accumulation (it reduces once per optimizer step, ZeRO-2/3 every micro "
                      f"step), or fewer GPUs.")
     if not run_row.fits:
@@ -383,8 +406,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
         notes.append(f"data.num_workers={cfg.data.num_workers} < {workers} loader workers per GPU needed; set "
                      f"data.num_workers={workers}.")
     if config_tau < tau_d / 4:
-        notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps saves every {_dur(config_tau)}: "
-                     f"{delta / config_tau:.1%} of the time goes to saves ({_dur(delta)} each); Daly's optimum is "
+        notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps saves every {duration_text(config_tau)}: "
+                     f"{delta / config_tau:.1%} of the time goes to saves ({duration_text(delta)} each); Daly's optimum is "
                      f"{max(1, round(tau_d / step_s)):,} steps (keep it shorter only to keep more snapshots).")
     if config_tau > 2 * tau_d:
         notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps is {config_tau / 3600:.1f} h of "
@@ -409,89 +432,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                     "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s, "comm_bytes": volume,
                     "step_s": step_s,
                     "samples_s": samples_s, "tokens_s": samples_s * (seq if family != "vit" else 1),
-                    "steps": steps, "solve_s": solve_s},
+                    "steps": steps, "solve_s": solve_s,
+                    "train_samples": train_samples, "epochs": steps * global_batch / train_samples if train_samples else 0.0},
         loader={"cpu_s_per_sample": cpu_s, "cores_per_gpu": cores, "workers": workers, "config_workers": cfg.data.num_workers},
         notes=notes, sources=sources,
     )
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.1f}"
-
-
-def _dur(s: float) -> str:
-    if s < 1:
-        return f"{s * 1e3:.0f} ms"
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.0f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
-def _positions(p: Plan) -> str:
-    s = p.shape
-    if s.family == "vit":
-        return f"{s.image_size} px / patch {s.patch_size} = {tokens_per_sample(s, 0)} tokens per image"
-    return f"seq {p.seq_len} (from {p.seq_source}), vocab {s.vocab_size:,}"
-
-
-def render_plan(p: Plan) -> str:
-    """The plan as text: the memory table, then checkpoints, failures, throughput, loader, notes and sources."""
-    o, gpu, t, c, f = p.options, K.GPU_KINDS[p.options.gpu], p.throughput, p.checkpoint, p.failure
-    s = p.shape
-    # BERT batches are padded to seq: its rate counts positions, as the MFU measurement does (FLOPs per padded sample)
-    unit = {"vit": "images", "bert": "positions"}.get(s.family, "tokens")
-    lines = [
-        f"plan: {p.config or '(config)'} on {o.gpus} x {gpu.label} ({o.nodes} node(s) x {min(o.gpus, o.gpus_per_node)})",
-        f"model {p.model}: {p.params / 1e6:,.1f}M parameters, {s.num_layers} layers x {s.hidden_size}, "
-        f"{_positions(p)}; batch {p.global_batch} = micro {p.micro_batch} x accum {p.grad_accum} x {o.gpus} GPUs "
-        f"({p.tokens_per_step:,} {unit}/step)",
-        "",
-        f"memory per GPU, GiB (usable {_gib(p.run_row.limit)} of {_gib(gpu.memory_bytes.value)}):",
-        f"  {'ZeRO':<4} {'offload':<16} {'act.ckpt':<8} {'weights':>8} {'grads':>7} {'optim':>7} {'buffers':>8} "
-        f"{'activ.':>7} {'total':>7}  fits  CPU/node",
-    ]
-    for r in p.memory:
-        mark = " <- config" if r is p.run_row else ""
-        lines.append(f"  {r.stage:<4} {r.offload or '-':<16} {'on' if r.checkpointing else 'off':<8} {_gib(r.weights):>8} "
-                     f"{_gib(r.grads):>7} {_gib(r.optimizer):>7} {_gib(r.buffers):>8} {_gib(r.activations):>7} "
-                     f"{_gib(r.total):>7}  {'yes ' if r.fits else 'NO  '}  {_gib(r.cpu_per_node) if r.cpu_per_node else '-'}"
-                     f"{mark}")
-    lines += [
-        "",
-        f"checkpoint: {c['total'] / 1e9:,.1f} GB = DeepSpeed module {c['module'] / 1e9:,.1f} + optimizer "
-        f"{c['optimizer'] / 1e9:,.1f} + world-size-free copy {c['world_free'] / 1e9:,.1f}; keep_last {c['keep_last']} "
-        f"-> {c['total'] * (c['keep_last'] + 1) / 1e9:,.0f} GB on disk during a save",
-        f"  save {_dur(c['save_s'])} = write {_dur(c['write_s'])} at {o.fs_gbps:g} GB/s + rank 0's sha256 "
-        f"{_dur(c['hash_s'])}; resume reads + verifies in {_dur(c['load_s'])}",
-        f"failures: node MTBF {f['node_mtbf_h']:,.0f} h / {o.nodes} node(s) = job MTBF {_dur(f['job_mtbf_s'])}; restart "
-        f"{_dur(f['restart_s'])}",
-        f"  checkpoint every {_dur(f['daly_s'])} of compute = {max(1, round(f['daly_steps'])):,} steps (Daly 2006; Young "
-        f"1974: {_dur(f['young_s'])}); the config's train.checkpoint_every: {_dur(f['config_s'])}",
-        "",
-        f"throughput: MFU {t['mfu']:.1%} x {gpu.bf16_flops.value / 1e12:,.1f} TFLOP/s, {t['flops_per_sample'] / 1e9:,.1f} "
-        f"GFLOP/sample -> compute {t['compute_s']:.3f} s/step; communication {t['comm_bytes'] / 1e9:.2f} GB/GPU/step "
-        f"-> {t['comm_s']:.3f} s, {t['exposed_comm_s']:.3f} s of it not hidden by the compute",
-        f"  {t['tokens_s']:,.0f} {unit}/s ({t['tokens_s'] / o.gpus:,.0f} per GPU), {t['step_s']:.3f} s/step",
-        f"  budget {p.token_budget:,.0f} {unit} = {t['steps']:,.0f} steps: {_dur(t['solve_s'])} of compute; with "
-        f"checkpoints + failures {_dur(f['wall_best_s'])} at the optimum interval, {_dur(f['wall_config_s'])} at the "
-        f"config's (Daly's expected wall time)",
-        f"loader: {p.loader['cpu_s_per_sample'] * 1e3:.2f} CPU-ms per sample -> {p.loader['cores_per_gpu']:.3f} cores per "
-        f"GPU; data.num_workers >= {p.loader['workers']} ({K.LOADER_HEADROOM.value:g}x headroom; config "
-        f"{p.loader['config_workers']})",
-    ]
-    if p.notes:
-        lines += ["", "warnings:"] + [f"  - {n}" for n in p.notes]
-    lines += ["", "sources (pretrain plan --sources lists every constant):"] + [f"  {s}" for s in p.sources]
-    lines.append("  extrapolated: MFU was measured for one model size per family on ONE GPU (each source names it); "
-                 "it is applied unchanged to other sizes, GPU kinds (scaled by their peak) and GPU counts; communication "
-                 "at datasheet bandwidth.")
-    return "\n".join(lines)
-
-
-def render_sources() -> str:
-    """Every constant with its unit and source."""
-    return "\n".join(f"{name:<42} {c.value:>14,.6g} {c.unit:<16} {c.source}" for name, c in K.all_constants())

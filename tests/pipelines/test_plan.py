@@ -397,3 +397,18 @@ def test_a_corpus_gives_the_sequence_length_and_vocabulary(gpt_corpus, tmp_path,
     assert plan.params == param_count(model_shape("gpt2-small", {"vocab_size": manifest["tokenizer"]["vocab_size"]}))
     rc = cli.main(["plan", str(GPU / "gpt2_small.yaml"), f"data.corpus={tmp_path / 'none'}", "--gpus", "8", "--fs-gbps", "1"])
     assert rc == cli.EXIT_CONFIG and "manifest.json does not exist" in capsys.readouterr().err
+
+
+def test_the_plan_says_how_many_epochs_of_its_corpus_the_budget_is(gpt_corpus, capsys):
+    """200 steps of 64 samples on a corpus of about a thousand is many passes over it: the plan said nothing."""
+    import json
+
+    samples = json.loads((gpt_corpus / "manifest.json").read_text())["splits"]["train"]["samples"]
+    argv = [str(REPO / "configs/train/gpt_tiny_cpu.yaml"), f"data.corpus={gpt_corpus}", "train.max_steps=200"]
+    plan = P.make_plan(load_run_config(argv[0], argv[1:]), P.PlanOptions(gpus=1, fs_gbps=1))
+    assert plan.throughput["epochs"] == pytest.approx(200 * plan.global_batch / samples)
+    assert cli.main(["plan", *argv, "--gpus", "1", "--fs-gbps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"= 200 steps ({plan.throughput['epochs']:,.2f} epochs of the corpus's {samples:,} training samples)" in out
+    no_corpus = P.make_plan(load_run_config(GPU / "gpt2_small.yaml"), P.PlanOptions(gpus=8, fs_gbps=10))
+    assert no_corpus.throughput["epochs"] == 0.0
