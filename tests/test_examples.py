@@ -272,6 +272,8 @@ def script_step(words: list[str]) -> tuple[list[str] | None, str]:
     if prog in ("accelerate", "torchrun"):
         return [str(bindir / prog), *words[1:], *TINY_TRAIN], "as written + tiny steps"
     cmd, pretrain = words[1], [sys.executable, "-m", "pipelines.cli"]
+    if cmd == "report" and any(w.startswith("/shared/") for w in words[2:]):
+        return None, "reads what a cluster job wrote to its shared filesystem"
     if cmd == "submit" or (cmd == "sweep" and "--slurm" in words):
         return pretrain + words[1:] + ["--dry-run"], "--dry-run (needs a SLURM cluster)"
     if cmd == "sweep":
