@@ -50,10 +50,13 @@ def check_local_world(num_processes: int) -> str | None:
     no device: refused. On CPU, ranks past the cores this process may use share them (each with its own model
     copy and loader workers): a warning, returned, since two ranks on one core are how a laptop tests a
     multi-rank run; more than ``CPU_PROCESSES_PER_CORE`` a core is refused."""
+    gpus = 0
     if accelerator_present():
         import torch
 
-        have, kind, limit = torch.cuda.device_count(), "GPU", torch.cuda.device_count()
+        gpus = torch.cuda.device_count()  # 0 where CUDA_VISIBLE_DEVICES hides them: the run is on the CPU
+    if gpus:
+        have, kind, limit = gpus, "GPU", gpus
     else:
         have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         kind, limit = "CPU", CPU_PROCESSES_PER_CORE * have
