@@ -20,6 +20,7 @@ import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from core.config import ConfigError, parse_command_line
 from core.shutdown import before_exit
@@ -75,18 +76,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _check_before_launch(cfg: Any, nproc: int) -> None:
+    """What ``train`` and ``finetune`` refuse before any process starts, each as one line."""
     from pipelines.engine.check import check, check_inputs, check_run_dir
 
-    cfg = load_run_config(args.config, args.overrides)
-    check(cfg, world_size=args.nproc)  # names, schedule, batch arithmetic: before any process starts
-    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
+    check(cfg, world_size=nproc)  # names, schedule, batch arithmetic
+    if nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
         from pipelines.engine.launcher import check_local_world
 
-        if warning := check_local_world(args.nproc):
+        if warning := check_local_world(nproc):
             print(f"warning: {warning}", file=sys.stderr)
-    check_inputs(cfg, world_size=args.nproc)  # the corpus: one line here, not one traceback per rank
+    check_inputs(cfg, world_size=nproc)  # the corpus: one line here, not one traceback per rank
     check_run_dir(cfg)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, args.overrides)
+    _check_before_launch(cfg, args.nproc)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 
@@ -100,18 +106,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
-    from pipelines.engine.check import check, check_inputs, check_run_dir
     from pipelines.finetune import FinetuneConfig, run_finetune
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-    check(cfg, world_size=args.nproc)
-    if args.nproc > 1:  # before the corpus check, whose "too few samples for N ranks" would hide the real mistake
-        from pipelines.engine.launcher import check_local_world
-
-        if warning := check_local_world(args.nproc):
-            print(f"warning: {warning}", file=sys.stderr)
-    check_inputs(cfg, world_size=args.nproc)
-    check_run_dir(cfg)
+    _check_before_launch(cfg, args.nproc)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch
 
