@@ -21,23 +21,34 @@ __all__ = ["Stats", "clean_text", "doc_hash", "minhash_signature", "lsh_params",
 
 
 class Stats:
-    """Mergeable counters: `counts[rule]` and `bad_by_file[path][rule]` (JSON-serialisable)."""
+    """Mergeable counters: `counts[rule]` and `bad_by_file[path][rule]`, and `first_bad[path]`, where the first bad
+    record of a file starts (`sources.Where`: its first byte in a text or JSONL file, its row in a Parquet or Arrow
+    one; JSON-serialisable)."""
 
-    def __init__(self, counts: dict[str, int] | None = None, bad_by_file: dict[str, dict[str, int]] | None = None):
+    def __init__(self, counts: dict[str, int] | None = None, bad_by_file: dict[str, dict[str, int]] | None = None,
+                 first_bad: dict[str, list] | None = None):
         self.counts: Counter[str] = Counter(counts or {})
         self.bad_by_file: dict[str, Counter[str]] = {k: Counter(v) for k, v in (bad_by_file or {}).items()}
+        self.first_bad: dict[str, tuple[str, int]] = {k: (str(v[0]), int(v[1])) for k, v in (first_bad or {}).items()}
 
     def add(self, key: str, n: int = 1) -> None:
         self.counts[key] += n
 
-    def bad(self, path: str, rule: str, n: int = 1) -> None:
+    def bad(self, path: str, rule: str, n: int = 1, at: tuple[str, int] | None = None) -> None:
         self.counts[f"bad.{rule}"] += n
         self.bad_by_file.setdefault(path, Counter())[rule] += n
+        if at is not None:
+            self._first(path, at)
+
+    def _first(self, path: str, at: tuple[str, int]) -> None:
+        self.first_bad[path] = min(at, self.first_bad.get(path, at), key=lambda where: where[1])
 
     def merge(self, other: Stats) -> Stats:
         self.counts.update(other.counts)
         for path, rules in other.bad_by_file.items():
             self.bad_by_file.setdefault(path, Counter()).update(rules)
+        for path, at in other.first_bad.items():
+            self._first(path, at)
         return self
 
     @property
@@ -48,11 +59,12 @@ class Stats:
         return {
             "counts": {k: int(v) for k, v in sorted(self.counts.items())},
             "bad_by_file": {p: dict(sorted(r.items())) for p, r in sorted(self.bad_by_file.items())},
+            "first_bad": {p: list(w) for p, w in sorted(self.first_bad.items())},
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Stats:
-        return cls(data.get("counts"), data.get("bad_by_file"))
+        return cls(data.get("counts"), data.get("bad_by_file"), data.get("first_bad"))
 
 
 _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # Cc in ASCII, minus tab and newline

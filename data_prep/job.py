@@ -36,7 +36,7 @@ from data_prep.errors import PrepError
 from data_prep.output_guard import check_reused_tokenizer, claimed_corpus
 from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
-from data_prep.sources import resolve_inputs
+from data_prep.sources import describe_where, resolve_inputs
 from data_prep.summary import build_summary, format_summary
 from data_prep.task_pool import chunk_entries, run_limited
 
@@ -346,7 +346,7 @@ def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
     bad, good = stats.bad_records, stats.counts.get("documents_in", 0)
     if bad and bad / (bad + good) > cfg.max_bad_fraction:
         worst = sorted(stats.bad_by_file.items(), key=lambda kv: -sum(kv[1].values()))[:5]
-        listing = "; ".join(f"{p}: {dict(r)}" for p, r in worst)
+        listing = "; ".join(f"{p}: {dict(r)}{_first_bad(stats, p)}" for p, r in worst)
         fields = sorted({s.text_field for s in cfg.sources if s.type != "text"})  # missing_field: likely the config's
         field = (f"missing_field: no string under text_field={'/'.join(fields)}; if the records keep their text under "
                  f"another key, set sources[].text_field to it. " if stats.counts.get("bad.missing_field") else "")
@@ -354,6 +354,11 @@ def _check_bad_share(stats: Stats, cfg: PrepConfig, where: str) -> None:
             f"{bad} of {bad + good} input records in {where} are bad ({bad / (bad + good):.1%} > max_bad_fraction="
             f"{cfg.max_bad_fraction}). Worst files: {listing}. {field}Fix or remove these files, or raise max_bad_fraction."
         )
+
+
+def _first_bad(stats: Stats, path: str) -> str:
+    where = stats.first_bad.get(path)
+    return f" (the first at {describe_where(path, where)})" if where else ""
 
 
 def _clean_stale(out: Path, keep: set[str]) -> None:

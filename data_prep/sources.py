@@ -5,7 +5,8 @@ fails fast on a missing path; reading happens in Ray tasks, one file (or one ran
 `data_prep.ranges`) at a time, streaming so a worker never holds more than one document (or one
 Arrow batch) per file in memory. Bad records
 (invalid UTF-8, a broken JSON line, a missing field, an empty file) are yielded as a rule name
-instead of text so the job can count them per file and rule rather than crash.
+instead of text, with where they start in the file, so the job can count them per file and rule
+rather than crash, and point at the first one when it stops on them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from typing import Any, BinaryIO
 from data_prep.config import PrepConfig, SourceConfig
 from data_prep.errors import PrepError
 
-__all__ = ["resolve_inputs", "iter_text_records", "IMAGE_EXTENSIONS"]
+__all__ = ["resolve_inputs", "iter_text_records", "describe_where", "IMAGE_EXTENSIONS"]
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
-Record = tuple[str | None, str | None]  # (text, None) for a document or (None, rule) for a bad record
+Where = tuple[str, int]  # where a bad record starts: ("byte", its first line's offset) in text and JSONL, ("row", index)
+Record = tuple[str | None, str | None, Where | None]  # (text, None, None) for a document, (None, rule, where) for a bad
+# one; where is None when the whole file is the bad record (empty, unreadable)
 Span = tuple[int, int] | list[int] | None  # a range of one file (`data_prep.ranges`); None = the whole file
 
 
@@ -222,26 +225,44 @@ def _read_label_csv(csv_path: str, src: SourceConfig) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------
 
 
-def _decode(raw: bytes) -> Record:
+def _decode(raw: bytes, at: int | None) -> Record:
     try:
-        return raw.decode("utf-8"), None
+        return raw.decode("utf-8"), None, None
     except UnicodeDecodeError:
-        return None, "invalid_utf8"
+        return None, "invalid_utf8", None if at is None else ("byte", at)
 
 
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, which Windows editors put first: not part of the first record
 
 
-def _lines(fh: BinaryIO, span: Span) -> Iterator[bytes]:
-    """The lines of `fh`, or of its byte range `span` (which starts and ends at line starts); the file's BOM dropped."""
+def _lines(fh: BinaryIO, span: Span) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line) of the lines of `fh`, or of its byte range `span` (which starts and ends at line
+    starts); the file's BOM dropped."""
     start, end = (0, None) if span is None else span
     fh.seek(start)
     pos = start
     for line in fh:
         if end is not None and pos >= end:
             return
-        yield line.removeprefix(_BOM) if pos == 0 else line
+        yield pos, line.removeprefix(_BOM) if pos == 0 else line
         pos += len(line)
+
+
+def describe_where(path: str, where: Where) -> str:
+    """'line N' or 'row N' (1-based) of a bad record. A line is counted here, once, for an error message, so a
+    worker never counts the lines before its range."""
+    unit, at = where
+    return f"line {_line_number(path, at)}" if unit == "byte" else f"row {at + 1}"
+
+
+def _line_number(path: str, offset: int) -> int:
+    """The 1-based line of the byte `offset` of `path`: the newlines before it, plus one."""
+    newlines, left = 0, offset
+    with open(path, "rb") as fh:
+        while left > 0 and (block := fh.read(min(left, 1 << 20))):
+            newlines += block.count(b"\n")
+            left -= len(block)
+    return newlines + 1
 
 
 def _file_is_empty(fh: BinaryIO, span: Span) -> bool:
@@ -262,81 +283,94 @@ def _file_is_empty(fh: BinaryIO, span: Span) -> bool:
 
 def _text_paragraphs(path: str, span: Span = None) -> Iterator[Record]:
     lines: list[bytes] = []
+    first = 0  # the paragraph's first byte
     any_doc = False
     with open(path, "rb") as fh:
-        for line in _lines(fh, span):
+        for pos, line in _lines(fh, span):
             if line.strip():
+                first = first if lines else pos
                 lines.append(line)
                 continue
             if lines:
                 any_doc = True
-                yield _decode(b"".join(lines))
+                yield _decode(b"".join(lines), first)
                 lines = []
         if lines:
             any_doc = True
-            yield _decode(b"".join(lines))
+            yield _decode(b"".join(lines), first)
         if not any_doc and _file_is_empty(fh, span):
-            yield None, "empty_file"
+            yield None, "empty_file", None
 
 
 def _text_file(path: str) -> Iterator[Record]:
     with open(path, "rb") as fh:
         raw = fh.read().removeprefix(_BOM)
-    yield (None, "empty_file") if not raw.strip() else _decode(raw)
+    yield (None, "empty_file", None) if not raw.strip() else _decode(raw, None)
 
 
 def _jsonl(path: str, field: str, span: Span = None) -> Iterator[Record]:
     any_line = False
     with open(path, "rb") as fh:
-        for raw in _lines(fh, span):
+        for pos, raw in _lines(fh, span):
             if not raw.strip():
                 continue
             any_line = True
-            line, rule = _decode(raw)
+            line, rule, where = _decode(raw, pos)
             if line is None:
-                yield None, rule
+                yield None, rule, where
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
-                yield None, "bad_json"
+                yield None, "bad_json", ("byte", pos)
                 continue
             text = obj.get(field) if isinstance(obj, dict) else None
-            yield (text, None) if isinstance(text, str) else (None, "missing_field")
+            yield (text, None, None) if isinstance(text, str) else (None, "missing_field", ("byte", pos))
         if not any_line and _file_is_empty(fh, span):
-            yield None, "empty_file"
+            yield None, "empty_file", None
 
 
 def _column_batches(path: str, kind: str, field: str, span: Span = None) -> Iterator[Record]:
-    """Values of `field`; for Parquet with `span`, of the row groups [start, end) only (never an empty file)."""
+    """Values of `field`; for Parquet with `span`, of the row groups [start, end) only (never an empty file).
+    A bad value's place is its row index in the whole file."""
     import pyarrow.parquet as pq
 
     try:
         if kind == "parquet":
             pf = pq.ParquetFile(path)
             groups = list(range(*span)) if span is not None else None
+            first = 0 if groups is None else sum(pf.metadata.row_group(g).num_rows for g in range(groups[0] if groups else 0))
             if field not in pf.schema_arrow.names:
                 rows = pf.metadata.num_rows if groups is None else sum(pf.metadata.row_group(g).num_rows for g in groups)
-                yield from [(None, "missing_field")] * (max(rows, 1) if groups is None else rows)
+                yield from _missing_field(rows, first, whole_file=groups is None)
                 return
             batches = (b.column(0) for b in pf.iter_batches(columns=[field], batch_size=1024, row_groups=groups))
         else:  # an Arrow file of a `datasets` cache (save_to_disk / load_dataset)
             import datasets
 
             ds = datasets.Dataset.from_file(path)
+            first = 0
             if field not in ds.column_names:
-                yield from [(None, "missing_field")] * max(len(ds), 1)
+                yield from _missing_field(len(ds), first, whole_file=True)
                 return
             batches = (t.column(field) for t in ds.with_format("arrow").iter(batch_size=1024))
-        empty = True
+        row = first
         for column in batches:
             for value in column.to_pylist():
-                empty = False
-                yield (value, None) if isinstance(value, str) else (None, "missing_field")
-        if empty and span is None:
-            yield None, "empty_file"
+                yield (value, None, None) if isinstance(value, str) else (None, "missing_field", ("row", row))
+                row += 1
+        if row == first and span is None:
+            yield None, "empty_file", None
     except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
-        yield None, "unreadable_file"
+        yield None, "unreadable_file", None
+
+
+def _missing_field(rows: int, first: int, whole_file: bool) -> Iterator[Record]:
+    """Every row of a file (or range) without the text column is bad; a whole file without rows counts once."""
+    if rows == 0 and whole_file:
+        yield None, "missing_field", None
+    for row in range(first, first + rows):
+        yield None, "missing_field", ("row", row)
 
 
 def iter_text_records(path: str, src: SourceConfig, span: Span = None) -> Iterator[Record]:
@@ -354,4 +388,4 @@ def iter_text_records(path: str, src: SourceConfig, span: Span = None) -> Iterat
         else:
             yield from _column_batches(path, "arrow", src.text_field)
     except OSError:
-        yield None, "unreadable_file"
+        yield None, "unreadable_file", None

@@ -68,9 +68,9 @@ def _iter_clean_docs(files: list[dict[str, Any]], ctx: JobContext, stats: Stats)
     sources = [SourceConfig(**s) for s in ctx.sources]
     for entry in files:
         path = str(entry["path"])
-        for text, rule in iter_text_records(path, sources[int(entry["source"])], entry.get("span")):
+        for text, rule, at in iter_text_records(path, sources[int(entry["source"])], entry.get("span")):
             if text is None:
-                stats.bad(path, rule)
+                stats.bad(path, rule, at=at)
                 continue
             stats.add("documents_in")
             cleaned = clean_text(text, clean_cfg, stats)

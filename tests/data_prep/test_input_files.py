@@ -89,7 +89,7 @@ def test_jsonl_with_a_byte_order_mark_and_crlf_reads_as_the_plain_file(tmp_path)
     plain = list(iter_text_records(str(tmp_path / "plain.jsonl"), src))
     win = list(iter_text_records(str(tmp_path / "win.jsonl"), src))
     size = (tmp_path / "win.jsonl").stat().st_size
-    assert win == plain and len(plain) == len(topics) and all(rule is None for _, rule in plain)
+    assert win == plain and len(plain) == len(topics) and all(rule is None for _, rule, _ in plain)
     assert list(iter_text_records(str(tmp_path / "win.jsonl"), src, [0, size])) == plain  # a range from the start
 
 

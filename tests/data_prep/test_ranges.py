@@ -16,7 +16,7 @@ import pytest
 import data_prep.job as job
 from data_prep.config import PrepConfig, SourceConfig, TokenizerConfig
 from data_prep.ranges import range_bytes_for, split_entries
-from data_prep.sources import iter_text_records
+from data_prep.sources import describe_where, iter_text_records
 
 
 def _paragraph_text(n: int, seed: int = 0) -> bytes:
@@ -49,7 +49,7 @@ def test_paragraph_ranges_yield_the_whole_files_documents_and_cut_none(tmp_path,
     src = SourceConfig(type="text", paths=[str(path)], text_mode="paragraphs")
     whole = list(iter_text_records(str(path), src))
     split, n = _records(path, src, range_bytes)
-    assert n > 10 and split == whole and (None, "invalid_utf8") in whole
+    assert n > 10 and split == whole and any(r[:2] == (None, "invalid_utf8") for r in whole)
     data = path.read_bytes()
     entry = {"path": str(path), "source": 0, "size": len(data), "label": -1}
     for r in split_entries([entry], [src], range_bytes)[1:]:
@@ -67,7 +67,8 @@ def test_jsonl_ranges_cut_at_lines_and_count_bad_lines_once(tmp_path):
     whole = list(iter_text_records(str(path), src))
     split, n = _records(path, src, 512)
     assert n > 10 and split == whole
-    assert sorted(r for _, r in whole if r) == ["bad_json", "invalid_utf8", "missing_field"]
+    bad = {rule: describe_where(str(path), where) for _, rule, where in whole if rule}
+    assert bad == {"bad_json": "line 8", "missing_field": "line 91", "invalid_utf8": "line 151"}
 
 
 @pytest.mark.parametrize("kind", ["text", "jsonl"])
@@ -76,7 +77,7 @@ def test_a_big_blank_file_is_one_empty_file(tmp_path, kind):
     path.write_bytes(b" \n\n\t\n" * 5000)
     src = SourceConfig(type=kind, paths=[str(path)])
     split, n = _records(path, src, 1000)
-    assert n > 1 and split == [(None, "empty_file")]
+    assert n > 1 and split == [(None, "empty_file", None)]
 
 
 def test_parquet_ranges_are_row_groups(tmp_path):
@@ -90,6 +91,7 @@ def test_parquet_ranges_are_row_groups(tmp_path):
     whole = list(iter_text_records(str(path), src))
     split, n = _records(path, src, 20_000)
     assert 3 <= n <= pq.ParquetFile(path).metadata.num_row_groups and split == whole
+    assert [where for _, rule, where in split if rule] == [("row", i) for i in range(0, 5000, 97)]  # rows of the file
     missing = SourceConfig(type="parquet", paths=[str(path)], text_field="body")
     assert _records(path, missing, 20_000)[0] == list(iter_text_records(str(path), missing))
 

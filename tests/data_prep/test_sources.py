@@ -26,14 +26,16 @@ def test_bad_records_are_counted_per_file_and_rule(ray_cluster, tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"body": d}) for d in _docs(300)) + "\n")
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"body": "truncated\n{"other": "no body field"}\n\xff\xfe invalid utf8\n')
+    good_first = "".join(json.dumps({"body": d}) + "\n" for d in _docs(2, "first"))
+    bad.write_bytes(good_first.encode() + b'{"body": "truncated\n{"other": "no body field"}\n\xff\xfe invalid utf8\n')
     (tmp_path / "empty.jsonl").write_text("")
     src = [SourceConfig(type="jsonl", paths=[str(tmp_path / "*.jsonl")], text_field="body")]
     summary = run_prepare(_cfg(tmp_path, src, max_bad_fraction=0.05))
     assert summary["bad"] == {"bad_json": 1, "empty_file": 1, "invalid_utf8": 1, "missing_field": 1}
     stats = json.loads((tmp_path / "out" / "manifest.json").read_text())["stats"]
     assert stats["bad_by_file"][str(bad)] == {"bad_json": 1, "invalid_utf8": 1, "missing_field": 1}
-    with pytest.raises(PrepError, match=r"are bad \(1\.3% > max_bad_fraction=0\.01\)"):  # 4 bad of 304 > 1 %: the
+    with pytest.raises(PrepError, match=r"are bad \(1\.3% > max_bad_fraction=0\.01\)\. Worst files: .*bad\.jsonl: "
+                                        r"\{'bad_json': 1, 'invalid_utf8': 1, 'missing_field': 1\} \(the first at line 3\)"):  # 4 bad of 304 > 1 %: the
         # rerun with the default threshold goes on (no shard depends on it) and stops on the bad records
         run_prepare(_cfg(tmp_path, src))
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -43,7 +45,7 @@ def test_a_wrong_text_field_is_named_with_the_fix(ray_cluster, tmp_path):
     """Every record lacked the field: the message said only 'Fix or remove these files', not the config key."""
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"id": i, "text": d}) for i, d in enumerate(_docs(50))) + "\n")
     src = [SourceConfig(type="jsonl", paths=[str(tmp_path / "docs.jsonl")], text_field="body")]
-    with pytest.raises(PrepError, match=r"docs.jsonl: \{'missing_field': 50\}\. missing_field: no string under "
+    with pytest.raises(PrepError, match=r"docs.jsonl: \{'missing_field': 50\} \(the first at line 1\)\. missing_field: no string under "
                                         r"text_field=body; .* set sources\[\]\.text_field to it"):
         run_prepare(_cfg(tmp_path, src))
     assert not (tmp_path / "out").exists()

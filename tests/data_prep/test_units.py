@@ -33,6 +33,21 @@ def test_clean_rules_are_counted():
     assert merged.counts["removed.too_short"] == 2
 
 
+def test_the_first_bad_record_of_a_file_survives_merging_in_any_order():
+    """Each task reports the bad records of its range; the error names the earliest of the file's."""
+    late, early = Stats(), Stats()
+    late.bad("a.jsonl", "bad_json", at=("byte", 900))
+    early.bad("a.jsonl", "missing_field", at=("byte", 40))
+    early.bad("b.parquet", "missing_field", at=("row", 7))
+    early.bad("c.txt", "empty_file")
+    for parts in ((late, early), (early, late)):
+        merged = Stats()
+        for part in parts:
+            merged.merge(Stats.from_dict(json.loads(json.dumps(part.to_dict()))))  # as tasks return them
+        assert merged.first_bad == {"a.jsonl": ("byte", 40), "b.parquet": ("row", 7)}
+        assert merged.bad_by_file["a.jsonl"] == {"bad_json": 1, "missing_field": 1}
+
+
 def test_minhash_finds_near_duplicates():
     base = " ".join(f"word{i}" for i in range(200))
     near = base.replace("word100", "changed")
