@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "Terminated"]
+__all__ = ["ConfigError", "CheckpointError", "Terminated"]
 
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix; the CLI prints it and exits with code 2."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file that is damaged, incomplete or not plain data; the message names the file."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from core.config import ConfigError
+from core.errors import CheckpointError
 
 __all__ = ["CheckpointError", "safe_torch_load", "weights_only_loads", "DEEPSPEED_SAFE_GLOBALS"]
 
@@ -31,10 +31,6 @@ DEEPSPEED_SAFE_GLOBALS = (
 )
 
 _lock = threading.RLock()
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint file that is damaged, incomplete or not plain data; the message names the file."""
 
 
 def _safe_globals() -> list[Any]:

@@ -94,8 +94,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides)
     _check_before_launch(cfg, args.nproc)
     if args.nproc > 1:
+        from pipelines.engine.checkpoint_find import finished_before_launch
         from pipelines.engine.launcher import launch
 
+        if done := finished_before_launch(cfg):  # a finished run: no rank started to find that out
+            print(done, flush=True)
+            return 0
         return launch(args.config, args.overrides, args.nproc, launcher=args.launcher,
                       accelerate_config=args.accelerate_config)
     from pipelines.engine.trainer import train

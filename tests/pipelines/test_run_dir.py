@@ -16,6 +16,8 @@ import pytest
 import yaml
 from job_helpers import job_env
 
+from pipelines.engine.launcher import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")
 QUIET = ["train.eval_every=0", "data.num_workers=0", "train.log_every=1", "logging.tensorboard=false"]
@@ -127,7 +129,7 @@ def _files(run_dir: Path) -> dict[str, tuple[bytes, int]]:
 def test_rerunning_a_finished_run_writes_nothing_and_says_so(bert_corpus, tmp_path):
     """The same command again, once the run is at train.max_steps: one line, exit 0, and not a byte written
     -- it used to evaluate again, rewrite the final checkpoint and append a second resume and eval line to
-    metrics.jsonl. With --nproc 2 every rank returns (none waits in a collective); a higher max_steps trains on."""
+    metrics.jsonl. With --nproc 2 the launching process finds it before any rank starts; a higher max_steps trains on."""
     run_dir = tmp_path / "run"
     args = [f"data.corpus={bert_corpus}", f"train.run_dir={run_dir}", "train.eval_batches=2", "train.max_steps=2"]
     assert _train(*args).returncode == 0
@@ -136,11 +138,20 @@ def test_rerunning_a_finished_run_writes_nothing_and_says_so(bert_corpus, tmp_pa
     said = (f"run {run_dir} is already at max_steps=2 (checkpoint {run_dir}/checkpoints/step-00000002): nothing to do. "
             f"Raise train.max_steps to train further.")
     for nproc in ("1", "2"):
+        holder = (run_dir / ".lock").read_bytes()  # names the pid of the last process that opened the run dir
         again = _train(*args, "--nproc", nproc)
         assert again.returncode == 0, again.stderr[-3000:]
         assert again.stdout.count(said) == 1 and "Resuming from" not in again.stdout, again.stdout[-3000:]
         assert "Traceback" not in again.stderr, again.stderr[-3000:]
         assert _files(run_dir) == before, f"--nproc {nproc} wrote into the run dir"
+        assert nproc == "1" or (run_dir / ".lock").read_bytes() == holder, "a rank was started to find the run finished"
+    # ranks started without that check (torchrun itself, as a cluster script does) agree on it: each returns
+    port = str(free_port())
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                            "-m", "pipelines.pretrain", CONFIG, *QUIET, *args], cwd=REPO, env=job_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert ranks.returncode == 0 and ranks.stdout.count(said) == 1, ranks.stdout[-3000:] + ranks.stderr[-3000:]
+    assert _files(run_dir) == before
     further = _train(*[a for a in args if a != "train.max_steps=2"], "train.max_steps=3")
     assert further.returncode == 0 and "Resuming from" in further.stdout, further.stderr[-3000:]
     assert sorted(_train_lines(run_dir)) == [1, 2, 3]
@@ -169,11 +180,13 @@ def test_rerunning_a_run_that_reached_its_token_or_time_budget_writes_nothing(bu
     said = (f"run {run_dir} is already at {budget}={first} ({detail} at step {step}; checkpoint {checkpoint}): "
             f"nothing to do. Raise train.{budget} to train further.")
     for nproc in ("1", "2"):
+        holder = (run_dir / ".lock").read_bytes()
         again = _train(*args, f"train.{budget}={first}", "--nproc", nproc)
         assert again.returncode == 0, again.stderr[-3000:]
         assert again.stdout.count(said) == 1 and "Resuming from" not in again.stdout, again.stdout[-3000:]
         assert "Traceback" not in again.stderr, again.stderr[-3000:]
         assert _files(run_dir) == before, f"--nproc {nproc} wrote into the run dir"
+        assert nproc == "1" or (run_dir / ".lock").read_bytes() == holder, "a rank was started to find the run finished"
     assert budget == "max_tokens" or minutes >= 0.01, state  # the checkpoint holds the run's training time
     raised = tokens + 1 if budget == "max_tokens" else round(minutes + 0.01, 4)
     further = _train(*args, f"train.{budget}={raised}")
