@@ -12,6 +12,7 @@ from core.corpus_kinds import corpus_kind
 from data_prep.allocator import find_worker_malloc
 from data_prep.clean import Stats
 from data_prep.config import PrepConfig
+from data_prep.sources import describe_where
 
 __all__ = ["build_summary", "format_summary"]
 
@@ -38,11 +39,21 @@ def build_summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall:
         "worker_malloc": find_worker_malloc(cfg.worker_malloc) or "system",
         "manifest": str(Path(cfg.output) / "manifest.json"),
     }
+    if where := _first_bad_record(stats):
+        summary["bad_first"] = where
     if cfg.kind == "bert_pairs" and samples:
         summary["nsp_random_share"] = round(c.get("nsp_random", 0) / samples, 4)
     if cfg.kind == "packed_lm" and c.get("stream_tokens"):
         summary["tokens_kept_share"] = round(c.get("stream_tokens_kept", 0) / c["stream_tokens"], 5)
     return summary
+
+
+def _first_bad_record(stats: Stats) -> str | None:
+    """'FILE line N' (or row N) of the first bad record of the file with the most, for the user to look at."""
+    worst = max(stats.bad_by_file.items(), key=lambda kv: sum(kv[1].values()), default=None)
+    if worst is None or worst[0] not in stats.first_bad:
+        return None
+    return f"{worst[0]} {describe_where(worst[0], stats.first_bad[worst[0]])}"
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -52,6 +63,7 @@ def format_summary(s: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [("corpus", s["output"]), ("kind", s["kind"]), (f"{unit} in", f"{s['documents_in']:,}")]
     rows += [(f"  removed: {k}", f"{v:,}") for k, v in s["removed"].items()]
     rows += [(f"  bad records: {k}", f"{v:,}") for k, v in s["bad"].items()]
+    rows += [("  bad records: first in worst file", s["bad_first"])] if s.get("bad_first") else []
     rows += [(f"{unit} kept", f"{s['documents_kept']:,}")]
     rows += [(f"samples ({k})", f"{v:,}") for k, v in s["samples"].items()]
     rows += [("tokens", f"{s['tokens']:,}")] if tokenized else []

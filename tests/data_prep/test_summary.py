@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from data_prep.clean import Stats
 from data_prep.config import PrepConfig, SourceConfig
 from data_prep.summary import build_summary, format_summary
@@ -31,3 +33,18 @@ def test_a_text_job_counts_documents_and_tokens():
     table = _summary("packed_lm", 183_296)
     assert "documents in" in table and "documents kept" in table and "183,296" in table and "tokens/s" in table
     assert "images" not in table
+
+
+def test_bad_records_below_the_threshold_point_at_the_worst_files_first_one(tmp_path):
+    """Under max_bad_fraction the job goes on; the table names where to look, not only how many."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "a good document"}\n\n{"text": "another"}\n{"text": "cut short\n{"body": 1}\n')
+    cfg = PrepConfig(kind="packed_lm", output="out", sources=[SourceConfig(type="jsonl", paths=[str(docs)])],
+                     worker_malloc="system")
+    stats = Stats({"documents_in": 2, "documents_kept": 2})
+    stats.bad(str(docs), "missing_field", at=("byte", docs.read_text().index('{"body"')))
+    stats.bad(str(docs), "bad_json", at=("byte", docs.read_text().index('{"text": "cut')))
+    stats.bad("other.jsonl", "bad_json", at=("byte", 0))
+    manifest = {"splits": {"train": {"samples": 2, "tokens": 9, "shards": [{"bytes": 10}]}}}
+    table = format_summary(build_summary(cfg, manifest, stats, wall=1.0))
+    assert re.search(rf"bad records: first in worst file +{re.escape(str(docs))} line 4\n", table), table
