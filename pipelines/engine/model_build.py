@@ -30,14 +30,38 @@ log = logging.getLogger(__name__)
 ATTENTION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
+def _is_release(path: Path) -> bool:
+    """A transformers directory (``pretrain export``'s release or ``save_pretrained``'s), not a run or checkpoint."""
+    return (path / "config.json").is_file() and not (path / "trainer_state.json").is_file() and not (path / "checkpoints").is_dir()
+
+
+def _release_state_dict(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """A release's weights in our layout (``models.hf.from_hf``: safetensors or weights-only ``.bin``), vocabulary
+    rows padded as ``model`` pads them."""
+    import models
+
+    try:
+        ours, _report = models.hf.from_hf(path, pad_vocab_multiple=getattr(model.config, "pad_vocab_multiple", 1))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.init_from={path}: not a usable release ({str(exc).splitlines()[0].strip()}). Pass a "
+                          f"directory written by `pretrain export` or `save_pretrained`, or a run dir.") from None
+    return ours.state_dict()
+
+
 def _init_from(model: torch.nn.Module, path: str) -> None:
-    """Load a checkpoint's full weights into ``model`` (every key must match: same architecture)."""
+    """Load a checkpoint's (or a release's) full weights into ``model`` (every key must match: same architecture)."""
     from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
 
-    ckpt = resolve_checkpoint(path)
-    hint = f"Use the same model.name and model.overrides as the run that wrote it{_written_by(Path(ckpt))}."
+    if _is_release(Path(path)):  # continued pretraining from a release: ours, or a transformers GPT-2 / BERT
+        state = _release_state_dict(model, Path(path))
+        hint = (f"Build the release's architecture (model.name and model.overrides as its config.json gives them) on a "
+                f"corpus prepared with its tokenizer (tokenizer.path={path}).")
+    else:
+        ckpt = resolve_checkpoint(path)
+        hint = f"Use the same model.name and model.overrides as the run that wrote it{_written_by(Path(ckpt))}."
+        state = consolidated_state_dict(ckpt)
     try:
-        missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of another shape
         raise ConfigError(f"model.init_from={path}: {str(exc).splitlines()[-1].strip()} {hint}") from None
     tied = {k for k in missing if k.endswith(("decoder.weight", "lm_head.weight"))}
