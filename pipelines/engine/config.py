@@ -126,7 +126,7 @@ class ModelConfig:
     pad_vocab_multiple: int = option(1, help="Text models: round the embedding / LM-head rows up to a multiple of this "
                                              "(64: aligned GPU matmuls). The padded rows are zero, never scored and "
                                              "never exported: a release's vocabulary is the tokenizer's.")
-    init_from: str = option("", help="Checkpoint (or run dir) whose weights start this run; optimizer, schedule and data "
+    init_from: str = option("", help="Checkpoint, run dir or release (transformers directory) whose weights start this run; optimizer, schedule and data "
                                      "start fresh (e.g. BERT phase 2 at seq 512 from phase 1). Ignored when resuming.")
 
     def __post_init__(self) -> None:

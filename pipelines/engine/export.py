@@ -194,6 +194,10 @@ def write_release(hf: Any, out_dir: str | os.PathLike, *, tokenizer_dir: str | o
     out = Path(out_dir)
     check_output_dir(out, "release", what="Release directory", overwrite=overwrite)
     ids = tokenizer_special_ids(tokenizer_dir) if tokenizer_dir is not None and Path(tokenizer_dir).is_dir() else None
+    if ids is not None and ids.get("eos_token_id") is None and hf.can_generate():
+        # `pretrain prepare` packs a GPT corpus with sep_token between documents when the tokenizer has no eos_token
+        # (data_prep.job): that is the end of text the model learned, where generate() must stop.
+        ids["eos_token_id"] = ids.get("sep_token_id")
     if ids is not None:
         models.hf.set_special_ids(hf, ids)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,14 +30,55 @@ log = logging.getLogger(__name__)
 ATTENTION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
-def _init_from(model: torch.nn.Module, path: str) -> None:
-    """Load a checkpoint's full weights into ``model`` (every key must match: same architecture)."""
+def _is_release(path: Path) -> bool:
+    """A transformers directory (``pretrain export``'s release or ``save_pretrained``'s), not a run or checkpoint."""
+    return (path / "config.json").is_file() and not (path / "trainer_state.json").is_file() and not (path / "checkpoints").is_dir()
+
+
+def _release_state_dict(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """A release's weights in our layout (``models.hf.from_hf``: safetensors or weights-only ``.bin``), vocabulary
+    rows padded as ``model`` pads them."""
+    import models
+
+    try:
+        ours, _report = models.hf.from_hf(path, pad_vocab_multiple=getattr(model.config, "pad_vocab_multiple", 1))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.init_from={path}: not a usable release ({str(exc).splitlines()[0].strip()}). Pass a "
+                          f"directory written by `pretrain export` or `save_pretrained`, or a run dir.") from None
+    return ours.state_dict()
+
+
+def _check_same_tokenizer(path: str, source_tokenizer: Path, corpus_tokenizer: Path | None) -> None:
+    """The weights' tokenizer (a release's or checkpoint's ``tokenizer.json``) must be the corpus's, byte for byte, as
+    `pretrain prepare tokenizer.path=...` copies it: two tokenizers of the same size fit the same embedding table while
+    their ids name other tokens. Not told (nothing refused) where either file is absent."""
+    from core.files import sha256_file
+
+    theirs, ours = source_tokenizer / "tokenizer.json", corpus_tokenizer / "tokenizer.json" if corpus_tokenizer else None
+    if ours is None or not theirs.is_file() or not ours.is_file() or sha256_file(theirs) == sha256_file(ours):
+        return
+    raise ConfigError(f"model.init_from={path} was trained with another tokenizer than the corpus ({theirs} differs from "
+                      f"{ours}): its token ids would mean other tokens here. Prepare the corpus with the weights' "
+                      f"tokenizer (pretrain prepare ... tokenizer.path={source_tokenizer}).")
+
+
+def _init_from(model: torch.nn.Module, path: str, corpus_tokenizer: Path | None = None) -> None:
+    """Load a checkpoint's (or a release's) full weights into ``model`` (every key must match: same architecture)
+    after checking they were trained with the corpus's tokenizer."""
     from pipelines.engine.export import consolidated_state_dict, resolve_checkpoint
 
-    ckpt = resolve_checkpoint(path)
-    hint = f"Use the same model.name and model.overrides as the run that wrote it{_written_by(Path(ckpt))}."
+    if _is_release(Path(path)):  # continued pretraining from a release: ours, or a transformers GPT-2 / BERT
+        _check_same_tokenizer(path, Path(path), corpus_tokenizer)
+        state = _release_state_dict(model, Path(path))
+        hint = (f"Build the release's architecture (model.name and model.overrides as its config.json gives them) on a "
+                f"corpus prepared with its tokenizer (tokenizer.path={path}).")
+    else:
+        ckpt = resolve_checkpoint(path)
+        _check_same_tokenizer(path, Path(ckpt) / "tokenizer", corpus_tokenizer)
+        hint = f"Use the same model.name and model.overrides as the run that wrote it{_written_by(Path(ckpt))}."
+        state = consolidated_state_dict(ckpt)
     try:
-        missing, unexpected = model.load_state_dict(consolidated_state_dict(ckpt), strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of another shape
         raise ConfigError(f"model.init_from={path}: {str(exc).splitlines()[-1].strip()} {hint}") from None
     tied = {k for k in missing if k.endswith(("decoder.weight", "lm_head.weight"))}
@@ -62,8 +103,9 @@ def _written_by(checkpoint: Path) -> str:
             f"({checkpoint / 'config.yaml'})")
 
 
-def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """``models.create`` with the fields the data imposes (vocab, labels, image size); returns (model, build args)."""
+def build_model(cfg: RunConfig, task: Any, tokenizer_dir: Path | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``models.create`` with the fields the data imposes (vocab, labels, image size); returns (model, build args).
+    ``tokenizer_dir``: the corpus's tokenizer, which ``model.init_from``'s weights must have been trained with."""
     import models
 
     overrides = dict(cfg.model.overrides)
@@ -88,7 +130,7 @@ def build_model(cfg: RunConfig, task: Any) -> tuple[torch.nn.Module, dict[str, A
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model.overrides: {exc}") from None
     if cfg.model.init_from:
-        _init_from(model, cfg.model.init_from)
+        _init_from(model, cfg.model.init_from, tokenizer_dir)
     family = families.family_of_model(cfg.model.name)
     if task.name in families.pretraining_tasks() and task.name not in family.tasks:
         need = " or ".join(spec.name for spec in families.families_for_task(task.name))

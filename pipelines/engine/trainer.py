@@ -487,11 +487,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Pretrain per ``cfg`` in this process (one rank of the job); returns the final summary."""
     env = dist.init_env()
     data = open_run_data(cfg, env)
-    model, build = build_model(cfg, data.task)
+    tokenizer_dir = data.manifest.tokenizer_dir if corpus_kind(data.manifest.kind).tokenized else None
+    model, build = build_model(cfg, data.task, tokenizer_dir)
     train_src, eval_src = build_sources(cfg, env, data, model)
     trainer = Trainer(cfg, model=model, task=data.task, train_data=train_src, eval_data=eval_src, env=env,
-                      tokenizer_dir=data.manifest.tokenizer_dir if corpus_kind(data.manifest.kind).tokenized else None,
-                      model_build=build, data_info=data.info)
+                      tokenizer_dir=tokenizer_dir, model_build=build, data_info=data.info)
     with preferred_attention(cfg.model.attention_backend):
         return trainer.fit()
 

@@ -241,6 +241,31 @@ def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
         assert getattr(tok, name) is not None and cfg.get(name) == getattr(tok, name), name
 
 
+def test_gpt_release_of_a_corpus_packed_with_sep_stops_generate_at_sep(tmp_path):
+    """A tokenizer without eos_token (a WordPiece one) packs a GPT corpus with [SEP] between documents (data_prep.job):
+    the release's eos_token_id is that [SEP], so generate() stops where the model learned documents end (was None)."""
+    import corpus_fixtures as cf
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import models
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt = tmp_path / "step-00000001"
+    _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
+    overrides = {"vocab_size": vocab, "num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+    model = models.create("gpt-tiny", **overrides)
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "task": "causal_lm", "engine": "ddp",
+                                                         "model_build": {"name": "gpt-tiny", "overrides": overrides}}))
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token_id is None and tok.sep_token_id is not None
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eos_token_id"] == GenerationConfig.from_pretrained(out).eos_token_id == tok.sep_token_id
+    assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == tok.sep_token_id
+
+
 def _bert_checkpoint(root: Path) -> Path:
     """A DDP-engine checkpoint of a tiny BERT (random init) with its WordPiece tokenizer."""
     import corpus_fixtures as cf
