@@ -172,8 +172,10 @@ inputs = processor(Image.open("image.png"), return_tensors="pt")
 print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])
 ```
 
-`pipeline("image-classification", model="{path}")` does the same; the processor resizes and crops
-exactly as the run's evaluation did, so it scores what the run reported.
+The processor resizes and crops exactly as the run's evaluation did, so it scores what the run reported.
+`pipeline("image-classification", model="{path}")` does the same except on images with transparency:
+its image loader drops the alpha channel, where the processor and the run composite onto white; give
+such images to the processor as above.
 """
 
 

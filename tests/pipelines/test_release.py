@@ -125,6 +125,32 @@ def test_vit_release_pipeline_sees_the_pixels_and_logits_of_our_eval_on_non_squa
         assert top["label"] == f"class{int(our_logits.argmax())}"
 
 
+def test_vit_card_says_the_pipeline_drops_the_alpha_the_run_composited(tmp_path):
+    """The card promised that `pipeline("image-classification")` scores what the run reported; on an RGBA or
+    palette-transparent image its loader (`load_image`: convert("RGB")) drops the alpha, while prepare and the
+    processor composite onto white: another input (1 of 12 predictions of crops of scikit-learn's sample photos)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+    from transformers.image_utils import load_image
+
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt, _ = _vit_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    clf = pipeline("image-classification", model=str(out))
+    rgba = np.random.default_rng(0).integers(0, 256, (40, 40, 4), dtype=np.uint8)
+    rgba[..., 3] = 60
+    img = Image.fromarray(rgba, "RGBA")
+    theirs = clf.image_processor(load_image(img), return_tensors="pt")["pixel_values"]  # what the pipeline scores
+    ours = _eval_task(32).transform(Image.alpha_composite(Image.new("RGBA", img.size, "white"), img).convert("RGB"), None)
+    mine = clf.image_processor(img, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(mine[0], ours, atol=1e-6, rtol=0)
+    assert not torch.allclose(theirs, mine)
+    card = " ".join((out / "README.md").read_text().split())
+    assert "except on images with transparency" in card and "drops the alpha channel" in card, card
+
+
 @pytest.mark.slow
 def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     """A real 2-process DeepSpeed run on non-square images whose 19-image eval split is not a multiple of
