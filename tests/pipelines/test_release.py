@@ -151,6 +151,43 @@ def test_vit_card_says_the_pipeline_drops_the_alpha_the_run_composited(tmp_path)
     assert "except on images with transparency" in card and "drops the alpha channel" in card, card
 
 
+@pytest.mark.parametrize("kind", ["exif-rotated jpeg", "rgba png"])
+def test_vit_card_snippet_feeds_the_model_the_pixels_prepare_stored(tmp_path, monkeypatch, kind):
+    """The card's usage code, run as written on a user's file, gives the model what `pretrain prepare` stored and
+    the run evaluated. It passed `Image.open(f)` to the processor, which ignores the EXIF orientation that prepare
+    (and the pipeline's loader) apply: a phone photo was scored on its side (241 grey levels off)."""
+    import io
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    from data_prep.config import ImageConfig
+    from data_prep.images import process_image
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt, _ = _vit_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    arr = np.random.default_rng(0).integers(0, 256, (30, 50, 4), dtype=np.uint8)
+    buf = io.BytesIO()
+    if kind == "rgba png":
+        arr[..., 3] = 90
+        Image.fromarray(arr, "RGBA").save(buf, format="PNG")
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = 6  # shown rotated 90 degrees clockwise
+        Image.fromarray(arr[..., :3]).save(buf, format="JPEG", quality=95, exif=exif.tobytes())
+    (tmp_path / "image.png").write_bytes(buf.getvalue())  # the snippet's file name; PIL reads the bytes' format
+    stored, _, w, h = process_image(buf.getvalue(), ImageConfig(format="png"))
+    assert (w, h) == ((30, 50) if kind != "rgba png" else (50, 30))
+    ours = _eval_task(32).transform(Image.open(io.BytesIO(stored)).convert("RGB"), None)
+    snippet = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 - our own card's code
+    torch.testing.assert_close(scope["inputs"]["pixel_values"][0], ours, atol=1e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     """A real 2-process DeepSpeed run on non-square images whose 19-image eval split is not a multiple of
