@@ -104,6 +104,10 @@ class ImageConfig:
         if self.format != "raw" and self.size:
             raise ConfigError(f"images.size={self.size} applies to images.format=raw only; for {self.format} use "
                               f"images.resize_shorter.")
+        if self.format == "raw" and self.resize_shorter:
+            raise ConfigError(f"images.resize_shorter={self.resize_shorter} applies to png and jpeg only; images.format=raw "
+                              f"resizes each image to the evaluation's view of images.size={self.size} itself (shorter "
+                              f"side {self.size * 256 // 224}, centre crop). Remove images.resize_shorter.")
 
 
 @dataclass(kw_only=True)

@@ -163,17 +163,21 @@ def _release_files(config: ViTConfig) -> dict[str, str]:
 
 def _usage(path: str) -> str:
     return f"""```python
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 processor = AutoImageProcessor.from_pretrained("{path}")
 model = AutoModelForImageClassification.from_pretrained("{path}")
-inputs = processor(Image.open("image.png"), return_tensors="pt")
+image = ImageOps.exif_transpose(Image.open("image.png"))  # upright, as the run stored it
+inputs = processor(image, return_tensors="pt")
 print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])
 ```
 
-`pipeline("image-classification", model="{path}")` does the same; the processor resizes and crops
-exactly as the run's evaluation did, so it scores what the run reported.
+The processor resizes and crops exactly as the run's evaluation did, so it scores what the run reported
+(it does not apply a photo's EXIF orientation, which `pretrain prepare` did: hence `exif_transpose`).
+`pipeline("image-classification", model="{path}")` does the same except on images with transparency:
+its image loader drops the alpha channel, where the processor and the run composite onto white; give
+such images to the processor as above.
 """
 
 

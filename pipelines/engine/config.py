@@ -80,6 +80,10 @@ class DataConfig:
                                             "shape (one static graph, no recompiles; CUDA graphs possible).")
     image_size: int = option(224, help="Training crop size for image tasks.")
     mixup_alpha: float = option(0.0, help="Mixup Beta(alpha, alpha) for image tasks; 0 disables.")
+    crop_scale: list[float] = option([0.08, 1.0], help="Image tasks: the (min, max) share of the stored image's area a "
+                                                       "training crop covers (random-resized-crop, torchvision's scale; "
+                                                       "[1, 1]: the whole image). 0.08 suits photos, not 8x8 digits.")
+    hflip: bool = option(True, help="Image tasks: mirror half the training crops left-right (off for digits and text).")
     on_bad_sample: Literal["skip", "fail"] = option("skip", help="What to do with an undecodable sample.")
     verify_checksums: bool = option(True, help="Check every shard's size and sha256 against the manifest (local: before "
                                                 "training; pipe: while streaming).")
@@ -100,6 +104,8 @@ class DataConfig:
         check_at_least("data", self, 0, "num_workers", "shuffle_buffer", why=" (0 = in the main process / no shuffle window)")
         if self.mixup_alpha < 0:
             raise ConfigError(f"data.mixup_alpha must be >= 0 (0 = off), got {self.mixup_alpha}.")
+        if len(self.crop_scale) != 2 or not 0.0 < self.crop_scale[0] <= self.crop_scale[1] <= 1.0:
+            raise ConfigError(f"data.crop_scale must be [min, max] with 0 < min <= max <= 1, got {self.crop_scale}.")
 
 
 @dataclass(kw_only=True)

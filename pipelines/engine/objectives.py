@@ -295,10 +295,12 @@ class ImageClsTask(Task):
     input_names = ("pixel_values", "labels")
     mean = std = vit_family.PIXEL_MEAN  # transformers' ViTImageProcessor defaults
 
-    def __init__(self, manifest: Any, *, seed: int, image_size: int, mixup_alpha: float = 0.0):
+    def __init__(self, manifest: Any, *, seed: int, image_size: int, mixup_alpha: float = 0.0,
+                 crop_scale: tuple[float, float] = (0.08, 1.0), hflip: bool = True):
         if not manifest.class_map:
             raise ConfigError(f"{manifest.root}/manifest.json has no class_map; image_cls needs labelled images.")
         self.seed, self.size, self.alpha = seed, image_size, mixup_alpha
+        self.scale, self.hflip = (float(crop_scale[0]), float(crop_scale[1])), hflip
         self.num_labels = max(manifest.class_map.values()) + 1
         self.class_map = manifest.class_map
         problem = vit_family.stored_geometry_problem(getattr(manifest, "raw", None) or {}, image_size)
@@ -308,7 +310,7 @@ class ImageClsTask(Task):
     def _random_resized_crop(self, w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         area = w * h
         for _ in range(10):
-            target = area * rng.uniform(0.08, 1.0)
+            target = area * rng.uniform(*self.scale)
             ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
             cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
             if 0 < cw <= w and 0 < ch <= h:
@@ -317,12 +319,16 @@ class ImageClsTask(Task):
         side = min(w, h)  # fallback: central square
         return ((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2)
 
+    def _flip(self, rng: np.random.Generator) -> bool:
+        """Whether a training crop is mirrored (drawn even with ``hflip`` off: the crops stay those of the default)."""
+        return bool(rng.random() < 0.5) and self.hflip
+
     def _view(self, w: int, h: int, rng: np.random.Generator | None) -> tuple[tuple[float, ...], bool]:
         """(crop box in stored pixels, flip) of one raw sample: the region resized to ``size`` (eval: all of
         it, the stored ``eval_view``, which samples every pixel as it is)."""
         if rng is not None:
             box = self._random_resized_crop(w, h, rng)
-            return tuple(float(v) for v in box), bool(rng.random() < 0.5)
+            return tuple(float(v) for v in box), self._flip(rng)
         return (0.0, 0.0, float(w), float(h)), False
 
     @staticmethod
@@ -342,7 +348,7 @@ class ImageClsTask(Task):
         S = self.size
         if rng is not None:
             img = img.resize((S, S), Image.BILINEAR, box=self._random_resized_crop(*img.size, rng))
-            if rng.random() < 0.5:
+            if self._flip(rng):
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
         else:  # transformers' shortest_edge resize + center crop (see eval_processor_config)
             img = vit_family.eval_view(img, S)
@@ -425,4 +431,5 @@ def _causal_lm(cfg, manifest):
 
 
 def _image_cls(cfg, manifest):
-    return ImageClsTask(manifest, seed=cfg.train.seed, image_size=cfg.data.image_size, mixup_alpha=cfg.data.mixup_alpha)
+    return ImageClsTask(manifest, seed=cfg.train.seed, image_size=cfg.data.image_size, mixup_alpha=cfg.data.mixup_alpha,
+                        crop_scale=tuple(cfg.data.crop_scale), hflip=cfg.data.hflip)

@@ -28,7 +28,7 @@ from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
 __all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
-           "resolve_release", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
+           "resolve_release", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
@@ -140,6 +140,16 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
         f"checkpoint={checkpoint}: not a release directory (no config.json) nor a run checkpoint "
         f"(no trainer_state.json). Pass a directory written by `pretrain export` or `save_pretrained`, or a run dir."
     )
+
+
+def refuse_other_family(checkpoint: str) -> None:
+    """Before anything else is checked (``pretrain finetune``): a GPT or ViT checkpoint is the problem, not the data
+    files a user pointed at it (an image folder as data.train was refused as "a directory, not a file")."""
+    path = Path(checkpoint)
+    if (path / "config.json").is_file():
+        _refuse_other_family(checkpoint, tree_inside(path, ".", what="the release directory"))
+    elif (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
+        _refuse_other_family(checkpoint, path)
 
 
 def _refuse_other_family(checkpoint: str, path: Path) -> None:

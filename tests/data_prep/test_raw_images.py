@@ -132,3 +132,6 @@ def test_raw_needs_its_size():
         ImageConfig(format="raw")
     with pytest.raises(ConfigError, match="applies to images.format=raw only"):
         ImageConfig(format="png", size=224)
+    # raw stores the evaluation's view itself: a resize_shorter beside it was ignored without a word
+    with pytest.raises(ConfigError, match=r"images.resize_shorter=64 applies to png and jpeg only.*shorter side 36"):
+        ImageConfig(format="raw", size=32, resize_shorter=64)

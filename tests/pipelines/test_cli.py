@@ -133,6 +133,24 @@ def test_prepare_refuses_a_one_class_image_corpus_naming_the_folder_or_column(tm
     assert code == 2 and "column 'label'" in err and str(csv) in err and "label_field" in err, err
 
 
+def test_finetune_names_an_image_release_before_its_image_folder(tmp_path, capsys):
+    """A user fine-tuning a ViT release on a folder of class sub-folders was told the folder is "a directory, not a
+    file"; pointing at a file only then showed that images are not fine-tuned at all. The model comes first."""
+    import transformers
+
+    transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
+    )).save_pretrained(str(tmp_path / "vit"))
+    for label in ("a", "b"):
+        _png(tmp_path / "imgs" / label / "0.png", 10)
+    capsys.readouterr()
+    code = main(["finetune", str(REPO / "configs/finetune/classification_small.yaml"), f"checkpoint={tmp_path / 'vit'}",
+                 f"data.train={tmp_path / 'imgs'}", f"data.validation={tmp_path / 'imgs'}", f"train.run_dir={tmp_path / 'run'}"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and "holds a vit model; fine-tuning needs a BERT-architecture encoder" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ pre-launch checks
 
 

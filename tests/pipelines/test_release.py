@@ -125,6 +125,69 @@ def test_vit_release_pipeline_sees_the_pixels_and_logits_of_our_eval_on_non_squa
         assert top["label"] == f"class{int(our_logits.argmax())}"
 
 
+def test_vit_card_says_the_pipeline_drops_the_alpha_the_run_composited(tmp_path):
+    """The card promised that `pipeline("image-classification")` scores what the run reported; on an RGBA or
+    palette-transparent image its loader (`load_image`: convert("RGB")) drops the alpha, while prepare and the
+    processor composite onto white: another input (1 of 12 predictions of crops of scikit-learn's sample photos)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+    from transformers.image_utils import load_image
+
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt, _ = _vit_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    clf = pipeline("image-classification", model=str(out))
+    rgba = np.random.default_rng(0).integers(0, 256, (40, 40, 4), dtype=np.uint8)
+    rgba[..., 3] = 60
+    img = Image.fromarray(rgba, "RGBA")
+    theirs = clf.image_processor(load_image(img), return_tensors="pt")["pixel_values"]  # what the pipeline scores
+    ours = _eval_task(32).transform(Image.alpha_composite(Image.new("RGBA", img.size, "white"), img).convert("RGB"), None)
+    mine = clf.image_processor(img, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(mine[0], ours, atol=1e-6, rtol=0)
+    assert not torch.allclose(theirs, mine)
+    card = " ".join((out / "README.md").read_text().split())
+    assert "except on images with transparency" in card and "drops the alpha channel" in card, card
+
+
+@pytest.mark.parametrize("kind", ["exif-rotated jpeg", "rgba png"])
+def test_vit_card_snippet_feeds_the_model_the_pixels_prepare_stored(tmp_path, monkeypatch, kind):
+    """The card's usage code, run as written on a user's file, gives the model what `pretrain prepare` stored and
+    the run evaluated. It passed `Image.open(f)` to the processor, which ignores the EXIF orientation that prepare
+    (and the pipeline's loader) apply: a phone photo was scored on its side (241 grey levels off)."""
+    import io
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    from data_prep.config import ImageConfig
+    from data_prep.images import process_image
+    from pipelines.engine.export import export_checkpoint
+
+    ckpt, _ = _vit_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "release")
+    arr = np.random.default_rng(0).integers(0, 256, (30, 50, 4), dtype=np.uint8)
+    buf = io.BytesIO()
+    if kind == "rgba png":
+        arr[..., 3] = 90
+        Image.fromarray(arr, "RGBA").save(buf, format="PNG")
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = 6  # shown rotated 90 degrees clockwise
+        Image.fromarray(arr[..., :3]).save(buf, format="JPEG", quality=95, exif=exif.tobytes())
+    (tmp_path / "image.png").write_bytes(buf.getvalue())  # the snippet's file name; PIL reads the bytes' format
+    stored, _, w, h = process_image(buf.getvalue(), ImageConfig(format="png"))
+    assert (w, h) == ((30, 50) if kind != "rgba png" else (50, 30))
+    ours = _eval_task(32).transform(Image.open(io.BytesIO(stored)).convert("RGB"), None)
+    snippet = re.search(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 - our own card's code
+    torch.testing.assert_close(scope["inputs"]["pixel_values"][0], ours, atol=1e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_vit_release_pipeline_reproduces_the_reported_eval_accuracy(tmp_path):
     """A real 2-process DeepSpeed run on non-square images whose 19-image eval split is not a multiple of
