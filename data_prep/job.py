@@ -301,13 +301,14 @@ def _shuffle_and_write(cfg: PrepConfig, ctx: JobContext, entries, workers: int, 
     ctx_ref = ray.put(ctx)
     chunks = chunk_entries(_ranges(cfg, entries, workers), max(4 * workers, math.ceil(total_in / _MAP_INPUT_BYTES)))
     mapper = _task(stages.map_text if corpus_kind(cfg.kind).tokenized else stages.map_images, cfg)
-    show = "read + tokenize" if cfg.progress else ""
+    verb = "tokenize" if corpus_kind(cfg.kind).tokenized else "decode"
+    show = f"read + {verb}" if cfg.progress else ""
     mapped = run_limited(mapper, [(files, ctx_ref) for files in chunks], workers, num_returns=groups + 1, progress=show)
     for refs in mapped:
         part = ray.get(refs[0])
         _add_seconds(task_s, part.pop("seconds", {}))
         stats.merge(Stats.from_dict(part))
-    stage_s["map: read, clean, tokenize, route"] = time.perf_counter() - t0
+    stage_s["map: read, clean, tokenize, route" if verb == "tokenize" else "map: read, decode, route"] = time.perf_counter() - t0
     t0 = time.perf_counter()
 
     reducer = _task(stages.reduce_group, cfg)

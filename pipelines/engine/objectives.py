@@ -76,6 +76,7 @@ class Task:
 
     name = ""
     unit = "tok"  # what ``tokens(batch)`` counts, as the progress line's throughput shows it ("img/s" for images)
+    counted = "tokens"  # the same in words, for messages
     family: str | None = None  # fine-tuning: the backbone family its head fits
     input_names: tuple[str, ...] = ()
 
@@ -291,7 +292,7 @@ class ImageClsTask(Task):
     """
 
     name = "image_cls"
-    unit = "img"
+    unit, counted = "img", "images"
     input_names = ("pixel_values", "labels")
     mean = std = vit_family.PIXEL_MEAN  # transformers' ViTImageProcessor defaults
 

@@ -211,7 +211,7 @@ class Trainer:
         if resume is not None:
             trained_seconds = self._restore(resume, health, meter)
             logger.truncate_after(self.step)
-            logger.event(self.step, "resume", f"Resuming from {resume} at step {self.step} ({self.tokens} tokens).", path=str(resume))
+            logger.event(self.step, "resume", f"Resuming from {resume} at step {self.step} ({self.tokens} {self.task.counted}).", path=str(resume))
             if self.is_main:
                 print(f"Resuming from {resume} (step {self.step}).", flush=True)
         if self.is_main:  # after the resume: a refused one leaves the config that wrote the checkpoints

@@ -36,9 +36,10 @@ def digits(ray_cluster, tmp_path_factory):
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray((d.images[i] * 15).astype(np.uint8), mode="L").save(folder / f"{i:04d}.png")
     for fmt, extra in (("png", {}), ("raw", {"size": SIZE})):
-        run_prepare(PrepConfig(kind="images", output=str(root / fmt), progress=False, validation_fraction=0.2,
-                               sources=[SourceConfig(type="image_folder", paths=[str(root / "images")])],
-                               images=ImageConfig(format=fmt, **extra)))
+        summary = run_prepare(PrepConfig(kind="images", output=str(root / fmt), progress=False, validation_fraction=0.2,
+                                         sources=[SourceConfig(type="image_folder", paths=[str(root / "images")])],
+                                         images=ImageConfig(format=fmt, **extra)))
+        assert "map: read, decode, route" in summary["stages_s"]  # an image job tokenizes nothing
     return root
 
 
