@@ -344,7 +344,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
         exposed_s = max(0.0, comm_s - gather_s - backward_s) + gather_s
     else:
         exposed_s = comm_s
-    step_s = compute_s + exposed_s
+    host_s = accum * shape.num_layers * K.HOST_S_PER_LAYER.value  # the launches of each micro-batch's layers
+    step_s = max(compute_s + exposed_s, host_s)
     samples_s = global_batch / step_s
     tokens_step = global_batch * (seq if family != "vit" else 1)
     budget = float(cfg.train.max_tokens) if cfg.train.max_tokens else float(cfg.train.max_steps * tokens_step)
@@ -389,6 +390,11 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                      f"to {duration_text(compute_s)} of compute ({what}). "
                      f"distributed.engine=ddp overlaps its reduction with the backward, where the model state fits "
                      f"without partitioning (the ZeRO-0 row).")
+    if host_s > compute_s + exposed_s:
+        notes.append(f"host-bound: {micro} samples a micro-batch leave the GPU {duration_text(compute_s + exposed_s)} of work "
+                     f"a step, less than the {duration_text(host_s)} the host needs to launch {shape.num_layers} layers' "
+                     f"kernels {accum} time(s); the figures above use the host's time. A larger data.micro_batch_size (or "
+                     f"model.compile_mode=reduce-overhead: CUDA graphs) buys throughput here, not more GPUs.")
     if comm_s > compute_s:
         notes.append(f"communication-bound: ZeRO-{stage} moves {volume / 1e9:.1f} GB per GPU per step at "
                      f"{bw / 1e9:.0f} GB/s = {duration_text(comm_s)} > {duration_text(compute_s)} of compute; raise the micro batch, or use "
@@ -412,7 +418,8 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
     if config_tau > 2 * tau_d:
         notes.append(f"train.checkpoint_every={cfg.train.checkpoint_every} steps is {config_tau / 3600:.1f} h of "
                      f"compute, over twice Daly's optimum; set train.checkpoint_every={max(1, round(tau_d / step_s))}.")
-    sources = [f"MFU {mfu.value:.1%} ({mode}): {mfu.source}", f"loader: {cpu_per_sample.source}",
+    sources = [f"MFU {mfu.value:.1%} ({mode}): {mfu.source}", f"host: {K.HOST_S_PER_LAYER.source}",
+               f"loader: {cpu_per_sample.source}",
                f"GPU: {gpu.bf16_flops.source}; {gpu.memory_bytes.source}",
                f"bandwidth: {(gpu.nvlink_bytes_s if opts.nodes == 1 else gpu.network_bytes_s).source}",
                f"sha256: {K.CHECKPOINT['sha256_bytes_s'].source}",
@@ -430,6 +437,7 @@ def make_plan(cfg: Any, opts: PlanOptions, *, config_name: str = "") -> Plan:
                  "wall_config_s": wall_config},
         throughput={"mfu": mfu.value, "flops_per_sample": flops_sample, "tokens_per_sample": tokens_sample,
                     "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s, "comm_bytes": volume,
+                    "host_s": host_s,
                     "step_s": step_s,
                     "samples_s": samples_s, "tokens_s": samples_s * (seq if family != "vit" else 1),
                     "steps": steps, "solve_s": solve_s,

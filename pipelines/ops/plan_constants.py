@@ -84,6 +84,13 @@ MEASURED_MFU: dict[str, Constant] = {
                                       "images/s = 27.9 %, data wait 0.8 %"),
 }
 
+#: The host's share of a step: a micro-batch's forward and backward cannot take less than the host needs to launch
+#: their kernels, whatever the arithmetic (a small model, or a small micro batch, is bound by it).
+HOST_S_PER_LAYER = Constant(24.2e-3 / 12, "s per layer per micro-batch", f"{_BENCH} gpu_check: BERT-base's bare "
+                            "compiled step at micro-batch 32 x 128 (forward, backward, fused AdamW), 1 x H100, "
+                            "2026-11-27: 24.2 ms with the device busy 9.6 ms of it, so set by the host's launches: "
+                            "24.2 ms / 12 layers")
+
 #: Which run each MFU figure comes from (``plan`` prints it beside the figure).
 MFU_MODE = {"gpt": "compiled", "gpt-eager": "eager", "bert": "eager", "vit": "compiled"}
 

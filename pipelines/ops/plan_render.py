@@ -63,7 +63,8 @@ def render_plan(p: Plan) -> str:
         "",
         f"throughput: MFU {t['mfu']:.1%} x {gpu.bf16_flops.value / 1e12:,.1f} TFLOP/s, {t['flops_per_sample'] / 1e9:,.1f} "
         f"GFLOP/sample -> compute {t['compute_s']:.3f} s/step; communication {t['comm_bytes'] / 1e9:.2f} GB/GPU/step "
-        f"-> {t['comm_s']:.3f} s, {t['exposed_comm_s']:.3f} s of it not hidden by the compute",
+        f"-> {t['comm_s']:.3f} s, {t['exposed_comm_s']:.3f} s of it not hidden by the compute; the host's launches "
+        f"{t['host_s']:.3f} s/step",
         f"  {t['tokens_s']:,.0f} {unit}/s ({t['tokens_s'] / o.gpus:,.0f} per GPU), {t['step_s']:.3f} s/step",
         f"  budget {p.token_budget:,.0f} {unit} = {t['steps']:,.0f} steps{_epochs(t)}: {duration_text(t['solve_s'])} of compute; with "
         f"checkpoints + failures {duration_text(f['wall_best_s'])} at the optimum interval, {duration_text(f['wall_config_s'])} at the "

@@ -343,6 +343,23 @@ def test_global_batch_is_held_on_another_world_size():
         P.make_plan(cfg, P.PlanOptions(gpus=24, fs_gbps=10, global_batch=500))
 
 
+def test_a_small_model_or_micro_batch_is_planned_at_the_hosts_speed_not_a_million_samples_a_second():
+    """A 0.2M-parameter ViT planned at the measured MFU took 23 M images/s and asked for 7,341 loader workers: the
+    GPU's arithmetic vanished, the host's kernel launches did not. The shipped GPU recipes stay compute-bound."""
+    tiny = P.make_plan(load_run_config(REPO / "configs/train/vit_tiny_cpu.yaml"), P.PlanOptions(gpus=1, fs_gbps=1))
+    t = tiny.throughput
+    assert t["compute_s"] < t["host_s"] == t["step_s"] == pytest.approx(2 * K.HOST_S_PER_LAYER.value)
+    assert t["samples_s"] == pytest.approx(8 / t["host_s"]) and tiny.loader["workers"] <= 2
+    assert any(n.startswith("host-bound: 8 samples a micro-batch") for n in tiny.notes)
+    bert32 = P.make_plan(load_run_config(GPU / "bert_base_phase1.yaml", ["data.micro_batch_size=32"]),
+                         P.PlanOptions(gpus=1, fs_gbps=10, global_batch=256))  # 8 micro-batches of 32 a step
+    assert bert32.throughput["host_s"] == pytest.approx(8 * 12 * K.HOST_S_PER_LAYER.value)
+    for name in ("gpt2_small", "bert_base_phase1", "vit_b16", "gpt2_medium"):
+        for gpus in (1, 8):
+            t = P.make_plan(load_run_config(GPU / f"{name}.yaml"), P.PlanOptions(gpus=gpus, fs_gbps=10)).throughput
+            assert t["step_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"]) and t["host_s"] < t["step_s"], name
+
+
 def test_a_model_that_does_not_fit_says_what_does(capsys):
     rc = cli.main(["plan", str(GPU / "gpt3_xl.yaml"),
                    "model.overrides={num_layers: 32, hidden_size: 4096, num_heads: 32, intermediate_size: 16384}",
