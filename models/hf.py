@@ -260,7 +260,9 @@ def from_hf(
     are taken from the checkpoint's head) or
     ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
-    anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
+    anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. From a GPT-2 checkpoint:
+    ``"lm"`` (``GPT``; the default) or ``"classification"`` (``LastTokenClassifier``; the default of a
+    ``GPT2ForSequenceClassification``, whose ``pad_token_id`` it takes). Parameters the checkpoint lacks (e.g. MLM/pooler
     weights) keep their fresh init and are listed in ``report.missing`` (and warned about).
     ``pad_vocab_multiple`` (BERT, GPT): build the model with its vocabulary rows padded for training
     (``models.vocab``); the checkpoint's rows fill the first ``vocab_size``, the padding rows are zero.

@@ -98,6 +98,22 @@ def test_a_released_gpt2_classifier_reads_back_with_its_labels_and_pad_id(releas
     assert back.pad_token_id == 0 and not report.missing and not report.unexpected
 
 
+def test_init_random_redraws_the_gpt_body_and_keeps_the_classifier_whole(releases):
+    """`init=random` (the baseline for pretraining) re-initializes every body weight; the LM head stays dropped."""
+    from pipelines.finetune.classification import build_classifier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pre = build_classifier(releases["ours"], ["a", "b"], False, "pretrained", seed=0)
+        rnd = build_classifier(releases["ours"], ["a", "b"], False, "random", seed=0)
+    assert set(pre.state_dict()) == set(rnd.state_dict()) and rnd.backbone.lm_head is None
+    for key in ("backbone.wte.weight", "backbone.blocks.0.attn.qkv.weight", "backbone.blocks.1.mlp.fc2.weight"):
+        assert not torch.equal(pre.state_dict()[key], rnd.state_dict()[key]), key
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    rnd.pad_token_id = 0
+    assert torch.isfinite(rnd(ids, (ids != 0).long(), labels=torch.tensor([0, 1]))["loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["ours-checkpoint", "transformers"])
 def test_pretrain_finetune_of_a_gpt_release_serves_what_it_reported(releases, source, tmp_path):
