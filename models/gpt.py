@@ -63,7 +63,8 @@ class GPT(nn.Module):
     def set_activation_checkpointing(self, enabled: bool = True, layers=None) -> None:
         _set_ckpt(self.blocks, enabled, layers)
 
-    def forward(self, input_ids, attention_mask=None, labels=None) -> dict[str, torch.Tensor]:
+    def hidden_states(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """The final-LN states ``[B, T, d]`` (``GPT2Model``'s ``last_hidden_state``): what a task head reads."""
         T = input_ids.shape[1]
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -73,7 +74,10 @@ class GPT(nn.Module):
         positions = torch.arange(T, device=input_ids.device)
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
         h = run_blocks(self.blocks, h, mask, is_causal)
-        h = self.ln_f(h)
+        return self.ln_f(h)
+
+    def forward(self, input_ids, attention_mask=None, labels=None) -> dict[str, torch.Tensor]:
+        h = self.hidden_states(input_ids, attention_mask)
         training_step = labels is not None and self.training and torch.is_grad_enabled()
         if training_step and self.config.loss_chunk_tokens:
             # Memory-lean training step: the loss without the full logits (not returned: none exist).

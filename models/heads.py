@@ -18,7 +18,10 @@ from torch import nn
 
 from .layers import TransformerConfig
 
-__all__ = ["MLMHead", "SequenceClassifier", "QuestionAnswering", "backbone_of"]
+__all__ = ["MLMHead", "SequenceClassifier", "LastTokenClassifier", "QuestionAnswering", "backbone_of",
+           "last_non_pad_index", "sequence_classification_loss"]
+
+ProblemType = Literal["regression", "single_label_classification", "multi_label_classification"]
 
 
 class MLMHead(nn.Module):
@@ -66,7 +69,7 @@ class SequenceClassifier(_Head):
         *,
         dropout: float | None = None,
         id2label: dict[int, str] | None = None,
-        problem_type: Literal["regression", "single_label_classification", "multi_label_classification"] | None = None,
+        problem_type: ProblemType | None = None,
     ):
         super().__init__(backbone)
         if num_labels < 1:
@@ -99,19 +102,73 @@ class SequenceClassifier(_Head):
         return result
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        kind = self.problem_type
-        if kind is None:
-            if self.num_labels == 1:
-                kind = "regression"
-            elif labels.dtype in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
-                kind = "single_label_classification"
-            else:
-                kind = "multi_label_classification"
-        if kind == "regression":
-            return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1))
-        if kind == "single_label_classification":
-            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
-        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+        return sequence_classification_loss(logits, labels, self.num_labels, self.problem_type)
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, num_labels: int,
+                                 problem_type: ProblemType | None) -> torch.Tensor:
+    """transformers' ``*ForSequenceClassification`` loss: ``problem_type``, else inferred as they do
+    (one label -> MSE; integer labels -> cross-entropy; float labels ``[B, num_labels]`` -> multi-label BCE)."""
+    kind = problem_type
+    if kind is None:
+        if num_labels == 1:
+            kind = "regression"
+        elif labels.dtype in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
+            kind = "single_label_classification"
+        else:
+            kind = "multi_label_classification"
+    if kind == "regression":
+        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1))
+    if kind == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+def last_non_pad_index(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Per row, the position of the rightmost token that is not ``pad_token_id`` (0 for a row of pads only),
+    exactly as ``GPT2ForSequenceClassification`` picks the token it classifies; -1 (the last) without a pad id."""
+    if pad_token_id is None:
+        if input_ids.shape[0] != 1:
+            raise ValueError("Cannot classify batches of more than one sequence without a pad_token_id (rows "
+                             "of different lengths cannot be told apart); set the model's pad_token_id.")
+        return torch.full((1,), -1, dtype=torch.long, device=input_ids.device)
+    non_pad = (input_ids != pad_token_id).to(torch.int32)
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
+    return (positions * non_pad).argmax(-1)
+
+
+class LastTokenClassifier(_Head):
+    """Sequence classification on a causal decoder (``GPT2ForSequenceClassification``).
+
+    logits = W h_last (no bias, no dropout), h_last = the final state of each row's last non-pad token
+    (``last_non_pad_index``: a causal model has read the whole text only there). Right padding; the
+    loss is ``sequence_classification_loss``. The backbone's LM head is dropped (unused: DDP/ZeRO
+    complain about parameters outside the graph; a tied one is the token embedding, which stays).
+    """
+
+    def __init__(self, backbone: nn.Module, num_labels: int, *, pad_token_id: int | None,
+                 id2label: dict[int, str] | None = None, problem_type: ProblemType | None = None):
+        super().__init__(backbone)
+        if num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {num_labels}.")
+        if id2label is not None and len(id2label) != num_labels:
+            raise ValueError(f"id2label has {len(id2label)} names but num_labels is {num_labels}.")
+        if getattr(backbone, "lm_head", None) is not None:
+            backbone.lm_head = None
+        self.num_labels, self.pad_token_id, self.problem_type = num_labels, pad_token_id, problem_type
+        self.id2label = {int(k): str(v) for k, v in id2label.items()} if id2label else None
+        self.score = nn.Linear(self.config.hidden_size, num_labels, bias=False)
+        nn.init.normal_(self.score.weight, std=getattr(self.config, "initializer_range", 0.02))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None) -> dict[str, torch.Tensor]:
+        # token_type_ids: accepted for the shared fine-tuning batches, not used (the release's tokenizer returns none)
+        h = self.backbone.hidden_states(input_ids, attention_mask)
+        last = last_non_pad_index(input_ids, self.pad_token_id)
+        logits = self.score(h[torch.arange(h.shape[0], device=h.device), last])
+        result = {"logits": logits}
+        if labels is not None:
+            result["loss"] = sequence_classification_loss(logits, labels, self.num_labels, self.problem_type)
+        return result
 
 
 class QuestionAnswering(_Head):

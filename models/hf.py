@@ -11,10 +11,11 @@ ours                            transformers
 ``SequenceClassifier`` (BERT)   ``BertForSequenceClassification`` (``id2label`` in the config)
 ``QuestionAnswering`` (BERT)    ``BertForQuestionAnswering``
 ``GPT``                         ``GPT2LMHeadModel`` (also reads ``GPT2Model``)
+``LastTokenClassifier`` (GPT)   ``GPT2ForSequenceClassification`` (``id2label``, ``pad_token_id``)
 ``ViT``                         ``ViTForImageClassification`` (also reads ``ViTModel``)
 ==============================  =============================================================
 
-Each family's mapping is one ``HFFamily`` registered with ``register_hf`` (its spec's
+Each family's mapping is one ``HFFamily`` (GPT's lives in ``models.hf_gpt``) registered with ``register_hf`` (its spec's
 ``hf_model_type`` names the transformers side; a family without one does not export). Each pair is a
 key table in ``models.hf_keys`` (fused QKV split/joined, GPT-2 ``Conv1D`` transposed,
 transformers 4.x and 5.x ViT names both understood). Checkpoints (``models.hf_weights``: safetensors or
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,9 @@ from core.families import get_family
 from core.files import tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
-from .gpt import GPT, GPTConfig
-from .heads import QuestionAnswering, SequenceClassifier
-from .hf_keys import Spec, bert_keys, gpt_keys, vit_keys, vit_rename
+from .heads import LastTokenClassifier, QuestionAnswering, SequenceClassifier
+from .hf_family import _HF_ACT, HF_FAMILIES, HFFamily, _id2label, _prefixed, register_hf
+from .hf_keys import Spec, bert_keys, vit_keys, vit_rename
 from .hf_weights import load_hf_state_dict
 from .vit import ViT, ViTConfig
 from .vocab import pad_vocab, unpad_vocab
@@ -53,7 +53,6 @@ __all__ = ["to_hf", "from_hf", "LoadReport", "HFFamily", "register_hf", "hf_conf
 SPECIAL_ID_NAMES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "mask_token_id",
                     "cls_token_id", "sep_token_id")
 
-_HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 _FROM_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # Buffers some checkpoints carry that hold no learned state.
 _IGNORABLE = re.compile(r"(position_ids|\.attn\.bias|\.attn\.masked_bias)$")
@@ -83,47 +82,16 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HFFamily:
-    """How one model family maps onto ``transformers`` (the torch half behind its spec's ``hf_model_type``).
-
-    ``norm_placement``: the LayerNorm placement of the transformers classes (only that variant converts);
-    ``config``/``hf_class``/``keys``: our module -> its transformers config, class and key table;
-    ``our_config``: a transformers config (+ the shared activation/init fields) -> our config dataclass;
-    ``normalize_key``: a checkpoint key in any of the family's styles -> our tables' style;
-    ``build``: ``(cfg, hf_cfg, arch, sd, head, num_labels, id2label) -> (module, sd)``, the module to load into.
-    """
-
-    norm_placement: str
-    config: Callable[[nn.Module], transformers.PretrainedConfig]
-    hf_class: Callable[[nn.Module], type]
-    keys: Callable[[nn.Module], Spec]
-    our_config: Callable[[transformers.PretrainedConfig, dict[str, Any]], Any]
-    normalize_key: Callable[[str], str]
-    build: Callable[..., tuple[nn.Module, dict[str, torch.Tensor]]]
-    new_hf: Callable[[nn.Module], transformers.PreTrainedModel] | None = None  # default: hf_class(model)(config(model))
-
-
-_HF_FAMILIES: dict[str, HFFamily] = {}  # family name -> adapter
-
-
-def register_hf(family: str, adapter: HFFamily) -> None:
-    """Give family ``family`` (whose spec names its ``hf_model_type``) its transformers mapping."""
-    if not get_family(family).exports:
-        raise ValueError(f"Model family {family!r} declares no hf_model_type in its FamilySpec; it does not export.")
-    _HF_FAMILIES[family] = adapter
-
-
 def _adapter(model: nn.Module) -> HFFamily:
     family = getattr(model, "family", None)
-    if family not in _HF_FAMILIES:
+    if family not in HF_FAMILIES:
         raise TypeError(f"No Hugging Face equivalent known for {type(model).__name__} (family {family!r} has no "
                         f"transformers mapping: its FamilySpec.hf_model_type is None or models.hf.register_hf was not called).")
-    return _HF_FAMILIES[family]
+    return HF_FAMILIES[family]
 
 
 def _adapter_of_type(model_type: str) -> HFFamily:
-    by_type = {get_family(f).hf_model_type: a for f, a in sorted(_HF_FAMILIES.items())}
+    by_type = {get_family(f).hf_model_type: a for f, a in sorted(HF_FAMILIES.items())}
     if model_type not in by_type:
         raise ValueError(f"Unsupported model_type {model_type!r}; supported: {', '.join(by_type)}.")
     return by_type[model_type]
@@ -161,7 +129,7 @@ def to_hf(model: nn.Module) -> transformers.PreTrainedModel:
     Save a release with ``to_hf(model).save_pretrained(dir)`` (safetensors).
     """
     spec = spec_for(model)
-    _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, QuestionAnswering)) else model)
+    _check_convertible(model.backbone if isinstance(model, (SequenceClassifier, LastTokenClassifier, QuestionAnswering)) else model)
     adapter = _adapter(model)
     hf = adapter.new_hf(model) if adapter.new_hf else adapter.hf_class(model)(adapter.config(model))
     vocab = getattr(model.config, "vocab_size", 0)  # a padded vocabulary (models.vocab) is exported unpadded
@@ -232,12 +200,6 @@ def _normalize_keys(sd: dict[str, torch.Tensor], model_type: str) -> dict[str, t
     return out
 
 
-def _id2label(hf_cfg) -> dict[int, str] | None:
-    labels = {int(k): str(v) for k, v in (getattr(hf_cfg, "id2label", None) or {}).items()}
-    default = {i: f"LABEL_{i}" for i in range(len(labels))}
-    return labels if labels and labels != default else None
-
-
 _HEADS = {
     "BertForSequenceClassification": "classification",
     "BertForQuestionAnswering": "qa",
@@ -260,7 +222,9 @@ def from_hf(
     are taken from the checkpoint's head) or
     ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
-    anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. Parameters the checkpoint lacks (e.g. MLM/pooler
+    anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. From a GPT-2 checkpoint:
+    ``"lm"`` (``GPT``; the default) or ``"classification"`` (``LastTokenClassifier``; the default of a
+    ``GPT2ForSequenceClassification``, whose ``pad_token_id`` it takes). Parameters the checkpoint lacks (e.g. MLM/pooler
     weights) keep their fresh init and are listed in ``report.missing`` (and warned about).
     ``pad_vocab_multiple`` (BERT, GPT): build the model with its vocabulary rows padded for training
     (``models.vocab``); the checkpoint's rows fill the first ``vocab_size``, the padding rows are zero.
@@ -316,7 +280,7 @@ def _load(model: nn.Module, spec: Spec, sd: dict[str, torch.Tensor]) -> tuple[se
             t = sd[hf_keys[0]].t() if kind == "t" else sd[hf_keys[0]]
         t = pad_vocab(our_key, t, getattr(model.config, "vocab_size", 0), ours[our_key].shape[0])  # models.vocab
         if t.shape != ours[our_key].shape:
-            if our_key.split(".")[0] in ("head", "classifier", "qa_outputs"):
+            if our_key.split(".")[0] in ("head", "classifier", "qa_outputs", "score"):
                 continue  # a new task head of another size: keep its init, report it missing
             raise ValueError(
                 f"Shape mismatch for {our_key}: checkpoint {tuple(t.shape)} vs model {tuple(ours[our_key].shape)}."
@@ -402,34 +366,6 @@ def _bert_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
     return model, sd
 
 
-def _prefixed(prefix: str, keep: tuple[str, ...]) -> Callable[[str], str]:
-    """Bare-model checkpoints (``BertModel``, ``GPT2Model``) have no prefix; our tables use the head model's."""
-    return lambda k: k if k.startswith(keep) else f"{prefix}{k}"
-
-
-def _gpt_config(model: nn.Module) -> transformers.PretrainedConfig:
-    cfg = model.config
-    return transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
-        n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
-        activation_function=_HF_ACT[cfg.activation], resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
-        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layer_norm_eps,
-        initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=None, eos_token_id=None,  # the tokenizer's ids: set_special_ids
-    )  # fmt: skip
-
-
-def _gpt_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, Any]) -> GPTConfig:
-    if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_cfg, "scale_attn_weights", True):
-        raise ValueError("GPT-2 checkpoints with non-standard attention scaling are not supported.")
-    return GPTConfig(
-        vocab_size=hf_cfg.vocab_size, max_position_embeddings=hf_cfg.n_positions, hidden_size=hf_cfg.n_embd,
-        num_layers=hf_cfg.n_layer, num_heads=hf_cfg.n_head, intermediate_size=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
-        hidden_dropout=hf_cfg.resid_pdrop, attention_dropout=hf_cfg.attn_pdrop, layer_norm_eps=hf_cfg.layer_norm_epsilon,
-        tie_word_embeddings=getattr(hf_cfg, "tie_word_embeddings", True), **common,
-    )  # fmt: skip
-
-
 def _vit_config(model: nn.Module) -> transformers.PretrainedConfig:
     cfg = model.config
     labels = cfg.id2label or {i: f"LABEL_{i}" for i in range(cfg.num_labels)}
@@ -467,10 +403,8 @@ register_hf("bert", HFFamily(
     norm_placement="post", config=_bert_config, hf_class=_bert_class, keys=bert_keys, our_config=_bert_our_config,
     normalize_key=_prefixed("bert.", ("bert.", "cls.", "classifier.", "qa_outputs.")), build=_bert_build,
     new_hf=_bert_new))
-register_hf("gpt", HFFamily(
-    norm_placement="pre", config=_gpt_config, hf_class=lambda model: transformers.GPT2LMHeadModel, keys=gpt_keys,
-    our_config=_gpt_our_config, normalize_key=_prefixed("transformer.", ("transformer.", "lm_head.", "score.")),
-    build=lambda cfg, hf_cfg, arch, sd, *_: (GPT(cfg), sd)))
 register_hf("vit", HFFamily(
     norm_placement="pre", config=_vit_config, hf_class=lambda model: transformers.ViTForImageClassification,
     keys=vit_keys, our_config=_vit_our_config, normalize_key=_vit_key, build=_vit_build))
+
+from . import hf_gpt  # noqa: E402, F401  (registers "gpt": its mapping needs the definitions above)

@@ -15,7 +15,7 @@ from torch import nn
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .gpt import GPTConfig
-from .heads import QuestionAnswering, SequenceClassifier
+from .heads import LastTokenClassifier, QuestionAnswering, SequenceClassifier
 from .vit import ViTConfig
 
 __all__ = ["Spec", "bert_keys", "gpt_keys", "vit_keys", "vit_rename"]
@@ -64,13 +64,14 @@ def _bert_pretraining_spec(cfg: BertConfig) -> Spec:
     ]
 
 
-def _gpt_spec(cfg: GPTConfig) -> Spec:
+def _gpt_spec(cfg: GPTConfig, o: str = "", lm_head: bool = True) -> Spec:
+    """``o``: our prefix (``backbone.`` under a task head, which has no LM head)."""
     spec: Spec = [
-        ("wte.weight", ("transformer.wte.weight",), "copy"),
-        ("wpe.weight", ("transformer.wpe.weight",), "copy"),
+        (f"{o}wte.weight", ("transformer.wte.weight",), "copy"),
+        (f"{o}wpe.weight", ("transformer.wpe.weight",), "copy"),
     ]
     for i in range(cfg.num_layers):
-        ob, hb = f"blocks.{i}", f"transformer.h.{i}"
+        ob, hb = f"{o}blocks.{i}", f"transformer.h.{i}"
         spec += _linear(f"{ob}.norm1", f"{hb}.ln_1")
         spec += [
             (f"{ob}.attn.qkv.weight", (f"{hb}.attn.c_attn.weight",), "t"),
@@ -89,8 +90,8 @@ def _gpt_spec(cfg: GPTConfig) -> Spec:
             (f"{ob}.mlp.fc2.weight", (f"{hb}.mlp.c_proj.weight",), "t"),
             (f"{ob}.mlp.fc2.bias", (f"{hb}.mlp.c_proj.bias",), "copy"),
         ]
-    spec += _linear("ln_f", "transformer.ln_f")
-    if not cfg.tie_word_embeddings:
+    spec += _linear(f"{o}ln_f", "transformer.ln_f")
+    if lm_head and not cfg.tie_word_embeddings:
         spec.append(("lm_head.weight", ("lm_head.weight",), "copy"))
     return spec
 
@@ -136,6 +137,9 @@ def bert_keys(model: nn.Module) -> Spec:
 
 
 def gpt_keys(model: nn.Module) -> Spec:
+    """``GPT`` <-> ``GPT2LMHeadModel``; ``LastTokenClassifier`` on a GPT <-> ``GPT2ForSequenceClassification``."""
+    if isinstance(model, LastTokenClassifier):
+        return [*_gpt_spec(model.config, "backbone.", lm_head=False), ("score.weight", ("score.weight",), "copy")]
     return _gpt_spec(model.config)
 
 

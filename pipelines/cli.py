@@ -110,11 +110,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from core.config import load_config
-    from pipelines.finetune import FinetuneConfig, run_finetune
+    from pipelines.finetune import FinetuneConfig, run_finetune, task_families
     from pipelines.finetune.runner import refuse_other_family
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-    refuse_other_family(cfg.checkpoint)  # a ViT release is the mistake, not its image folder given as data.train
+    # a ViT release is the mistake, not its image folder given as data.train
+    refuse_other_family(cfg.checkpoint, task_families(cfg.train.task), cfg.train.task)
     _check_before_launch(cfg, args.nproc)
     if args.nproc > 1:
         from pipelines.engine.launcher import launch

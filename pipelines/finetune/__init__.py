@@ -1,8 +1,9 @@
 """Fine-tuning: a released checkpoint + a task head, trained with the pretraining `Trainer`.
 
 `pretrain finetune CONFIG` (or `python -m pipelines.finetune CONFIG k=v…` under a launcher) loads
-a release directory — ours or any Hugging Face BERT-architecture directory — through
-`models.hf.from_hf`, attaches a classification or extractive-QA head, trains it with the same
+a release directory — ours or a Hugging Face one — through `models.hf.from_hf`, attaches a
+classification head (BERT or GPT-2 architecture: ``classification.CLASSIFIER_FAMILIES``) or an
+extractive-QA head (BERT), trains it with the same
 engine as pretraining (accelerate/DeepSpeed, mixed precision, accumulation), evaluates every
 epoch, keeps the best epoch by the dev metric and writes `metrics.json` plus a release directory
 that `transformers` loads.
@@ -21,7 +22,14 @@ from typing import Any
 from pipelines.finetune.config import FINETUNE_TASKS, FinetuneConfig
 from pipelines.finetune.data import FinetuneError
 
-__all__ = ["FinetuneConfig", "FinetuneError", "FINETUNE_TASKS", "run_finetune"]
+__all__ = ["FinetuneConfig", "FinetuneError", "FINETUNE_TASKS", "run_finetune", "task_families"]
+
+
+def task_families(task: str) -> tuple[str, ...]:
+    """The model families ``task`` fine-tunes (its module's ``FAMILIES``): a release of another is refused first."""
+    import importlib
+
+    return importlib.import_module(FINETUNE_TASKS[task].split(":")[0]).FAMILIES
 
 
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What a fine-tuned BERT is fed, decided once for training, evaluation and the release.
+"""What a fine-tuned model (BERT, or GPT for classification) is fed, decided once for training, evaluation and the release.
 
 Training pads on the right with one pad id and always feeds segment ids (``data.encode_examples``,
 ``collate_classification``). An outside release's tokenizer may have no pad token, pad on the left or
@@ -22,13 +22,19 @@ __all__ = ["pad_token_id", "check_max_seq_len", "check_segments", "release_token
 BERT_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
 
-def pad_token_id(tokenizer: Any, model_config: Any, release: Path) -> int:
-    """The tokenizer's pad id, else the model config's ``pad_token_id`` (the release's tokenizer then names
-    that token as its pad token); with neither, refused before training: no id is right by default."""
+def pad_token_id(tokenizer: Any, model_config: Any, release: Path, fallbacks: tuple[str, ...] = ()) -> int:
+    """The tokenizer's pad id, else the model config's ``pad_token_id``, else the first of the tokenizer's
+    ``fallbacks`` it has (GPT: ``eos_token_id``, transformers' common practice for GPT-2, which ships no pad
+    token); the release's tokenizer then names that token as its pad token. With none, refused before
+    training: no id is right by default."""
     pad = tokenizer.pad_token_id
     if pad is not None:
         return int(pad)
     pad = getattr(model_config, "pad_token_id", None)
+    for name in fallbacks if pad is None else ():
+        pad = getattr(tokenizer, name, None)
+        if pad is not None:
+            break
     if pad is None:
         raise FinetuneError(
             f"{release}: the tokenizer has no pad token and config.json no pad_token_id, so batches cannot be "
@@ -62,7 +68,8 @@ def check_segments(pair: bool, model_config: Any, release: Path) -> None:
                             f"with type_vocab_size >= 2.")
 
 
-def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int) -> tuple[Path, list[str]]:
+def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int,
+                      input_names: tuple[str, ...] = BERT_INPUTS) -> tuple[Path, list[str]]:
     """The tokenizer directory to ship with the release, and what was changed in it.
 
     ``base`` itself when its tokenizer already does what training did (our own releases: copied byte for
@@ -71,7 +78,9 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int
     was trained at, and scores worse) and ``token_type_ids`` in ``model_input_names`` (trained with
     segment ids: without them, a pair's second text reads as the first) and ``model_max_length`` at most
     ``max_positions`` (transformers' unset default is 10**30, so ``truncation=True`` kept inputs longer than
-    the position table and the model crashed on them). Pinning the tokenizer, rather
+    the position table and the model crashed on them). ``input_names`` are the model's inputs among BERT's
+    three: a GPT takes no ``token_type_ids`` (``GPT2Model`` would add their token embeddings to the text's,
+    which training never did), so its release's tokenizer returns ``input_ids`` and ``attention_mask`` only. Pinning the tokenizer, rather
     than documenting call arguments, gives every transformers user (``pipeline`` included) the trained
     behaviour by default.
     """
@@ -85,20 +94,22 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int
         fixes["padding_side"] = "right"
     if tok.model_max_length > max_positions:
         fixes["model_max_length"] = max_positions
-    if "token_type_ids" not in tok.model_input_names:
-        fixes["model_input_names"] = [*BERT_INPUTS, *(n for n in tok.model_input_names if n not in BERT_INPUTS)]
+    if {n for n in tok.model_input_names if n in BERT_INPUTS} != set(input_names):
+        fixes["model_input_names"] = [*input_names, *(n for n in tok.model_input_names if n not in BERT_INPUTS)]
     if not fixes:
         return base, []
     AutoTokenizer.from_pretrained(str(base), trust_remote_code=False, **fixes).save_pretrained(str(staging))
     return staging, [f"{k}={v!r}" for k, v in fixes.items()]
 
 
-def write_task_release(hf: Any, out: Path, base: Path, pad_id: int, card: str) -> Path:
+def write_task_release(hf: Any, out: Path, base: Path, pad_id: int, card: str,
+                       input_names: tuple[str, ...] = BERT_INPUTS) -> Path:
     """``write_release`` of a fine-tuned model with ``release_tokenizer``'s tokenizer; a change is printed and carded."""
     from pipelines.engine.export import write_release
 
     with tempfile.TemporaryDirectory(prefix=".release-tokenizer-", dir=out.parent) as staging:
-        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging), hf.config.max_position_embeddings)
+        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging), hf.config.max_position_embeddings,
+                                                      input_names)
         if changed:  # the base's tokenizer would feed transformers users other inputs than training did
             print(f"The release's tokenizer says what training fed the model: {', '.join(changed)}.", flush=True)
             card += f"\nIts tokenizer is `{base}`'s with {', '.join(f'`{c}`' for c in changed)}, as in training.\n"

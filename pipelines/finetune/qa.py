@@ -36,6 +36,9 @@ from pipelines.finetune.squad import (
 
 __all__ = ["QATask", "collate_qa", "build_qa_model", "finetune_qa", "predict_release"]
 
+#: The model families a release must be of (``pipelines.finetune.task_families``): span heads on an encoder.
+FAMILIES = ("bert",)
+
 
 def collate_qa(items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Pad windows to the longest in the batch; `valid` marks real items (fillers balance ranks)."""
@@ -152,7 +155,7 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune a span head, export the best epoch, decode the dev set with the export; returns metrics + paths."""
     env = dist.init_env()
     run_dir = Path(cfg.train.run_dir)
-    release = resolve_release(cfg.checkpoint, run_dir, env)
+    release = resolve_release(cfg.checkpoint, run_dir, env, FAMILIES, "qa")
     d = cfg.data
     tokenizer = load_tokenizer(release)
     _, train_feats, train_report = _read(d.train, cfg, tokenizer, labels_report=True)

@@ -113,8 +113,10 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
     return run_cfg, steps_per_epoch
 
 
-def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
-    """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release."""
+def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv, families: tuple[str, ...] = ("bert",),
+                    task: str = "qa") -> Path:
+    """A release dir as it is; one of our run checkpoints is exported (by rank 0) into run_dir/base-release.
+    A checkpoint of a model family outside ``families`` (those ``task`` fine-tunes) is refused first."""
     path = Path(checkpoint)
     if not path.is_dir():
         raise FinetuneError(
@@ -123,10 +125,10 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
         )
     if (path / "config.json").is_file():
         release = tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
-        _refuse_other_family(checkpoint, release)
+        _refuse_other_family(checkpoint, release, families, task)
         return release
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
-        _refuse_other_family(checkpoint, path)
+        _refuse_other_family(checkpoint, path, families, task)
         from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint
 
@@ -142,22 +144,30 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv) -> Path:
     )
 
 
-def refuse_other_family(checkpoint: str) -> None:
-    """Before anything else is checked (``pretrain finetune``): a GPT or ViT checkpoint is the problem, not the data
-    files a user pointed at it (an image folder as data.train was refused as "a directory, not a file")."""
+#: What each family's release is called in a refusal (and which config trains one).
+_FAMILY_RELEASES = {"bert": "BERT-architecture encoder (a release of a configs/train/bert_*.yaml run, or a BERT "
+                            "Hugging Face directory)",
+                    "gpt": "GPT-2-architecture decoder (a release of a configs/train/gpt_*.yaml run, or a GPT-2 "
+                           "Hugging Face directory)"}
+
+
+def refuse_other_family(checkpoint: str, families: tuple[str, ...], task: str) -> None:
+    """Before anything else is checked (``pretrain finetune``): a checkpoint of a family ``task`` does not fine-tune
+    is the problem, not the data files a user pointed at it (an image folder as data.train was refused as "a
+    directory, not a file")."""
     path = Path(checkpoint)
     if (path / "config.json").is_file():
-        _refuse_other_family(checkpoint, tree_inside(path, ".", what="the release directory"))
+        _refuse_other_family(checkpoint, tree_inside(path, ".", what="the release directory"), families, task)
     elif (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
-        _refuse_other_family(checkpoint, path)
+        _refuse_other_family(checkpoint, path, families, task)
 
 
-def _refuse_other_family(checkpoint: str, path: Path) -> None:
-    """Before a run is exported or a tokenizer is read: a GPT or ViT checkpoint is the problem, not its files."""
+def _refuse_other_family(checkpoint: str, path: Path, families: tuple[str, ...], task: str) -> None:
+    """Before a run is exported or a tokenizer is read: a model of another family is the problem, not its files."""
     family = checkpoint_family(path)
-    if family not in (None, "bert"):
-        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; fine-tuning needs a BERT-architecture "
-                            f"encoder (a release of a configs/train/bert_*.yaml run, or a BERT Hugging Face directory).")
+    if family not in (None, *families):
+        wanted = " or a ".join(_FAMILY_RELEASES.get(f, f) for f in families)
+        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; {task} fine-tuning needs a {wanted}.")
 
 
 def checkpoint_family(path: Path) -> str | None:

@@ -106,3 +106,59 @@ def write_regression_task(task: tuple[Path, Path], out: Path) -> tuple[Path, Pat
         target.write_text("text\tlabel\n" + "".join(f"{t}\t{len(t.split()) / 20}\n" for t in texts))
         paths.append(target)
     return paths[0], paths[1]
+
+
+def save_gpt2_tokenizer(out: Path, vocab_size: int = 500) -> Path:
+    """A GPT-2-style byte-level BPE (``<|endoftext|>`` as bos/eos/unk, no pad token) trained on Python's docs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(pydoc_paragraphs(), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                            unk_token="<|endoftext|>").save_pretrained(str(out))
+    return out
+
+
+def save_hf_gpt2(out: Path, *, model_class: str = "GPT2LMHeadModel", vocab_size: int = 500, **config) -> Path:
+    """A tiny GPT-2 saved by transformers itself, with ``save_gpt2_tokenizer``'s tokenizer (no pad token)."""
+    import torch
+    import transformers
+
+    save_gpt2_tokenizer(out, vocab_size)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(**{**dict(vocab_size=vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=2,
+                                            bos_token_id=0, eos_token_id=0), **config})
+    getattr(transformers, model_class)(cfg).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def save_our_gpt_checkpoint(root: Path, *, vocab_size: int = 500, pad_vocab_multiple: int = 1) -> Path:
+    """A run checkpoint of our ``gpt-tiny`` (random weights) with our own byte-level BPE (``pretrain prepare``'s),
+    as ``pretrain train configs/train/gpt_*.yaml`` leaves it; ``pretrain export`` makes it a release."""
+    import json
+
+    import torch
+
+    import models
+    from data_prep.config import TokenizerConfig
+    from data_prep.tokenizer import save_tokenizer, train_tokenizer
+
+    tok = train_tokenizer(pydoc_paragraphs(), TokenizerConfig(type="bpe", vocab_size=vocab_size, min_frequency=2))
+    ckpt = root / "step-00000001"
+    save_tokenizer(tok, ckpt / "tokenizer", "bpe", model_max_length=128, lowercase=False)
+    overrides = {"vocab_size": tok.get_vocab_size(), "max_position_embeddings": 128, "num_layers": 2,
+                 "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+    if pad_vocab_multiple != 1:
+        overrides["pad_vocab_multiple"] = pad_vocab_multiple
+    torch.manual_seed(0)
+    model = models.create("gpt-tiny", **overrides)
+    (ckpt / "engine").mkdir(parents=True)
+    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({
+        "step": 1, "task": "causal_lm", "engine": "ddp", "zero_stage": 0,
+        "model_build": {"name": "gpt-tiny", "overrides": overrides}}))
+    return ckpt

@@ -147,7 +147,7 @@ def test_finetune_names_an_image_release_before_its_image_folder(tmp_path, capsy
     code = main(["finetune", str(REPO / "configs/finetune/classification_small.yaml"), f"checkpoint={tmp_path / 'vit'}",
                  f"data.train={tmp_path / 'imgs'}", f"data.validation={tmp_path / 'imgs'}", f"train.run_dir={tmp_path / 'run'}"])
     line = _one_error_line(capsys.readouterr().err)
-    assert code == 2 and "holds a vit model; fine-tuning needs a BERT-architecture encoder" in line, line
+    assert code == 2 and "holds a vit model; classification fine-tuning needs a BERT-architecture encoder" in line, line
     assert not (tmp_path / "run").exists()
 
 
