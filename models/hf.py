@@ -41,7 +41,7 @@ from core.files import tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .heads import LastTokenClassifier, QuestionAnswering, SequenceClassifier
-from .hf_family import _HF_ACT, HF_FAMILIES, HFFamily, _id2label, _prefixed, register_hf
+from .hf_family import _HF_ACT, HF_FAMILIES, HFFamily, _id2label, _label_kwargs, _prefixed, register_hf
 from .hf_keys import Spec, bert_keys, vit_keys, vit_rename
 from .hf_weights import load_hf_state_dict
 from .vit import ViT, ViTConfig
@@ -305,10 +305,7 @@ def _bert_config(model: nn.Module) -> transformers.PretrainedConfig:
     cfg = model.config
     kwargs: dict[str, Any] = {}
     if isinstance(model, SequenceClassifier):
-        labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-        kwargs = dict(id2label=labels, label2id={v: k for k, v in labels.items()}, classifier_dropout=model.dropout_p)
-        if model.problem_type:
-            kwargs["problem_type"] = model.problem_type
+        kwargs = {**_label_kwargs(model), "classifier_dropout": model.dropout_p}
     return transformers.BertConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,

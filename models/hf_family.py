@@ -61,3 +61,12 @@ def _id2label(hf_cfg) -> dict[int, str] | None:
 def _prefixed(prefix: str, keep: tuple[str, ...]) -> Callable[[str], str]:
     """Bare-model checkpoints (``BertModel``, ``GPT2Model``) have no prefix; our tables use the head model's."""
     return lambda k: k if k.startswith(keep) else f"{prefix}{k}"
+
+
+def _label_kwargs(model: nn.Module) -> dict[str, Any]:
+    """A sequence classifier's labels (transformers' LABEL_i names when it has none) and problem type, as config fields."""
+    labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+    kwargs: dict[str, Any] = dict(id2label=labels, label2id={v: k for k, v in labels.items()})
+    if model.problem_type:
+        kwargs["problem_type"] = model.problem_type
+    return kwargs

@@ -15,7 +15,7 @@ from torch import nn
 
 from .gpt import GPT, GPTConfig
 from .heads import LastTokenClassifier
-from .hf_family import _HF_ACT, HFFamily, _id2label, _prefixed, register_hf
+from .hf_family import _HF_ACT, HFFamily, _id2label, _label_kwargs, _prefixed, register_hf
 from .hf_keys import gpt_keys
 
 __all__: list[str] = []
@@ -28,10 +28,7 @@ def _gpt_config(model: nn.Module) -> transformers.PretrainedConfig:
     cfg = model.config
     kwargs: dict[str, Any] = {}
     if isinstance(model, LastTokenClassifier):
-        labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-        kwargs = dict(id2label=labels, label2id={v: k for k, v in labels.items()}, pad_token_id=model.pad_token_id)
-        if model.problem_type:
-            kwargs["problem_type"] = model.problem_type
+        kwargs = {**_label_kwargs(model), "pad_token_id": model.pad_token_id}
     return transformers.GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
         n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,

@@ -139,11 +139,6 @@ def save_hf_gpt2(out: Path, *, model_class: str = "GPT2LMHeadModel", vocab_size:
 def save_our_gpt_checkpoint(root: Path, *, vocab_size: int = 500, pad_vocab_multiple: int = 1) -> Path:
     """A run checkpoint of our ``gpt-tiny`` (random weights) with our own byte-level BPE (``pretrain prepare``'s),
     as ``pretrain train configs/train/gpt_*.yaml`` leaves it; ``pretrain export`` makes it a release."""
-    import json
-
-    import torch
-
-    import models
     from data_prep.config import TokenizerConfig
     from data_prep.tokenizer import save_tokenizer, train_tokenizer
 
@@ -154,11 +149,21 @@ def save_our_gpt_checkpoint(root: Path, *, vocab_size: int = 500, pad_vocab_mult
                  "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
     if pad_vocab_multiple != 1:
         overrides["pad_vocab_multiple"] = pad_vocab_multiple
+    return write_one_step_checkpoint(ckpt, "gpt-tiny", "causal_lm", overrides, zero_stage=0)
+
+
+def write_one_step_checkpoint(ckpt: Path, name: str, task: str, overrides: dict, **state) -> Path:
+    """A DDP-engine checkpoint (what ``pretrain export`` reads) of ``models.create(name, **overrides)`` at seed 0,
+    beside the tokenizer already in ``ckpt/tokenizer``; ``state``: more trainer-state fields."""
+    import json
+
+    import torch
+
+    import models
+
     torch.manual_seed(0)
-    model = models.create("gpt-tiny", **overrides)
     (ckpt / "engine").mkdir(parents=True)
-    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
+    torch.save(models.create(name, **overrides).state_dict(), ckpt / "engine" / "model.pt")
     (ckpt / "trainer_state.json").write_text(json.dumps({
-        "step": 1, "task": "causal_lm", "engine": "ddp", "zero_stage": 0,
-        "model_build": {"name": "gpt-tiny", "overrides": overrides}}))
+        "step": 1, "task": task, "engine": "ddp", **state, "model_build": {"name": name, "overrides": overrides}}))
     return ckpt

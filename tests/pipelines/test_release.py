@@ -281,23 +281,24 @@ def test_vit_release_scores_the_run_eval_on_the_original_images_of_a_prepared_co
     assert accuracy > 0.2  # twice chance: predictions that depend on the pixels
 
 
-def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
-    """BERT releases too: pad/unk/cls/sep/mask ids in config.json are the WordPiece tokenizer's."""
+def _release_of_a_wordpiece_checkpoint(tmp_path, name: str, task: str, overrides: dict) -> Path:
+    """``pretrain export`` of a one-step checkpoint of ``name`` whose corpus tokenizer is a WordPiece one."""
     import corpus_fixtures as cf
-    from transformers import AutoTokenizer
+    from finetune_fixtures import write_one_step_checkpoint
 
-    import models
     from pipelines.engine.export import export_checkpoint
 
     ckpt = tmp_path / "step-00000001"
     _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
-    overrides = {"vocab_size": vocab}
-    model = models.create("bert-tiny", **overrides)
-    (ckpt / "engine").mkdir(parents=True)
-    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "task": "mlm_nsp", "engine": "ddp",
-                                                         "model_build": {"name": "bert-tiny", "overrides": overrides}}))
-    out = export_checkpoint(ckpt, tmp_path / "release")
+    write_one_step_checkpoint(ckpt, name, task, {"vocab_size": vocab, **overrides})
+    return export_checkpoint(ckpt, tmp_path / "release")
+
+
+def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
+    """BERT releases too: pad/unk/cls/sep/mask ids in config.json are the WordPiece tokenizer's."""
+    from transformers import AutoTokenizer
+
+    out = _release_of_a_wordpiece_checkpoint(tmp_path, "bert-tiny", "mlm_nsp", {})
     tok = AutoTokenizer.from_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
     for name in ("pad_token_id", "unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id"):
@@ -307,21 +308,10 @@ def test_bert_release_config_carries_the_tokenizers_special_ids(tmp_path):
 def test_gpt_release_of_a_corpus_packed_with_sep_stops_generate_at_sep(tmp_path):
     """A tokenizer without eos_token (a WordPiece one) packs a GPT corpus with [SEP] between documents (data_prep.job):
     the release's eos_token_id is that [SEP], so generate() stops where the model learned documents end (was None)."""
-    import corpus_fixtures as cf
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import models
-    from pipelines.engine.export import export_checkpoint
-
-    ckpt = tmp_path / "step-00000001"
-    _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
-    overrides = {"vocab_size": vocab, "num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
-    model = models.create("gpt-tiny", **overrides)
-    (ckpt / "engine").mkdir(parents=True)
-    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "task": "causal_lm", "engine": "ddp",
-                                                         "model_build": {"name": "gpt-tiny", "overrides": overrides}}))
-    out = export_checkpoint(ckpt, tmp_path / "release")
+    small = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+    out = _release_of_a_wordpiece_checkpoint(tmp_path, "gpt-tiny", "causal_lm", small)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token_id is None and tok.sep_token_id is not None
     cfg = json.loads((out / "config.json").read_text())
@@ -332,21 +322,13 @@ def test_gpt_release_of_a_corpus_packed_with_sep_stops_generate_at_sep(tmp_path)
 def _bert_checkpoint(root: Path) -> Path:
     """A DDP-engine checkpoint of a tiny BERT (random init) with its WordPiece tokenizer."""
     import corpus_fixtures as cf
-
-    import models
+    from finetune_fixtures import write_one_step_checkpoint
 
     ckpt = root / "step-00000001"
     _, vocab = cf.write_tokenizer(ckpt / "tokenizer")
     overrides = {"vocab_size": vocab, "num_layers": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
-    torch.manual_seed(0)
-    model = models.create("bert-tiny", **overrides)
-    (ckpt / "engine").mkdir(parents=True)
-    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({
-        "step": 1, "task": "mlm_nsp", "engine": "ddp", "tokens": 4096,
-        "model_build": {"name": "bert-tiny", "overrides": overrides},
-        "data_info": {"kind": "bert_pairs", "seq_len": 64, "tokens": {"train": 4096}, "tokenizer": {"type": "wordpiece"}}}))
-    return ckpt
+    return write_one_step_checkpoint(ckpt, "bert-tiny", "mlm_nsp", overrides, tokens=4096, data_info={
+        "kind": "bert_pairs", "seq_len": 64, "tokens": {"train": 4096}, "tokenizer": {"type": "wordpiece"}})
 
 
 def _card_snippet(card: str) -> str:
