@@ -65,6 +65,11 @@ class GPT(nn.Module):
 
     def hidden_states(self, input_ids, attention_mask=None) -> torch.Tensor:
         """The final-LN states ``[B, T, d]`` (``GPT2Model``'s ``last_hidden_state``): what a task head reads."""
+        return self(input_ids, attention_mask, hidden_only=True)["hidden_states"]
+
+    def forward(self, input_ids, attention_mask=None, labels=None, *, hidden_only: bool = False) -> dict[str, torch.Tensor]:
+        # The trunk stays in this frame: compiled around per-block graphs (model.compile_regions), the model is then one
+        # graph before the blocks and one after them; a nested call would cut the part after them in two.
         T = input_ids.shape[1]
         if T > self.config.max_position_embeddings:
             raise ValueError(
@@ -73,11 +78,9 @@ class GPT(nn.Module):
         mask, is_causal = attention_mask_for_sdpa(attention_mask, T, causal=True)
         positions = torch.arange(T, device=input_ids.device)
         h = self.drop(self.wte(input_ids) + self.wpe(positions)[None])
-        h = run_blocks(self.blocks, h, mask, is_causal)
-        return self.ln_f(h)
-
-    def forward(self, input_ids, attention_mask=None, labels=None) -> dict[str, torch.Tensor]:
-        h = self.hidden_states(input_ids, attention_mask)
+        h = self.ln_f(run_blocks(self.blocks, h, mask, is_causal))
+        if hidden_only:
+            return {"hidden_states": h}
         training_step = labels is not None and self.training and torch.is_grad_enabled()
         if training_step and self.config.loss_chunk_tokens:
             # Memory-lean training step: the loss without the full logits (not returned: none exist).
