@@ -123,12 +123,10 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv, families:
             f"checkpoint={checkpoint} {'is a file, not a directory' if path.exists() else 'does not exist'}. "
             f"Pass a release directory (written by `pretrain export` or `save_pretrained`) or a pretraining run dir."
         )
+    refuse_other_family(checkpoint, families, task)
     if (path / "config.json").is_file():
-        release = tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
-        _refuse_other_family(checkpoint, release, families, task)
-        return release
+        return tree_inside(path, ".", what="the release directory")  # tokenizer and weights: nothing read from outside
     if (path / "trainer_state.json").is_file() or (path / "checkpoints").is_dir():
-        _refuse_other_family(checkpoint, path, families, task)
         from pipelines.engine.checkpoint import claim_run_dir
         from pipelines.engine.export import export_checkpoint
 
