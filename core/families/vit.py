@@ -168,16 +168,19 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 processor = AutoImageProcessor.from_pretrained("{path}")
 model = AutoModelForImageClassification.from_pretrained("{path}")
-image = ImageOps.exif_transpose(Image.open("image.png"))  # upright, as the run stored it
+image = ImageOps.exif_transpose(Image.open("image.png")).convert("RGBA")  # upright, as the run stored it
+image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image).convert("RGB")  # opaque, likewise
 inputs = processor(image, return_tensors="pt")
 print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])
 ```
 
-The processor resizes and crops exactly as the run's evaluation did, so it scores what the run reported
-(it does not apply a photo's EXIF orientation, which `pretrain prepare` did: hence `exif_transpose`).
+The processor resizes and crops exactly as the run's evaluation did, so on the image `pretrain prepare`
+stored it scores what the run reported. Prepare stored each image upright (its EXIF orientation applied)
+and opaque (transparency composited onto white); the processor does not apply EXIF, and not every
+transformers version composites (5.0 drops the alpha): hence the two lines above.
 `pipeline("image-classification", model="{path}")` does the same except on images with transparency:
-its image loader drops the alpha channel, where the processor and the run composite onto white; give
-such images to the processor as above.
+its image loader applies the EXIF orientation but drops the alpha channel, where the run composited onto
+white; give such images to the processor as above.
 """
 
 
