@@ -94,7 +94,8 @@ class ImageConfig:
     size: int = option(0, help="raw: the recipe's data.image_size (e.g. 224): each image is stored as the model's "
                                "evaluation and the release's processor see it (shorter side to 256 for 224, bilinear, "
                                "centre 224 x 224 crop).")
-    jpeg_quality: int = option(90, help="JPEG quality (1-95).")
+    jpeg_quality: int = option(90, help="JPEG quality (1-95) of re-encoded images; a JPEG that needs no rotation, "
+                                        "mode change or resize is stored as it is.")
     mode: Literal["RGB", "L"] = option("RGB", help="Colour mode images are converted to.")
 
     def __post_init__(self) -> None:

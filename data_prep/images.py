@@ -1,7 +1,8 @@
 """Image decoding, optional resize of the shorter side, and deterministic re-encoding (PIL).
 
 Re-encoding gives every sample one format and colour mode so the training loader needs no
-special cases; PNG output is lossless and byte-reproducible, JPEG is smaller. ``raw`` stores what
+special cases; PNG output is lossless and byte-reproducible, JPEG is smaller (a JPEG source that needs no
+change keeps its own bytes: `_stored_as_is`). ``raw`` stores what
 the accelerator needs instead: uint8 pixels (height, width, channels) at the model's square size
 as a ``.npy`` member, so the loader only reads bytes (no decode, no resize: docs/benchmarks.md).
 
@@ -49,6 +50,15 @@ class BadImage(ValueError):
 _WIDE_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
 
 
+def _stored_as_is(im, cfg: ImageConfig) -> bool:
+    """A JPEG that needs no change (already upright, in the target mode, no resize) keeps its own bytes: a
+    re-encode would change its pixels (at quality 90, 5 of 173 digits' predictions against the originals'),
+    so what the run evaluates would no longer be what the user's file gives the release. ``jpeg_quality``
+    applies to what is re-encoded."""
+    return (cfg.format == "jpeg" and im.format == "JPEG" and cfg.resize_shorter <= 0 and im.mode == cfg.mode
+            and im.getexif().get(0x0112, 1) == 1)
+
+
 def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
     """(encoded bytes, extension, width, height) of one image after resize and re-encoding (raw: the
     model's ``cfg.size`` square of the release's processor, see the module docstring).
@@ -67,6 +77,8 @@ def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
             if im.mode in _WIDE_MODES:
                 raise BadImage(f"16-bit or float image (PIL mode {im.mode}): convert it to 8 bits first",
                                rule="16bit_or_float_image")
+            if _stored_as_is(im, cfg):
+                return data, "jpg", im.size[0], im.size[1]
             im = ImageOps.exif_transpose(im)
             if "A" in im.getbands() or im.info.get("transparency") is not None:
                 # as transformers.image_transforms.convert_to_rgb: alpha over a white background
