@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -37,7 +38,7 @@ from data_prep.output_guard import check_reused_tokenizer, claimed_corpus
 from data_prep.ranges import range_bytes_for, split_entries
 from data_prep.shards import STATE_DIR
 from data_prep.sources import describe_where, resolve_inputs
-from data_prep.summary import build_summary, format_summary
+from data_prep.summary import build_summary, classes_missing, format_summary, missing_classes_warning
 from data_prep.task_pool import chunk_entries, run_limited
 
 __all__ = ["run_prepare", "format_summary"]
@@ -392,6 +393,8 @@ def run_prepare(cfg: PrepConfig) -> dict[str, Any]:
 
                 ray.shutdown()
     print(format_summary(summary), flush=True)
+    if warning := missing_classes_warning(summary):
+        print(warning, file=sys.stderr, flush=True)
     return summary
 
 
@@ -447,6 +450,8 @@ def _run(cfg: PrepConfig, out: Path, entries, class_map, t0: float) -> dict[str,
     }
     write_manifest(out, manifest)
     summary = build_summary(cfg, manifest, stats, time.time() - t0)
+    if class_map and cfg.validation_fraction > 0:
+        summary["classes_missing"] = classes_missing(records, class_map)
     summary["stages_s"] = {k: round(v, 2) for k, v in stage_s.items()}
     summary["task_s"] = {k: round(v, 2) for k, v in task_s.items()}
     return summary

@@ -15,6 +15,7 @@ import hashlib
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from itertools import accumulate, chain, pairwise
@@ -411,6 +412,8 @@ def build_shard(name: str, group: pa.Table, ctx: JobContext, committer: Executor
             stats.add(key, counts[key])
     stats.add("documents_kept", len(rows))
     record = {"name": f"{name}.tar", "fingerprint": fingerprint, "tokens": counts["tokens"], "stats": stats.to_dict(), **info}
+    if not corpus_kind(ctx.kind).tokenized:  # images per class: the summary names a class a split lacks
+        record["class_counts"] = {str(k): v for k, v in sorted(Counter(int(r["label"]) for r in rows).items())}
 
     def commit() -> dict[str, Any]:
         if info["samples"] == 0:  # every document was too short to make a sample: no empty shard

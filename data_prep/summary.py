@@ -14,7 +14,7 @@ from data_prep.clean import Stats
 from data_prep.config import PrepConfig
 from data_prep.sources import describe_where
 
-__all__ = ["build_summary", "format_summary"]
+__all__ = ["build_summary", "classes_missing", "format_summary", "missing_classes_warning"]
 
 
 def build_summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall: float) -> dict[str, Any]:
@@ -48,12 +48,41 @@ def build_summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall:
     return summary
 
 
+def classes_missing(records: list[dict[str, Any]], class_map: dict[str, int]) -> dict[str, list[str]]:
+    """Per split, the classes (by name) with no image in it: a split routes each image by its hash, so a class of a
+    few images can land in one split only (a class of one always does), and its evaluation then never scores it.
+    Shards recorded by an older prepare have no per-class counts: nothing is claimed then."""
+    if any("class_counts" not in r for r in records):
+        return {}
+    seen: dict[str, set[int]] = {"train": set(), "validation": set()}
+    for rec in records:
+        seen.setdefault(rec["name"].split("-")[0], set()).update(int(k) for k in rec["class_counts"])
+    return {split: names for split, labels in seen.items()
+            if (names := [name for name, k in class_map.items() if k not in labels])}
+
+
+def missing_classes_warning(s: dict[str, Any]) -> str | None:
+    """One line for the user when a split lacks a class (``classes_missing``), with the fix."""
+    missing = s.get("classes_missing", {})
+    if not missing:
+        return None
+    parts = "; ".join(f"no {split} image of {len(names)} class(es): {_names(names)}" for split, names in missing.items())
+    return (f"warning: {s['output']}: {parts}. Images are split by their hash, so a class of a few images can land in "
+            f"one split only (training never sees a class train lacks; evaluation never scores one validation lacks). "
+            f"Add images to those class folders, or raise validation_fraction.")
+
+
 def _first_bad_record(stats: Stats) -> str | None:
     """'FILE line N' (or row N) of the first bad record of the file with the most, for the user to look at."""
     worst = max(stats.bad_by_file.items(), key=lambda kv: sum(kv[1].values()), default=None)
     if worst is None or worst[0] not in stats.first_bad:
         return None
     return f"{worst[0]} {describe_where(worst[0], stats.first_bad[worst[0]])}"
+
+
+def _names(names: list[str], shown: int = 8) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -66,6 +95,7 @@ def format_summary(s: dict[str, Any]) -> str:
     rows += [("  bad records: first in worst file", s["bad_first"])] if s.get("bad_first") else []
     rows += [(f"{unit} kept", f"{s['documents_kept']:,}")]
     rows += [(f"samples ({k})", f"{v:,}") for k, v in s["samples"].items()]
+    rows += [(f"  classes with no {split} image", _names(names)) for split, names in s.get("classes_missing", {}).items()]
     rows += [("tokens", f"{s['tokens']:,}")] if tokenized else []
     rows += [("shards", str(s["shards"])), ("size", f"{s['bytes'] / 1e6:,.1f} MB")]
     if "nsp_random_share" in s:

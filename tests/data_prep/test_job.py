@@ -250,3 +250,35 @@ def test_digits_images_round_trip(ray_cluster, tmp_path):
                 seen += 1
     assert seen == len(expected) - summary["removed"].get("exact_duplicate", 0)
     assert "label" in inspect_corpus(str(tmp_path / "img"), n=1)
+
+
+def test_a_class_a_split_lacks_is_named_in_the_summary_and_warned_about(ray_cluster, tmp_path, capsys):
+    """Images go to a split by their hash: a class of one image lands in one split only, so the run's evaluation
+    never scores it (or training never sees it). Prepare said nothing; it now names the class and the fix."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    root = tmp_path / "digits"
+    for i in range(60):
+        folder = root / f"digit{digits.target[i] % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((digits.images[i] * 15).astype(np.uint8), mode="L").save(folder / f"{i:04d}.png")
+    (root / "lonely").mkdir()
+    for i in range(60, 80):  # the first image whose hash routes it to train: its class has no validation image
+        path = root / "lonely" / "only.png"
+        Image.fromarray((digits.images[i] * 15).astype(np.uint8), mode="L").save(path)
+        if int(hashlib.sha256(path.read_bytes()).hexdigest()[:8], 16) / 0x1_0000_0000 >= 0.25:
+            break
+    cfg = PrepConfig(kind="images", output=str(tmp_path / "img"), progress=False, validation_fraction=0.25,
+                     sources=[SourceConfig(type="image_folder", paths=[str(root)])])
+    summary = run_prepare(cfg)
+    assert summary["classes_missing"] == {"validation": ["lonely"]}
+    out, err = capsys.readouterr()
+    row = next(line for line in out.splitlines() if "classes with no validation image" in line)  # the summary table
+    assert row.split()[-1] == "lonely"
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "no validation image of 1 class(es): lonely" in warning[0] and "validation_fraction" in warning[0]
+
+    cfg.output, cfg.validation_fraction = str(tmp_path / "no_validation"), 0.0  # no split asked for: nothing to say
+    assert "classes_missing" not in run_prepare(cfg)

@@ -6,7 +6,7 @@ import re
 
 from data_prep.clean import Stats
 from data_prep.config import PrepConfig, SourceConfig
-from data_prep.summary import build_summary, format_summary
+from data_prep.summary import build_summary, classes_missing, format_summary, missing_classes_warning
 
 
 def _summary(kind: str, tokens: int) -> str:
@@ -48,3 +48,16 @@ def test_bad_records_below_the_threshold_point_at_the_worst_files_first_one(tmp_
     manifest = {"splits": {"train": {"samples": 2, "tokens": 9, "shards": [{"bytes": 10}]}}}
     table = format_summary(build_summary(cfg, manifest, stats, wall=1.0))
     assert re.search(rf"bad records: first in worst file +{re.escape(str(docs))} line 4\n", table), table
+
+
+def test_classes_a_split_lacks_are_named_per_split_and_shards_of_an_older_prepare_claim_nothing():
+    classes = {f"c{k}": k for k in range(12)}
+    records = [{"name": "train-000000.tar", "class_counts": {str(k): 3 for k in range(11)}},
+               {"name": "validation-000000.tar", "class_counts": {"0": 1, "1": 2}}]
+    missing = classes_missing(records, classes)
+    assert missing == {"train": ["c11"], "validation": [f"c{k}" for k in range(2, 12)]}
+    line = missing_classes_warning({"output": "corpus", "classes_missing": missing})
+    assert "no train image of 1 class(es): c11;" in line
+    assert "no validation image of 10 class(es): c2, c3, c4, c5, c6, c7, c8, c9, ... (10 in all)" in line
+    assert classes_missing([*records, {"name": "train-000001.tar"}], classes) == {}  # no per-class counts recorded
+    assert missing_classes_warning({"output": "corpus"}) is None
