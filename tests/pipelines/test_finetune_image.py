@@ -197,13 +197,13 @@ def test_our_classifier_computes_what_vit_for_image_classification_computes(rele
     import transformers
 
     import models
+    from pipelines.finetune.config import AugmentConfig
     from pipelines.finetune.image_classification import (
         ImageBatcher,
         ImageClassificationTask,
         build_image_classifier,
         load_processor,
     )
-    from pipelines.finetune.config import AugmentConfig
 
     release, labels = releases[source], ["ant", "bee", "cow"]
     with warnings.catch_warnings():
@@ -261,7 +261,7 @@ def test_training_augmentation_is_per_epoch_and_item_and_off_able(releases, tmp_
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    return write_digit_folders(tmp_path_factory.mktemp("digits"), per_class=30)
+    return write_digit_folders(tmp_path_factory.mktemp("digits"), per_class=40)
 
 
 @pytest.fixture
@@ -286,7 +286,7 @@ def test_digits_fine_tuned_from_a_vit_release_score_the_same_in_transformers(rel
     train, dev = digits
     cfg = load_config(CONFIG, [f"checkpoint={releases[source]}", f"data.train={train}", f"data.validation={dev}",
                                f"train.run_dir={tmp_path / 'run'}", "augment.hflip=false", "augment.min_crop_area=1.0",
-                               "epochs=6", "optim.lr=1e-3", "schedule.warmup_steps=5", "logging.tensorboard=false"],
+                               "epochs=12", "optim.lr=2e-3", "schedule.warmup_steps=5", "logging.tensorboard=false"],
                       cls=FinetuneConfig)
     result = run_finetune(cfg)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())["metrics"]
