@@ -31,32 +31,24 @@ import numpy as np
 
 from core.corpus_kinds import RAW_PIXELS
 from core.families.vit import eval_view, resize_shortest_edge
+from core.images import BadImage, decode_image
 from core.records import npy_bytes
 from data_prep.config import ImageConfig
 
 __all__ = ["BadImage", "process_image"]
 
 
-class BadImage(ValueError):
-    """The bytes are not an image this pipeline stores; ``rule`` is the job's bad-record reason."""
-
-    def __init__(self, message: str, rule: str = "unreadable_image"):
-        super().__init__(message)
-        self.rule = rule
-
-
-# PIL modes of 16/32-bit integer and float images: converting them to 8 bits clips at 255 (a flat
-# white image), and transformers' processor clips them the same way, so no rescale here would match it.
-_WIDE_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
-
-
-def _stored_as_is(im, cfg: ImageConfig) -> bool:
+def _stored_as_is(data: bytes, cfg: ImageConfig) -> bool:
     """A JPEG that needs no change (already upright, in the target mode, no resize) keeps its own bytes: a
     re-encode would change its pixels (at quality 90, 5 of 173 digits' predictions against the originals'),
     so what the run evaluates would no longer be what the user's file gives the release. ``jpeg_quality``
-    applies to what is re-encoded."""
-    return (cfg.format == "jpeg" and im.format == "JPEG" and cfg.resize_shorter <= 0 and im.mode == cfg.mode
-            and im.getexif().get(0x0112, 1) == 1)
+    applies to what is re-encoded. Reads the header only (`decode_image` has decoded the whole file)."""
+    if cfg.format != "jpeg" or cfg.resize_shorter > 0:
+        return False
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as src:
+        return src.format == "JPEG" and src.mode == cfg.mode and src.getexif().get(0x0112, 1) == 1
 
 
 def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
@@ -69,26 +61,9 @@ def process_image(data: bytes, cfg: ImageConfig) -> tuple[bytes, str, int, int]:
     some 5.x release: 5.0 drops the alpha, 5.24 composites).
     A 16-bit or float image raises `BadImage` rather than turning flat white.
     """
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            if im.mode in _WIDE_MODES:
-                raise BadImage(f"16-bit or float image (PIL mode {im.mode}): convert it to 8 bits first",
-                               rule="16bit_or_float_image")
-            if _stored_as_is(im, cfg):
-                return data, "jpg", im.size[0], im.size[1]
-            im = ImageOps.exif_transpose(im)
-            if "A" in im.getbands() or im.info.get("transparency") is not None:
-                # as transformers.image_transforms.convert_to_rgb: alpha over a white background
-                white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                im = Image.alpha_composite(white, im.convert("RGBA"))
-            im = im.convert(cfg.mode)
-    except BadImage:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BadImage(str(exc)) from None
+    im = decode_image(data, cfg.mode)
+    if _stored_as_is(data, cfg):
+        return data, "jpg", im.size[0], im.size[1]
     if cfg.format == "raw":
         im = eval_view(im, cfg.size)
         pixels = np.asarray(im, dtype=np.uint8).reshape(cfg.size, cfg.size, -1)  # mode L: one channel

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from core.images import IMAGE_EXTENSIONS  # the suffixes image fine-tuning reads too
 from data_prep.config import PrepConfig, SourceConfig
 from data_prep.errors import PrepError
 
 __all__ = ["resolve_inputs", "iter_text_records", "describe_where", "IMAGE_EXTENSIONS"]
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 Where = tuple[str, int]  # where a bad record starts: ("byte", its first line's offset) in text and JSONL, ("row", index)
 Record = tuple[str | None, str | None, Where | None]  # (text, None, None) for a document, (None, rule, where) for a bad

@@ -387,8 +387,10 @@ def _vit_our_config(hf_cfg: transformers.PretrainedConfig, common: dict[str, Any
 
 
 def _vit_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
-    if num_labels is not None and num_labels != cfg.num_labels:
-        cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels, "id2label": id2label})
+    """``num_labels``/``id2label`` make a new task's head (its label names too, even at the checkpoint's class
+    count; a checkpoint head of that shape is loaded into it, as BERT's)."""
+    if num_labels is not None or id2label is not None:
+        cfg = ViTConfig(**{**cfg.to_dict(), "num_labels": num_labels or len(id2label), "id2label": id2label})
     return ViT(cfg), sd
 
 

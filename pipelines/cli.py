@@ -114,7 +114,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from pipelines.finetune.runner import refuse_other_family
 
     cfg = load_config(args.config, args.overrides, cls=FinetuneConfig)
-    # a ViT release is the mistake, not its image folder given as data.train
+    # a release of another family is the mistake (a ViT for a text task), not the data files it was given
     refuse_other_family(cfg.checkpoint, task_families(cfg.train.task), cfg.train.task)
     _check_before_launch(cfg, args.nproc)
     if args.nproc > 1:
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "finetune",
         cmd_finetune,
-        "Fine-tune a released or run checkpoint with a classification or QA-span head.",
+        "Fine-tune a released or run checkpoint with a text/image classification or QA-span head.",
         "pretrain finetune configs/finetune/classification_small.yaml checkpoint=demo_out/release data.train=train.tsv",
     )
     _add_config_args(p, "fine-tuning")

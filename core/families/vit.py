@@ -13,7 +13,7 @@ from .spec import FamilySpec, register_family
 from .transformer import TransformerConfig, attention_flops, block_matmul_params
 
 __all__ = ["ViTConfig", "SPEC", "vit_training_flops", "eval_resize", "eval_processor_config", "PIXEL_MEAN", "PIXEL_STD",
-           "EVAL_RESAMPLE", "shortest_edge_size", "resize_shortest_edge", "eval_view", "stored_geometry_problem"]
+           "EVAL_RESAMPLE", "usage_snippet", "shortest_edge_size", "resize_shortest_edge", "eval_view", "stored_geometry_problem"]
 
 
 @dataclass(kw_only=True)
@@ -161,7 +161,9 @@ def _release_files(config: ViTConfig) -> dict[str, str]:
     return {"preprocessor_config.json": json.dumps(eval_processor_config(config.image_size), indent=2)}
 
 
-def _usage(path: str) -> str:
+def usage_snippet(path: str) -> str:
+    """The card's Python block: the release scored on one image, made upright and opaque as the run's images were
+    (``core.images.decode_image``): the processor applies no EXIF and not every transformers version composites."""
     return f"""```python
 from PIL import Image, ImageOps
 from transformers import AutoImageProcessor, AutoModelForImageClassification
@@ -173,7 +175,11 @@ image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image).con
 inputs = processor(image, return_tensors="pt")
 print(model.config.id2label[int(model(**inputs).logits.argmax(-1))])
 ```
+"""
 
+
+def _usage(path: str) -> str:
+    return f"""{usage_snippet(path)}
 The processor resizes and crops exactly as the run's evaluation did, so on the image `pretrain prepare`
 stored it scores what the run reported. Prepare stored each image upright (its EXIF orientation applied)
 and opaque (transparency composited onto white); the processor does not apply EXIF, and not every

@@ -298,7 +298,7 @@ def _input_paths(cfg: Any) -> list[tuple[str, str]]:
     """(key, path) of every file or corpus the job reads; an empty one is a config error, dry run or not."""
     if not is_pretraining_task(cfg.train.task):  # fine-tuning
         found = [("data.train", cfg.data.train), ("data.validation", cfg.data.validation)]
-        hint = "a file of labelled examples (see docs/finetune.md)"
+        hint = "a file of labelled examples, or for image_classification a folder of class folders (see docs/finetune.md)"
     elif cfg.data.corpora:
         found = [(f"data.corpora[{i}].path", part.path) for i, part in enumerate(cfg.data.corpora)]
         hint = "a corpus directory written by `pretrain prepare`"
@@ -317,11 +317,20 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
     ``strict`` raises ``ConfigError``; otherwise (``submit --dry-run``, where the paths may be the
     cluster's) a missing or too small input comes back as a warning line. An empty path always raises.
     """
+    from pipelines.engine.registries import TASKS
+
     warnings = []
+    folders = cfg.train.task in TASKS.names() and TASKS[cfg.train.task].data_folders
     for i, (key, path) in enumerate(_input_paths(cfg)):
         try:
             if key.startswith(("data.corpus", "data.corpora")):
                 _check_corpus(path, cfg, world_size, evaluated=i == 0)
+            elif folders and not Path(path).is_dir():  # image_classification: a folder of class folders
+                what = "is a file, not a folder" if Path(path).exists() else "does not exist"
+                raise ConfigError(f"{key}={path} {what}. Point {key} at a folder holding one sub-folder of images per "
+                                  f"class ({key.split('.')[1]}/<class>/<image>.png; a path every node sees, for a cluster job).")
+            elif folders:
+                pass  # its class folders are read (and refused) by the fine-tuning's reader
             elif Path(path).is_dir():
                 raise ConfigError(f"{key}={path} is a directory, not a file. Point {key} at the file of examples in it.")
             elif not Path(path).is_file():

@@ -71,6 +71,7 @@ class TaskSpec:
 
     factory: Callable[..., Any] | str | None = None
     runner: str = "pretrain train"
+    data_folders: bool = False  # fine-tuning reads data.train / data.validation as folders of class folders, not files
 
     def resolve(self) -> Callable[..., Any] | None:
         if isinstance(self.factory, str):
@@ -84,6 +85,7 @@ for _name, _factory in (("mlm_nsp", "_mlm_nsp"), ("causal_lm", "_causal_lm"), ("
     TASKS.register(_name, TaskSpec(factory=f"pipelines.engine.objectives:{_factory}"))
 for _name in ("classification", "qa"):
     TASKS.register(_name, TaskSpec(runner="pretrain finetune"))
+TASKS.register("image_classification", TaskSpec(runner="pretrain finetune", data_folders=True))
 
 WARMUPS: Registry[Any] = Registry("warmup", key="schedule.warmup", builtins=("pipelines.engine.schedules",))
 DECAYS: Registry[Any] = Registry("decay", key="schedule.decay", builtins=("pipelines.engine.schedules",))

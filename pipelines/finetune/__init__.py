@@ -2,16 +2,17 @@
 
 `pretrain finetune CONFIG` (or `python -m pipelines.finetune CONFIG k=v…` under a launcher) loads
 a release directory — ours or a Hugging Face one — through `models.hf.from_hf`, attaches a
-classification head (BERT or GPT-2 architecture: ``classification.CLASSIFIER_FAMILIES``) or an
-extractive-QA head (BERT), trains it with the same
+classification head (BERT or GPT-2 architecture: ``classification.CLASSIFIER_FAMILIES``), an
+extractive-QA head (BERT) or an image-classification head (ViT), trains it with the same
 engine as pretraining (accelerate/DeepSpeed, mixed precision, accumulation), evaluates every
 epoch, keeps the best epoch by the dev metric and writes `metrics.json` plus a release directory
 that `transformers` loads.
 
-Owns: ``config`` (FinetuneConfig), ``data`` (classification files), ``squad`` (SQuAD reading,
+Owns: ``config`` (FinetuneConfig), ``data`` (classification files), ``image_data`` (class folders of
+images), ``squad`` (SQuAD reading,
 windowing, decoding, scoring), ``metrics``, ``card`` (the release's model card), ``runner`` (the skeleton
 every task shares: run config per epoch, checkpoint resolution, early stopping, best epoch) and one
-module per task (``classification``, ``qa``).
+module per task (``classification``, ``qa``, ``image_classification``).
 May import ``pipelines.engine``, ``pipelines.loading``, ``models``, ``monitoring`` and ``core``.
 """
 

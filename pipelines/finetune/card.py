@@ -16,7 +16,8 @@ from core.files import atomic_write_text
 
 __all__ = ["write_card", "base_license"]
 
-_TASK_NAMES = {"question-answering": "Extractive question answering", "text-classification": "Text classification"}
+_TASK_NAMES = {"question-answering": "Extractive question answering", "text-classification": "Text classification",
+               "image-classification": "Image classification"}
 
 
 def base_license(base: Path) -> str:
@@ -35,7 +36,10 @@ def base_license(base: Path) -> str:
 
 
 def _loader_of(path: str) -> str:
-    """The `datasets` loader that reads ``path`` as the model index's dataset type (a local file has no Hub id)."""
+    """The `datasets` loader that reads ``path`` as the model index's dataset type (a local file has no Hub id;
+    a folder of class folders is what `imagefolder` reads)."""
+    if Path(path).is_dir():
+        return "imagefolder"
     return "csv" if Path(path).suffix.lower() in (".tsv", ".csv") else "json"
 
 

@@ -20,7 +20,8 @@ from pipelines.engine.config import (
 class FinetuneDataConfig:
     """Labelled examples read from local files."""
 
-    train: str = option("", help="Training examples: .tsv, .csv or .jsonl (classification) or SQuAD .json (qa).")
+    train: str = option("", help="Training examples: .tsv, .csv or .jsonl (classification), SQuAD .json (qa), or a "
+                                 "folder of one sub-folder of images per class (image_classification).")
     validation: str = option("", help="Dev examples in the same format; selects the best epoch.")
     text_column: str = option("text", help="Column holding the (first) text.")
     text_pair_column: str = option("", help="Column holding the second text of a pair task (empty = single text).")
@@ -50,6 +51,19 @@ class QAConfig:
 
 
 @dataclass(kw_only=True)
+class AugmentConfig:
+    """Training-only augmentation of image_classification, on the decoded image before the release's processor
+    (evaluation and the release see the processor's view alone)."""
+
+    min_crop_area: float = option(0.8, help="Random crop of at least this share of the image (aspect 3/4..4/3); 1 = off.")
+    hflip: bool = option(True, help="Mirror half the training images; off when a mirror is another class (digits, text).")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_crop_area <= 1.0:
+            raise ConfigError(f"augment.min_crop_area must be in (0, 1] (1 = no random crop), got {self.min_crop_area}.")
+
+
+@dataclass(kw_only=True)
 class FinetuneConfig:
     """A fine-tuning run; saved as run_dir/config.yaml like a pretraining run."""
 
@@ -62,6 +76,7 @@ class FinetuneConfig:
     selection_metric: str = option("accuracy", help="Dev metric that picks the best epoch (accuracy, macro_f1, mcc, pearson…).")
     data: FinetuneDataConfig = option(help="Data.", default_factory=FinetuneDataConfig)
     qa: QAConfig = option(help="QA decoding (train.task=qa).", default_factory=QAConfig)
+    augment: AugmentConfig = option(help="Image augmentation (train.task=image_classification).", default_factory=AugmentConfig)
     optim: OptimConfig = option(help="Optimizer.", default_factory=lambda: OptimConfig(lr=1e-4, weight_decay=0.01))
     schedule: ScheduleConfig = option(
         help="LR schedule.", default_factory=lambda: ScheduleConfig(warmup="linear", warmup_steps=10, decay="linear")
@@ -88,4 +103,5 @@ class FinetuneConfig:
 FINETUNE_TASKS = {
     "classification": "pipelines.finetune.classification:finetune_classification",
     "qa": "pipelines.finetune.qa:finetune_qa",
+    "image_classification": "pipelines.finetune.image_classification:finetune_image_classification",
 }

@@ -146,7 +146,9 @@ def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv, families:
 _FAMILY_RELEASES = {"bert": "BERT-architecture encoder (a release of a configs/train/bert_*.yaml run, or a BERT "
                             "Hugging Face directory)",
                     "gpt": "GPT-2-architecture decoder (a release of a configs/train/gpt_*.yaml run, or a GPT-2 "
-                           "Hugging Face directory)"}
+                           "Hugging Face directory)",
+                    "vit": "ViT image model (a release of a configs/train/vit_*.yaml run, or a ViT Hugging Face "
+                           "directory)"}
 
 
 def refuse_other_family(checkpoint: str, families: tuple[str, ...], task: str) -> None:
@@ -164,8 +166,12 @@ def _refuse_other_family(checkpoint: str, path: Path, families: tuple[str, ...],
     """Before a run is exported or a tokenizer is read: a model of another family is the problem, not its files."""
     family = checkpoint_family(path)
     if family not in (None, *families):
+        from pipelines.finetune import FINETUNE_TASKS, task_families
+
         wanted = " or a ".join(_FAMILY_RELEASES.get(f, f) for f in families)
-        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; {task} fine-tuning needs a {wanted}.")
+        fits = [t for t in FINETUNE_TASKS if family in task_families(t)]
+        hint = f" A {family} release fine-tunes with train.task={' or '.join(fits)}." if fits else ""
+        raise FinetuneError(f"checkpoint={checkpoint} holds a {family} model; {task} fine-tuning needs a {wanted}.{hint}")
 
 
 def checkpoint_family(path: Path) -> str | None:

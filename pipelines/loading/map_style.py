@@ -47,7 +47,8 @@ class MapStyleSource(_PositionedSource):
 
     Epoch order is ``rng(seed, epoch)`` over indices (or identity without shuffle); each rank takes
     every ``world``-th index of the first ``nb*world*mb``; resume skips indices, never data.
-    ``collate(list_of_items) -> dict`` builds the batch. ``filler``: keep the last partial batch (an
+    ``collate(list_of_items) -> dict`` builds the batch (called with ``epoch=`` too when it has a true
+    ``takes_epoch`` attribute: a training batch's random augmentation per epoch). ``filler``: keep the last partial batch (an
     epoch then sees every item, as a ``DataLoader`` with ``drop_last=False``); ``filler`` is an item
     its collate and task mark invalid (e.g. ``valid: False``), given to a rank whose share of the last
     batch is empty. Without it the last ``len % (world*mb)`` items of each epoch's order are left out.
@@ -82,8 +83,10 @@ class MapStyleSource(_PositionedSource):
         idx = self._indices(epoch)[start * self.mb:]
         batched = [idx[i: i + self.mb] for i in range(0, len(idx), self.mb)]
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
+        # a collate that augments (``takes_epoch``) draws from (seed, epoch, item): the same after a resume
+        collate = functools.partial(self.collate, epoch=epoch) if getattr(self.collate, "takes_epoch", False) else self.collate
         return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
-                          collate_fn=functools.partial(_collate_items, self.dataset, self.collate, self.filler),
+                          collate_fn=functools.partial(_collate_items, self.dataset, collate, self.filler),
                           **loader_kwargs(self.num_workers, self.start_method))
 
     def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:

@@ -38,6 +38,8 @@ def _meta_model(name: str, overrides: dict, task: str) -> torch.nn.Module:
         if task in ("classification", "qa"):  # fine-tuning: a BERT-architecture release with the task head
             backbone = models.create("bert-tiny")
             return models.SequenceClassifier(backbone, 3) if task == "classification" else models.QuestionAnswering(backbone)
+        if task == "image_classification":  # fine-tuning: a ViT release with a new head
+            return models.create("vit-tiny", num_labels=3)
         return models.create(name, **overrides)
 
 
