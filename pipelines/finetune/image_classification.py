@@ -99,7 +99,7 @@ class ImageBatcher:
         if self.augment.min_crop_area < 1.0:
             img = img.crop(_crop_box(*img.size, self.augment.min_crop_area, rng))
         if rng.random() < 0.5 and self.augment.hflip:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return img
 
     def __call__(self, items: list[dict[str, Any]], epoch: int = 0) -> dict[str, Any]:
