@@ -347,6 +347,9 @@ def run_local(
     ``shard=(i, n)``: only the points whose index is i modulo n -- n such processes share one machine
     (e.g. one GPU), each running its runs in-process, the same SWEEP_DIR, no run twice.
     """
+    from pipelines.loading.workers import register_stack_dump
+
+    register_stack_dump()  # SIGUSR2: the sweep's stacks too, beside its runs' (where is a hung sweep?)
     specs = expand(sweep)
     check_overrides(sweep, extra, where=f"sweep {sweep.out_dir}")
     check_grid(specs, lambda spec: run_config(sweep, spec, extra), world_size=sweep.num_processes,

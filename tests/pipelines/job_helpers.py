@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,3 +85,24 @@ def two_rank_results(job: Path, out: Path, timeout: int = 300) -> list[dict]:
                           timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return [json.loads(out.with_suffix(f".rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)`` of a job started in its own session; on a hang, every process of it prints its
+    Python stacks first (SIGUSR2: the trainer's and the sweep's stack dump), then the group is killed and the test
+    fails with the output's tail, so a rare hang says where it was."""
+    import pytest
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, wait in ((signal.SIGUSR2, 3.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        time.sleep(wait)
+    out, err = proc.communicate()
+    pytest.fail(f"no exit within {timeout:.0f} s; every process printed its stacks (SIGUSR2), then was killed.\n"
+                f"stdout tail:\n{out[-3000:]}\nstderr tail:\n{err[-12000:]}")

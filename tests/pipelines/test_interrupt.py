@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from job_helpers import job_env, job_processes
+from job_helpers import communicate_or_dump, job_env, job_processes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs/train/bert_tiny_cpu.yaml")  # data.num_workers=2: loader workers get the Ctrl-C too
@@ -175,7 +175,7 @@ def test_a_stopped_sweep_of_parallel_runs_checkpoints_the_running_ones_and_start
         os.killpg(proc.pid, signum)
     else:
         proc.send_signal(signum)
-    out, err = proc.communicate(timeout=240)
+    out, err = communicate_or_dump(proc, 240)  # once at load ~7 it did not exit in 240 s: the stacks say where
     assert proc.returncode == 128 + signum, (proc.returncode, out[-2000:], err[-4000:], job_processes(str(runs)))
     assert "Traceback" not in out + err, err[-4000:]
     assert out.count("sweep stopped by a signal; run the same command again to resume it.") == 1, out[-3000:]
