@@ -74,20 +74,15 @@ def test_gpt_release_generate_stops_at_end_of_text_with_default_arguments(tmp_pa
 
 
 def _vit_checkpoint(root: Path, image_size: int = 32) -> tuple[Path, object]:
-    """A DDP-engine checkpoint of a tiny ViT (random init) with a 4-class map; returns (checkpoint, model)."""
+    """A DDP-engine checkpoint of a 1-layer tiny ViT (random init) with a 4-class map; returns (checkpoint, model)."""
+    from image_fixtures import save_our_vit_checkpoint
+
     import models
 
-    overrides = {"num_layers": 1, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "patch_size": 8,
-                 "num_labels": 4, "image_size": image_size}
-    torch.manual_seed(0)
-    model = models.create("vit-tiny", **overrides).eval()
-    ckpt = root / "step-00000001"
-    (ckpt / "engine").mkdir(parents=True)
-    torch.save(model.state_dict(), ckpt / "engine" / "model.pt")
-    state = {"step": 1, "task": "image_cls", "engine": "ddp", "zero_stage": 0,
-             "model_build": {"name": "vit-tiny", "overrides": overrides},
-             "data_info": {"class_map": {f"class{c}": c for c in range(4)}}}
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    ckpt = save_our_vit_checkpoint(root, num_labels=4, num_layers=1, image_size=image_size)
+    build = json.loads((ckpt / "trainer_state.json").read_text())["model_build"]
+    model = models.create(build["name"], **build["overrides"]).eval()
+    model.load_state_dict(torch.load(ckpt / "engine" / "model.pt", weights_only=True))
     return ckpt, model
 
 
