@@ -325,12 +325,12 @@ def check_inputs(cfg: Any, *, world_size: int = 1, strict: bool = True) -> list[
         try:
             if key.startswith(("data.corpus", "data.corpora")):
                 _check_corpus(path, cfg, world_size, evaluated=i == 0)
-            elif folders and not Path(path).is_dir():  # image_classification: a folder of class folders
-                what = "is a file, not a folder" if Path(path).exists() else "does not exist"
-                raise ConfigError(f"{key}={path} {what}. Point {key} at a folder holding one sub-folder of images per "
-                                  f"class ({key.split('.')[1]}/<class>/<image>.png; a path every node sees, for a cluster job).")
-            elif folders:
-                pass  # its class folders are read (and refused) by the fine-tuning's reader
+            elif folders:  # image_classification: a folder of class folders, which the fine-tuning's reader checks
+                if not Path(path).is_dir():
+                    what = "is a file, not a folder" if Path(path).exists() else "does not exist"
+                    raise ConfigError(f"{key}={path} {what}. Point {key} at a folder holding one sub-folder of images "
+                                      f"per class ({key.split('.')[1]}/<class>/<image>.png; a path every node sees, for a "
+                                      f"cluster job).")
             elif Path(path).is_dir():
                 raise ConfigError(f"{key}={path} is a directory, not a file. Point {key} at the file of examples in it.")
             elif not Path(path).is_file():
