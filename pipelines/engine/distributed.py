@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import json
 import logging
 import os
@@ -31,12 +32,12 @@ import torch
 
 from core.config import ConfigError
 from pipelines.engine.check import ACCELERATE_PRECISION, zero_overlap
-from pipelines.engine.config import RunConfig
+from pipelines.engine.config import DistributedConfig, RunConfig
 from pipelines.engine.launcher import _RENDEZVOUS_VARS, free_port, launch, quiet_libraries
 from pipelines.engine.registries import OPTIMIZERS
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
-           "quiet_libraries"]
+           "quiet_libraries", "group_backend", "join_process_group", "all_gather_json"]
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -382,3 +383,39 @@ def barrier_if_initialized() -> None:
     """Wait for every rank when a process group exists (outside the engine, e.g. around rank-0 file work)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def group_backend(d: DistributedConfig, env: DistEnv) -> str:
+    """The process-group backend of a run: ``distributed.backend``, or nccl on GPU and gloo on CPU."""
+    return d.backend if d.backend != "auto" else ("nccl" if env.device == "cuda" else "gloo")
+
+
+def join_process_group(d: DistributedConfig, env: DistEnv) -> None:
+    """Join the job's process group before the engine exists, for work the ranks share before training (image
+    fine-tuning splits its check of every image over them). ``build_engine``'s ``Accelerator`` and DeepSpeed take
+    an initialized group as it is, so this is the group they would have made: same backend, timeout and device."""
+    if env.world_size == 1 or torch.distributed.is_initialized():
+        return
+    if env.device == "cuda":
+        torch.cuda.set_device(env.local_rank)  # what accelerate sets; NCCL's collectives run on it
+    torch.distributed.init_process_group(backend=group_backend(d, env), init_method="env://", rank=env.rank,
+                                         world_size=env.world_size, timeout=datetime.timedelta(minutes=d.timeout_minutes))
+
+
+def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order (all ranks call it; ``[obj]`` without a process group).
+
+    JSON bytes in uint8 tensors: nothing a peer sends is unpickled (``all_gather_object`` would). The
+    tensors are on the rank's device (NCCL gathers only GPU tensors)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or env.world_size == 1:
+        return [obj]
+    device = torch.device("cuda", torch.cuda.current_device()) if env.device == "cuda" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode("utf-8")), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(env.world_size)]
+    torch.distributed.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.long, device=device))
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in lengths]
+    torch.distributed.all_gather(parts, padded)
+    return [json.loads(p[:n].cpu().numpy().tobytes().decode("utf-8")) for p, n in zip(parts, lengths, strict=True)]

@@ -37,7 +37,7 @@ from monitoring.diagnostics import ParameterReads
 from pipelines.engine.check import one_graph_per_block
 from pipelines.engine.config import RunConfig
 from pipelines.engine.deepspeed_reads import deepspeed_getters
-from pipelines.engine.distributed import DistEnv, deepspeed_config
+from pipelines.engine.distributed import DistEnv, deepspeed_config, group_backend
 from pipelines.engine.host_reads import HostCopy, StepOutcome, skipped_if
 from pipelines.engine.model_build import compile_blocks_if, compile_kwargs
 from pipelines.engine.one_rank import one_rank_fast_path_, skip_one_rank_allreduce_, unwrap_one_rank_ddp
@@ -462,8 +462,7 @@ def build_engine(cfg: RunConfig, env: DistEnv, model: torch.nn.Module, optimizer
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     d = cfg.distributed
-    backend = d.backend if d.backend != "auto" else ("nccl" if env.device == "cuda" else "gloo")
-    pg = InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(minutes=d.timeout_minutes))
+    pg = InitProcessGroupKwargs(backend=group_backend(d, env), timeout=datetime.timedelta(minutes=d.timeout_minutes))
     _drop_accelerate_deepspeed_env()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn)
     if d.engine == "deepspeed":

@@ -30,7 +30,7 @@ from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.classification import ClassificationTask
 from pipelines.finetune.config import AugmentConfig
 from pipelines.finetune.data import FinetuneError
-from pipelines.finetune.image_data import ImageExample, load_image, read_image_folder
+from pipelines.finetune.image_data import ImageCheck, ImageExample, load_image, read_image_folder
 from pipelines.finetune.metrics import classification_metrics
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, resolve_release
 
@@ -41,6 +41,10 @@ __all__ = ["FAMILIES", "ImageClassificationTask", "ImageBatcher", "load_processo
 FAMILIES = ("vit",)
 
 PROCESSOR_FILE = "preprocessor_config.json"
+
+#: What a loader worker needs to unpickle an ``ImageBatcher``, imported once by the workers' forkserver (the
+#: processor's transformers base module costs ~4 s; each worker would import it again for every epoch).
+WORKER_PRELOAD = ("pipelines.finetune.image_classification", "transformers.image_processing_utils")
 
 
 class ImageClassificationTask(ClassificationTask):
@@ -173,12 +177,15 @@ def _items(examples: list[ImageExample], train: bool) -> list[dict[str, Any]]:
 def finetune_image_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     """Read the class folders, build the classifier and its batcher, then the shared fit/export/score skeleton."""
     env = dist.init_env()
+    dist.join_process_group(cfg.distributed, env)  # the ranks share the image check (and resolve_release's barrier)
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env, FAMILIES, "image_classification")
     d = cfg.data
-    train_ex, labels, train_report = read_image_folder(d.train, what="data.train", max_bad_share=d.max_bad_share)
-    val_ex, _, val_report = read_image_folder(d.validation, what="data.validation", label_names=labels,
-                                              max_bad_share=d.max_bad_share)
+    with ImageCheck(cfg.loader_workers, env, preload=WORKER_PRELOAD) as check:  # its pool starts the forkserver
+        train_ex, labels, train_report = read_image_folder(d.train, what="data.train", max_bad_share=d.max_bad_share,
+                                                           check=check)
+        val_ex, _, val_report = read_image_folder(d.validation, what="data.validation", label_names=labels,
+                                                  max_bad_share=d.max_bad_share, check=check)
     if env.rank == 0:
         print(train_report.summary().replace("examples", "images"), val_report.summary().replace("examples", "images"),
               sep="\n", flush=True)
@@ -194,7 +201,7 @@ def finetune_image_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
         export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels),
         score=lambda out: evaluate_release(out, val_ex, labels),
-        card_name="image-classifier", pipeline_tag="image-classification",
+        card_name="image-classifier", pipeline_tag="image-classification", worker_preload=WORKER_PRELOAD,
     ))
 
 

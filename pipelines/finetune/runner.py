@@ -51,6 +51,7 @@ class FinetuneJob:
     card_name: str  # the release card's name is "<base release>-<card_name>"
     pipeline_tag: str
     result_extra: dict[str, Any] = field(default_factory=dict)
+    worker_preload: tuple[str, ...] = ()  # modules the collate needs, imported once by the workers' forkserver
 
 
 def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job: FinetuneJob) -> dict[str, Any]:
@@ -60,7 +61,8 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
 
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
     run_cfg, steps_per_epoch = epoch_run_config(cfg, len(job.train_feats), env.world_size, job.model_name)
-    common = dict(micro_batch_size=run_cfg.data.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed)
+    common = dict(micro_batch_size=run_cfg.data.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed,
+                  num_workers=run_cfg.data.num_workers, preload=job.worker_preload)  # text tasks: 0 workers
     trainer = Trainer(
         run_cfg, model=job.model, task=job.task, env=env,
         # every epoch sees every example: the last batch is partial (topped up with masked fillers), as in transformers
@@ -107,7 +109,7 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
     train_cfg = dataclasses.replace(cfg.train, max_steps=cfg.epochs * steps_per_epoch, eval_every=steps_per_epoch,
                                     checkpoint_every=steps_per_epoch, keep_last=cfg.epochs, eval_batches=0,
                                     grad_accum_steps=accum)
-    run_cfg = RunConfig(data=DataConfig(micro_batch_size=micro, num_workers=0),
+    run_cfg = RunConfig(data=DataConfig(micro_batch_size=micro, num_workers=cfg.loader_workers),
                         model=ModelConfig(name=model_name), optim=cfg.optim, schedule=cfg.schedule,
                         train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
     return run_cfg, steps_per_epoch

@@ -52,14 +52,15 @@ class MapStyleSource(_PositionedSource):
     epoch then sees every item, as a ``DataLoader`` with ``drop_last=False``); ``filler`` is an item
     its collate and task mark invalid (e.g. ``valid: False``), given to a rank whose share of the last
     batch is empty. Without it the last ``len % (world*mb)`` items of each epoch's order are left out.
+    ``preload``: modules the workers' forkserver imports once (``workers.worker_context``).
     """
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], *, micro_batch_size: int,
                  rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
-                 start_method: str = "forkserver", filler: Any = None):
+                 start_method: str = "forkserver", filler: Any = None, preload: tuple[str, ...] = ()):
         self.dataset, self.collate, self.mb = dataset, collate, micro_batch_size
         self.rank, self.world, self.seed, self.shuffle, self.num_workers = rank, world, seed, shuffle, num_workers
-        self.start_method, self.filler = start_method, filler
+        self.start_method, self.filler, self.preload = start_method, filler, preload
         per_batch = world * micro_batch_size
         self.batches_per_epoch = -(-len(dataset) // per_batch) if filler is not None else len(dataset) // per_batch
         if self.batches_per_epoch == 0:
@@ -87,7 +88,7 @@ class MapStyleSource(_PositionedSource):
         collate = functools.partial(self.collate, epoch=epoch) if getattr(self.collate, "takes_epoch", False) else self.collate
         return DataLoader(batched, batch_size=None, num_workers=self.num_workers, generator=gen,
                           collate_fn=functools.partial(_collate_items, self.dataset, collate, self.filler),
-                          **loader_kwargs(self.num_workers, self.start_method))
+                          **loader_kwargs(self.num_workers, self.start_method, self.preload))
 
     def evaluation_batches(self, limit: int | None = None) -> Iterator[tuple[dict[str, Any], bool]]:
         """One pass over the dataset in its order, every item exactly once across ranks: ``(batch, counted)``
@@ -97,7 +98,7 @@ class MapStyleSource(_PositionedSource):
         loader = DataLoader(batched, batch_size=None, num_workers=self.num_workers,
                             generator=torch.Generator().manual_seed(self.seed),
                             collate_fn=functools.partial(_collate_items, self.dataset, self.collate, None),
-                            **loader_kwargs(self.num_workers, self.start_method))
+                            **loader_kwargs(self.num_workers, self.start_method, self.preload))
         for batch, (_, _, counted) in zip(loader, plan, strict=True):
             yield batch, counted
 

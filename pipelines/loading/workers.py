@@ -47,15 +47,17 @@ _PRELOAD = ["pipelines.loading.loader", "pipelines.engine.objectives"]
 _JOB_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2}
 
 
-def worker_context(method: str) -> Any:
-    """The multiprocessing context to pass as ``DataLoader(multiprocessing_context=...)``."""
+def worker_context(method: str, preload: tuple[str, ...] = ()) -> Any:
+    """The multiprocessing context to pass as ``DataLoader(multiprocessing_context=...)``. ``preload``: modules
+    the forkserver imports as well when this call starts it (what a caller's collate needs; transformers' image
+    processors cost each worker ~4 s to import otherwise); a forkserver already running is kept as it is."""
     if method not in START_METHODS:
         from core.config import ConfigError
 
         raise ConfigError(f"data.worker_start_method={method!r}: choose one of {', '.join(START_METHODS)}.")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        _ensure_forkserver(ctx)
+        _ensure_forkserver(ctx, preload)
     _kill_workers_at_exit()
     return ctx
 
@@ -75,15 +77,15 @@ def _kill_workers_at_exit() -> None:
     atexit.register(kill)
 
 
-def loader_kwargs(num_workers: int, method: str) -> dict[str, Any]:
+def loader_kwargs(num_workers: int, method: str, preload: tuple[str, ...] = ()) -> dict[str, Any]:
     """``DataLoader`` arguments for ``num_workers`` workers started by ``method`` (none for 0)."""
     if num_workers <= 0:
         return {}
-    return {"multiprocessing_context": worker_context(method),
+    return {"multiprocessing_context": worker_context(method, preload),
             "worker_init_fn": functools.partial(worker_init, owner_pid=os.getpid())}
 
 
-def _ensure_forkserver(ctx: Any) -> None:
+def _ensure_forkserver(ctx: Any, preload: tuple[str, ...] = ()) -> None:
     """Start this process's forkserver (idempotent) with the job's signals blocked in it.
 
     A blocked signal stays blocked across fork and exec, so the forkserver, the resource tracker
@@ -93,7 +95,7 @@ def _ensure_forkserver(ctx: Any) -> None:
     """
     from multiprocessing import forkserver, resource_tracker
 
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
     try:
         resource_tracker.ensure_running()  # starts first; it unblocks SIGINT/SIGTERM here when it does
