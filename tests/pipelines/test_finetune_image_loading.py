@@ -160,6 +160,7 @@ def test_two_workers_train_and_evaluate_bit_for_bit_as_the_main_process(runs):
     assert len([r for r in rows if r[0] == "train"]) == 16 and len([r for r in rows if r[0] == "eval"]) == 2
     assert _rows(two_dir) == rows
     assert two["metrics"] == zero["metrics"] and two["history"] == zero["history"] and two["best_step"] == zero["best_step"]
+    assert "num_workers: 2" in (two_dir / "config.yaml").read_text()  # as the run recorded it
 
 
 def test_a_run_in_workers_stopped_mid_epoch_resumes_exactly(runs, digits_run, tmp_path):
