@@ -149,8 +149,9 @@ def test_pretrain_finetune_of_a_gpt_release_serves_what_it_reported(releases, so
     with open(tmp_path / "task" / "validation.tsv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))  # as the run read it: quoted cells unquoted
     texts, gold = [r["text"] for r in rows], [r["label"] for r in rows]
+    assert tok.model_max_length == 64  # truncation=True stops where training did (it was the position table's 128)
     served = [p["label"] for p in pipeline("text-classification", model=hf, tokenizer=tok, batch_size=8)(
-        texts, truncation=True, max_length=64)]
+        texts, truncation=True)]
     assert sum(p == g for p, g in zip(served, gold, strict=True)) / len(gold) == pytest.approx(result["metrics"]["accuracy"])
     ours, _ = models.hf.from_hf(release)  # our LastTokenClassifier, our forward
     ours.eval()
