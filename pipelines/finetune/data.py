@@ -64,7 +64,11 @@ def require_file(path: Path, what: str) -> None:
 
 
 def _rows(path: Path, report: ReadReport):
-    """Yield (line number, mapping) for each record; JSON lines that do not parse are reported."""
+    """Yield (line number, mapping, where) for each record; JSON lines that do not parse are reported.
+
+    A CSV/TSV record is placed at its first line (a quoted cell may hold line breaks), and one that runs over
+    several lines says to which: an unclosed quote takes in the rest of the file, and its end is no place to look.
+    """
     suffix = path.suffix.lower()
     with path.open(encoding="utf-8", newline="") as fh:
         if suffix == ".jsonl" or suffix == ".json":
@@ -80,12 +84,15 @@ def _rows(path: Path, report: ReadReport):
                 if not isinstance(row, dict):
                     report.add_bad("not a JSON object", f"{path}:{lineno}")
                     continue
-                yield lineno, row
+                yield lineno, row, f"{path}:{lineno}"
         elif suffix in (".tsv", ".csv"):
             reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
+            end = 1  # the header's line
             for row in reader:
                 report.total += 1
-                yield reader.line_num, row
+                start, end = end + 1, reader.line_num
+                runs_on = f" (a quoted cell runs on to line {end}: an unclosed quote?)" if end - start > 0 else ""
+                yield start, row, f"{path}:{start}{runs_on}"
         else:
             raise FinetuneError(
                 f"{path}: unsupported file type {suffix!r}. Use .tsv, .csv or .jsonl "
@@ -116,10 +123,10 @@ def read_examples(
             f"{path} is not UTF-8 text (first bad byte on line {_first_non_utf8_line(path)}). Re-save it as UTF-8, "
             f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`."
         ) from None
-    for lineno, row in rows:
+    for lineno, row, noted in rows:
         where = f"{path}:{lineno}"
         if any(row.get(col) is None for col in columns):
-            report.add_bad("missing field", where)
+            report.add_bad("missing field", noted)
             continue
         text = str(row[text_column]).strip()
         pair = str(row[text_pair_column]).strip() if text_pair_column else None
@@ -129,8 +136,10 @@ def read_examples(
         raw.append((text, pair, row[label_column], where))
 
     if report.total and report.bad_share == 1.0 and report.bad.get("missing field"):
+        found = sorted({str(k) for _, row, _ in rows[:100] for k in row if k is not None})
         raise FinetuneError(
-            f"{path}: no row has all of the columns {columns}. Set data.text_column / data.label_column "
+            f"{path}: no row has all of the columns {columns} (the file has {found}; the first row without them "
+            f"at {report.first_bad['missing field']}). Set data.text_column / data.label_column "
             f"(and data.text_pair_column for pairs) to the file's column names."
         )
     if regression:
@@ -151,7 +160,9 @@ def read_examples(
         elif str(label) in index:
             value = index[str(label)]
         else:
-            report.add_bad("label not in the label set", where)
+            shown = ", ".join(map(repr, label_names[:20])) + (", ..." if len(label_names) > 20 else "")
+            report.add_bad("label not in the label set", f"{where}, label {str(label)!r}; the training file's "
+                                                         f"labels: {shown}")
             continue
         examples.append(Example(text, pair, value, where))
 
