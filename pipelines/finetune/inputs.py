@@ -35,6 +35,13 @@ def pad_token_id(tokenizer: Any, model_config: Any, release: Path, fallbacks: tu
         pad = getattr(tokenizer, name, None)
         if pad is not None:
             break
+    if pad is None and fallbacks:  # a GPT: the pad id also says which token is classified (the last that is not it)
+        raise FinetuneError(
+            f"{release}: the tokenizer has no pad token and no {' or '.join(fallbacks)}, and config.json no "
+            f"pad_token_id, so batches cannot be padded; the classifier reads each text's last token that is not the "
+            f"pad token, so the pad must be a token no text ends with, such as an end-of-text token (any other id "
+            f"moves texts ending in it to an earlier token). Give the tokenizer one it has (tokenizer.eos_token = "
+            f"'<|endoftext|>'; tokenizer.save_pretrained('{release}')) or set pad_token_id in {release}/config.json.")
     if pad is None:
         raise FinetuneError(
             f"{release}: the tokenizer has no pad token and config.json no pad_token_id, so batches cannot be "

@@ -191,3 +191,22 @@ def test_the_release_tokenizer_of_a_gpt_drops_segment_ids(tmp_path):
     out, changed = release_tokenizer(base, 0, tmp_path / "staged", 128, ("input_ids", "attention_mask"))
     assert any(c.startswith("model_input_names") for c in changed)
     assert set(AutoTokenizer.from_pretrained(str(out))("a", "b")) == {"input_ids", "attention_mask"}
+
+
+def test_a_gpt_without_pad_or_end_of_text_token_is_refused_with_a_pad_that_works(tmp_path):
+    """A byte-level BPE saved with no special tokens: the refusal told GPT users to pad with the unk token (there
+    is none) as 'any id works'; for a GPT the pad id picks the classified token, so it must be one no text ends with."""
+    import transformers
+
+    from pipelines.finetune.classification import CLASSIFIER_FAMILIES
+    from pipelines.finetune.data import FinetuneError
+    from pipelines.finetune.inputs import pad_token_id
+
+    src = save_hf_gpt2(tmp_path / "gpt2")
+    tok = transformers.AutoTokenizer.from_pretrained(str(src), bos_token=None, eos_token=None, unk_token=None)
+    config = transformers.GPT2Config.from_pretrained(str(src))
+    assert tok.pad_token_id is tok.eos_token_id is tok.unk_token_id is config.pad_token_id is None
+    with pytest.raises(FinetuneError, match=r"no pad token and no eos_token_id, and config.json no pad_token_id.* "
+                                            r"the pad must be a token no text ends with") as err:
+        pad_token_id(tok, config, src, CLASSIFIER_FAMILIES["gpt"].pad_fallbacks)
+    assert "any id works" not in str(err.value)
