@@ -70,7 +70,7 @@ def _rows(path: Path, report: ReadReport):
     several lines says to which: an unclosed quote takes in the rest of the file, and its end is no place to look.
     """
     suffix = path.suffix.lower()
-    with path.open(encoding="utf-8", newline="") as fh:
+    with path.open(encoding="utf-8-sig", newline="") as fh:  # a byte-order mark (Excel's "CSV UTF-8") is not a column
         if suffix == ".jsonl" or suffix == ".json":
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
@@ -168,12 +168,19 @@ def read_examples(
 
     if report.bad_share > max_bad_share:
         raise FinetuneError(
-            f"{report.summary()}. That is {report.bad_share:.1%} of the file, over the limit of "
-            f"{max_bad_share:.1%} (data.max_bad_share): fix the file or the column names in the config."
+            f"{report.summary()}. That is {over_the_limit(report.bad_share, max_bad_share)} of the file, over the "
+            f"limit of {max_bad_share:.1%} (data.max_bad_share): fix the file or the column names in the config."
         )
     if not examples:
         raise FinetuneError(f"{path}: no usable example. Check the file and the column names in the config.")
     return examples, label_names, report
+
+
+def over_the_limit(share: float, limit: float) -> str:
+    """``share`` as a percentage with the decimals it takes to differ from ``limit``'s (1 bad row of 99 read
+    '1.0% ..., over the limit of 1.0%')."""
+    digits = next((d for d in range(1, 6) if f"{share:.{d}%}" != f"{limit:.{d}%}"), 6)
+    return f"{share:.{digits}%}"
 
 
 def _first_non_utf8_line(path: Path) -> int:

@@ -111,3 +111,24 @@ def test_the_columns_the_file_has_and_the_unknown_label_are_named(tmp_path):
     with pytest.raises(FinetuneError, match=rf"2 label not in the label set \(first at {dev}:2, label '1.0'; the "
                                             r"training file's labels: '0', '1'\)"):
         read_examples(dev, text_column="text", label_column="label", label_names=["0", "1"])
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column_and_the_share_over_the_limit_shows(tmp_path):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: the first column was read as '\\ufefftext' and the file
+    refused for lacking a 'text' column (a JSONL file lost its first line as 'not valid JSON'). And 1 bad row of 99
+    was '1.0% of the file, over the limit of 1.0%'."""
+    from pipelines.finetune.squad import read_squad
+
+    rows = "".join(f"doc {i},{'ab'[i % 2]}\n" for i in range(98))
+    (tmp_path / "train.csv").write_bytes(b"\xef\xbb\xbf" + f"text,label\n{rows}".encode())
+    examples, labels, _ = read_examples(tmp_path / "train.csv", text_column="text", label_column="label")
+    assert len(examples) == 98 and labels == ["a", "b"]
+    lines = [json.dumps({"text": f"doc {i}", "label": "ab"[i % 2]}) for i in range(98)] + ['{"text": "x", "label": "c"}']
+    (tmp_path / "dev.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    with pytest.raises(FinetuneError, match=r"1 skipped: 1 label not in .* That is 1\.01% of the file, over the limit "
+                                            r"of 1\.0%"):
+        read_examples(tmp_path / "dev.jsonl", text_column="text", label_column="label", label_names=labels)
+    squad = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": "The cat sat.", "qas": [
+        {"id": "q1", "question": "Who sat?", "answers": [{"text": "The cat", "answer_start": 0}]}]}]}]}
+    (tmp_path / "dev.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(squad).encode())
+    assert [e.qid for e in read_squad(tmp_path / "dev.json")[0]] == ["q1"]
