@@ -79,8 +79,8 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path, max_length: int,
                       input_names: tuple[str, ...] = BERT_INPUTS) -> tuple[Path, list[str]]:
     """The tokenizer directory to ship with the release, and what was changed in it.
 
-    ``base`` itself when its tokenizer already does what training did (our own releases: copied byte for
-    byte); else a copy saved in ``staging`` with pad token ``pad_id``, ``padding_side="right"`` (BERT's
+    ``base`` itself when its tokenizer already does what training did (our own releases fine-tuned at their
+    corpus's sequence length: copied byte for byte); else a copy saved in ``staging`` with pad token ``pad_id``, ``padding_side="right"`` (BERT's
     positions are absolute: left padding moves every token of a short text to other positions than it
     was trained at, and scores worse) and ``token_type_ids`` in ``model_input_names`` (trained with
     segment ids: without them, a pair's second text reads as the first) and ``model_max_length`` equal to
