@@ -41,6 +41,8 @@ def build_summary(cfg: PrepConfig, manifest: dict[str, Any], stats: Stats, wall:
     }
     if where := _first_bad_record(stats):
         summary["bad_first"] = where
+    elif stats.bad_by_file:  # images: the file is the record
+        summary["bad_files"] = sorted(stats.bad_by_file)
     if cfg.kind == "bert_pairs" and samples:
         summary["nsp_random_share"] = round(c.get("nsp_random", 0) / samples, 4)
     if cfg.kind == "packed_lm" and c.get("stream_tokens"):
@@ -93,6 +95,7 @@ def format_summary(s: dict[str, Any]) -> str:
     rows += [(f"  removed: {k}", f"{v:,}") for k, v in s["removed"].items()]
     rows += [(f"  bad records: {k}", f"{v:,}") for k, v in s["bad"].items()]
     rows += [("  bad records: first in worst file", s["bad_first"])] if s.get("bad_first") else []
+    rows += [("  bad records: files", _names(s["bad_files"], shown=5))] if s.get("bad_files") else []
     rows += [(f"{unit} kept", f"{s['documents_kept']:,}")]
     rows += [(f"samples ({k})", f"{v:,}") for k, v in s["samples"].items()]
     rows += [(f"  classes with no {split} image", _names(names)) for split, names in s.get("classes_missing", {}).items()]

@@ -41,7 +41,7 @@ from core.files import tree_inside
 
 from .bert import BertConfig, BertEncoder, BertForPreTraining
 from .heads import LastTokenClassifier, QuestionAnswering, SequenceClassifier
-from .hf_family import _HF_ACT, HF_FAMILIES, HFFamily, _id2label, _label_kwargs, _prefixed, register_hf
+from .hf_family import _HF_ACT, HF_FAMILIES, HFFamily, _id2label, _label_kwargs, _new_task_head, _prefixed, register_hf
 from .hf_keys import Spec, bert_keys, vit_keys, vit_rename
 from .hf_weights import load_hf_state_dict
 from .vit import ViT, ViTConfig
@@ -218,8 +218,8 @@ def from_hf(
     """Our model + ``LoadReport`` from a checkpoint dir (``config.json`` + weights) or a ``transformers`` model.
 
     ``head`` picks what to build from a BERT checkpoint: ``"pretraining"``, ``"encoder"``,
-    ``"classification"`` (``num_labels``/``id2label`` make a new task's head: no label names or ``problem_type``
-    are taken from the checkpoint's head) or
+    ``"classification"`` (``num_labels``/``id2label`` make a new task's head: no label names, ``problem_type`` or
+    weights are taken from the checkpoint's head, unless it is a classifier of exactly those labels) or
     ``"qa"``. By default the checkpoint's architecture decides: ``BertModel`` -> encoder,
     ``BertForSequenceClassification`` -> classification, ``BertForQuestionAnswering`` -> qa,
     anything else (``BertForPreTraining``, ``BertForMaskedLM``, ...) -> pretraining. From a GPT-2 checkpoint:
@@ -356,6 +356,8 @@ def _bert_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
         problem_type = None if new_task else getattr(hf_cfg, "problem_type", None)  # None: inferred as transformers does
         model = SequenceClassifier(BertEncoder(cfg), n, dropout=getattr(hf_cfg, "classifier_dropout", None),
                                    id2label=labels, problem_type=problem_type)  # fmt: skip
+        if new_task:
+            sd = _new_task_head(sd, "classifier.", hf_cfg, arch == "BertForSequenceClassification", id2label)
     elif head == "qa":
         model = QuestionAnswering(BertEncoder(cfg, add_pooling_layer=False))
     else:

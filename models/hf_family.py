@@ -58,6 +58,17 @@ def _id2label(hf_cfg) -> dict[int, str] | None:
     return labels if labels and labels != default else None
 
 
+def _new_task_head(sd: dict[str, torch.Tensor], prefix: str, hf_cfg, own_head: bool,
+                   id2label: dict[int, str] | None) -> dict[str, torch.Tensor]:
+    """``sd`` without the checkpoint's classification head (keys under ``prefix``) when a new task's head is built:
+    one of the same shape for other labels (or unnamed ones) started the new classes from the old classes' rows,
+    label ids assigned anew. Kept only when it is that task's own head (``own_head``: the checkpoint is such a
+    classifier) with the same label names in the same order: fine-tuning a fine-tuned release further."""
+    if own_head and id2label is not None and _id2label(hf_cfg) == {int(k): str(v) for k, v in id2label.items()}:
+        return sd
+    return {k: v for k, v in sd.items() if not k.startswith(prefix)}
+
+
 def _prefixed(prefix: str, keep: tuple[str, ...]) -> Callable[[str], str]:
     """Bare-model checkpoints (``BertModel``, ``GPT2Model``) have no prefix; our tables use the head model's."""
     return lambda k: k if k.startswith(keep) else f"{prefix}{k}"

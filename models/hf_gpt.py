@@ -15,7 +15,7 @@ from torch import nn
 
 from .gpt import GPT, GPTConfig
 from .heads import LastTokenClassifier
-from .hf_family import _HF_ACT, HFFamily, _id2label, _label_kwargs, _prefixed, register_hf
+from .hf_family import _HF_ACT, HFFamily, _id2label, _label_kwargs, _new_task_head, _prefixed, register_hf
 from .hf_keys import gpt_keys
 
 __all__: list[str] = []
@@ -68,6 +68,8 @@ def _gpt_build(cfg, hf_cfg, arch, sd, head, num_labels, id2label):
     labels = id2label if new_task else _id2label(hf_cfg) if arch == "GPT2ForSequenceClassification" else None
     n = num_labels or (len(labels) if labels else hf_cfg.num_labels)
     problem_type = None if new_task else getattr(hf_cfg, "problem_type", None)
+    if new_task:
+        sd = _new_task_head(sd, "score.", hf_cfg, arch == "GPT2ForSequenceClassification", id2label)
     return LastTokenClassifier(GPT(cfg), n, pad_token_id=hf_cfg.pad_token_id, id2label=labels,
                                problem_type=problem_type), sd
 

@@ -238,14 +238,14 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         model_build={"name": family.model_name, "checkpoint": str(release), "labels": labels},
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
         export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels,
-                                         d.regression, pad_id, family.input_names),
+                                         d.regression, pad_id, d.max_seq_len, family.input_names),
         score=lambda out: evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression),
         card_name="classifier", pipeline_tag="text-classification",
     ))
 
 
 def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, labels: list[str], regression: bool,
-                 pad_id: int, input_names: tuple[str, ...]) -> Path:
+                 pad_id: int, max_seq_len: int, input_names: tuple[str, ...]) -> Path:
     import models
     from pipelines.engine.checkpoint import step_dir_name
     from pipelines.engine.export import consolidated_state_dict
@@ -257,7 +257,7 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, lab
         hf.config.id2label = dict(enumerate(labels))
         hf.config.label2id = {name: i for i, name in enumerate(labels)}
     card = f"# Fine-tuned sequence classifier\n\nFrom `{base}`, best epoch at step {step}. Labels: {', '.join(labels)}.\n"
-    return write_task_release(hf, out, base, pad_id, card, input_names)
+    return write_task_release(hf, out, base, pad_id, card, max_seq_len, input_names)
 
 
 @torch.no_grad()
@@ -265,7 +265,8 @@ def evaluate_release(release: Path, examples, max_seq_len: int, labels: list[str
     """Dev metrics of the exported model, loaded back with transformers (so the release is what was measured).
 
     Its tokenizer is called with its defaults, as a transformers user calls it: ``release_tokenizer`` made
-    them pad on the right with training's pad id and return segment ids, so this is what training fed the model.
+    them pad on the right with training's pad id, return segment ids and truncate (``truncation=True``, as
+    ``pipeline`` takes it) at ``max_seq_len``, so this is what training fed the model.
     """
     from transformers import AutoModelForSequenceClassification
 

@@ -64,9 +64,13 @@ def require_file(path: Path, what: str) -> None:
 
 
 def _rows(path: Path, report: ReadReport):
-    """Yield (line number, mapping) for each record; JSON lines that do not parse are reported."""
+    """Yield (line number, mapping, where) for each record; JSON lines that do not parse are reported.
+
+    A CSV/TSV record is placed at its first line (a quoted cell may hold line breaks), and one that runs over
+    several lines says to which: an unclosed quote takes in the rest of the file, and its end is no place to look.
+    """
     suffix = path.suffix.lower()
-    with path.open(encoding="utf-8", newline="") as fh:
+    with path.open(encoding="utf-8-sig", newline="") as fh:  # a byte-order mark (Excel's "CSV UTF-8") is not a column
         if suffix == ".jsonl" or suffix == ".json":
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
@@ -80,12 +84,15 @@ def _rows(path: Path, report: ReadReport):
                 if not isinstance(row, dict):
                     report.add_bad("not a JSON object", f"{path}:{lineno}")
                     continue
-                yield lineno, row
+                yield lineno, row, f"{path}:{lineno}"
         elif suffix in (".tsv", ".csv"):
             reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
+            end = 1  # the header's line
             for row in reader:
                 report.total += 1
-                yield reader.line_num, row
+                start, end = end + 1, reader.line_num
+                runs_on = f" (a quoted cell runs on to line {end}: an unclosed quote?)" if end - start > 0 else ""
+                yield start, row, f"{path}:{start}{runs_on}"
         else:
             raise FinetuneError(
                 f"{path}: unsupported file type {suffix!r}. Use .tsv, .csv or .jsonl "
@@ -116,10 +123,10 @@ def read_examples(
             f"{path} is not UTF-8 text (first bad byte on line {_first_non_utf8_line(path)}). Re-save it as UTF-8, "
             f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`."
         ) from None
-    for lineno, row in rows:
+    for lineno, row, noted in rows:
         where = f"{path}:{lineno}"
         if any(row.get(col) is None for col in columns):
-            report.add_bad("missing field", where)
+            report.add_bad("missing field", noted)
             continue
         text = str(row[text_column]).strip()
         pair = str(row[text_pair_column]).strip() if text_pair_column else None
@@ -129,8 +136,10 @@ def read_examples(
         raw.append((text, pair, row[label_column], where))
 
     if report.total and report.bad_share == 1.0 and report.bad.get("missing field"):
+        found = sorted({str(k) for _, row, _ in rows[:100] for k in row if k is not None})
         raise FinetuneError(
-            f"{path}: no row has all of the columns {columns}. Set data.text_column / data.label_column "
+            f"{path}: no row has all of the columns {columns} (the file has {found}; the first row without them "
+            f"at {report.first_bad['missing field']}). Set data.text_column / data.label_column "
             f"(and data.text_pair_column for pairs) to the file's column names."
         )
     if regression:
@@ -151,18 +160,27 @@ def read_examples(
         elif str(label) in index:
             value = index[str(label)]
         else:
-            report.add_bad("label not in the label set", where)
+            shown = ", ".join(map(repr, label_names[:20])) + (", ..." if len(label_names) > 20 else "")
+            report.add_bad("label not in the label set", f"{where}, label {str(label)!r}; the training file's "
+                                                         f"labels: {shown}")
             continue
         examples.append(Example(text, pair, value, where))
 
     if report.bad_share > max_bad_share:
         raise FinetuneError(
-            f"{report.summary()}. That is {report.bad_share:.1%} of the file, over the limit of "
-            f"{max_bad_share:.1%} (data.max_bad_share): fix the file or the column names in the config."
+            f"{report.summary()}. That is {over_the_limit(report.bad_share, max_bad_share)} of the file, over the "
+            f"limit of {max_bad_share:.1%} (data.max_bad_share): fix the file or the column names in the config."
         )
     if not examples:
         raise FinetuneError(f"{path}: no usable example. Check the file and the column names in the config.")
     return examples, label_names, report
+
+
+def over_the_limit(share: float, limit: float) -> str:
+    """``share`` as a percentage with the decimals it takes to differ from ``limit``'s (1 bad row of 99 read
+    '1.0% ..., over the limit of 1.0%')."""
+    digits = next((d for d in range(1, 6) if f"{share:.{d}%}" != f"{limit:.{d}%}"), 6)
+    return f"{share:.{digits}%}"
 
 
 def _first_non_utf8_line(path: Path) -> int:

@@ -35,6 +35,13 @@ def pad_token_id(tokenizer: Any, model_config: Any, release: Path, fallbacks: tu
         pad = getattr(tokenizer, name, None)
         if pad is not None:
             break
+    if pad is None and fallbacks:  # a GPT: the pad id also says which token is classified (the last that is not it)
+        raise FinetuneError(
+            f"{release}: the tokenizer has no pad token and no {' or '.join(fallbacks)}, and config.json no "
+            f"pad_token_id, so batches cannot be padded; the classifier reads each text's last token that is not the "
+            f"pad token, so the pad must be a token no text ends with, such as an end-of-text token (any other id "
+            f"moves texts ending in it to an earlier token). Give the tokenizer one it has (tokenizer.eos_token = "
+            f"'<|endoftext|>'; tokenizer.save_pretrained('{release}')) or set pad_token_id in {release}/config.json.")
     if pad is None:
         raise FinetuneError(
             f"{release}: the tokenizer has no pad token and config.json no pad_token_id, so batches cannot be "
@@ -68,17 +75,19 @@ def check_segments(pair: bool, model_config: Any, release: Path) -> None:
                             f"with type_vocab_size >= 2.")
 
 
-def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int,
+def release_tokenizer(base: Path, pad_id: int, staging: Path, max_length: int,
                       input_names: tuple[str, ...] = BERT_INPUTS) -> tuple[Path, list[str]]:
     """The tokenizer directory to ship with the release, and what was changed in it.
 
-    ``base`` itself when its tokenizer already does what training did (our own releases: copied byte for
-    byte); else a copy saved in ``staging`` with pad token ``pad_id``, ``padding_side="right"`` (BERT's
+    ``base`` itself when its tokenizer already does what training did (our own releases fine-tuned at their
+    corpus's sequence length: copied byte for byte); else a copy saved in ``staging`` with pad token ``pad_id``, ``padding_side="right"`` (BERT's
     positions are absolute: left padding moves every token of a short text to other positions than it
     was trained at, and scores worse) and ``token_type_ids`` in ``model_input_names`` (trained with
-    segment ids: without them, a pair's second text reads as the first) and ``model_max_length`` at most
-    ``max_positions`` (transformers' unset default is 10**30, so ``truncation=True`` kept inputs longer than
-    the position table and the model crashed on them). ``input_names`` are the model's inputs among BERT's
+    segment ids: without them, a pair's second text reads as the first) and ``model_max_length`` equal to
+    ``max_length``, training's ``data.max_seq_len`` (transformers' unset default is 10**30, so ``truncation=True``
+    kept inputs longer than the position table and the model crashed on them; a GPT-2 tokenizer's 1024, or
+    the position table's size, truncated longer than training did, so ``pipeline(..., truncation=True)`` scored
+    texts over ``max_seq_len`` tokens on more of them than ``metrics.json`` did). ``input_names`` are the model's inputs among BERT's
     three: a GPT takes no ``token_type_ids`` (``GPT2Model`` would add their token embeddings to the text's,
     which training never did), so its release's tokenizer returns ``input_ids`` and ``attention_mask`` only. Pinning the tokenizer, rather
     than documenting call arguments, gives every transformers user (``pipeline`` included) the trained
@@ -92,8 +101,8 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int
         fixes["pad_token"] = tok.convert_ids_to_tokens(pad_id)
     if tok.padding_side != "right":
         fixes["padding_side"] = "right"
-    if tok.model_max_length > max_positions:
-        fixes["model_max_length"] = max_positions
+    if tok.model_max_length != max_length:
+        fixes["model_max_length"] = max_length
     if {n for n in tok.model_input_names if n in BERT_INPUTS} != set(input_names):
         fixes["model_input_names"] = [*input_names, *(n for n in tok.model_input_names if n not in BERT_INPUTS)]
     if not fixes:
@@ -102,14 +111,14 @@ def release_tokenizer(base: Path, pad_id: int, staging: Path, max_positions: int
     return staging, [f"{k}={v!r}" for k, v in fixes.items()]
 
 
-def write_task_release(hf: Any, out: Path, base: Path, pad_id: int, card: str,
+def write_task_release(hf: Any, out: Path, base: Path, pad_id: int, card: str, max_length: int,
                        input_names: tuple[str, ...] = BERT_INPUTS) -> Path:
-    """``write_release`` of a fine-tuned model with ``release_tokenizer``'s tokenizer; a change is printed and carded."""
+    """``write_release`` of a fine-tuned model with ``release_tokenizer``'s tokenizer (``max_length``: training's
+    ``data.max_seq_len``); a change is printed and carded."""
     from pipelines.engine.export import write_release
 
     with tempfile.TemporaryDirectory(prefix=".release-tokenizer-", dir=out.parent) as staging:
-        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging), hf.config.max_position_embeddings,
-                                                      input_names)
+        tokenizer_dir, changed = release_tokenizer(base, pad_id, Path(staging), max_length, input_names)
         if changed:  # the base's tokenizer would feed transformers users other inputs than training did
             print(f"The release's tokenizer says what training fed the model: {', '.join(changed)}.", flush=True)
             card += f"\nIts tokenizer is `{base}`'s with {', '.join(f'`{c}`' for c in changed)}, as in training.\n"

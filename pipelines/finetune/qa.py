@@ -198,7 +198,7 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg
             f"{cfg.data.max_seq_len} tokens, doc_stride {q.doc_stride}, max_answer_len {q.max_answer_len}"
             f"{f', null_score_threshold {q.null_score_threshold}' if q.version_2 else ''}.\n\n"
             f"Load with `transformers.AutoModelForQuestionAnswering.from_pretrained(this_dir)`.\n")
-    return write_task_release(hf, out, base, pad_id, card)
+    return write_task_release(hf, out, base, pad_id, card, cfg.data.max_seq_len)
 
 
 @torch.no_grad()

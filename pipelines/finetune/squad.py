@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from core.files import atomic_write_text
-from pipelines.finetune.data import FinetuneError, ReadReport, require_file
+from pipelines.finetune.data import FinetuneError, ReadReport, over_the_limit, require_file
 
 __all__ = [
     "QAExample", "read_squad", "check_bad_share", "prepare_features", "decode_predictions",
@@ -51,7 +51,7 @@ def read_squad(path: str | Path, *, version_2: bool = False, max_bad_share: floa
     path = Path(path)
     require_file(path, "QA data file")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FinetuneError(f"{path}: not a valid JSON file ({exc}). QA data must be SQuAD JSON "
                             f"({{\"data\": [{{\"paragraphs\": [{{\"context\", \"qas\"}}]}}]}}).") from None
@@ -126,7 +126,8 @@ def _read_question(qa: Any, context: str, version_2: bool, path: Path, at: str, 
 
 def check_bad_share(report: ReadReport, max_bad_share: float, *, hint: str) -> None:
     if report.bad_share > max_bad_share:
-        raise FinetuneError(f"{report.summary()}. That is {report.bad_share:.1%} of the questions, over the limit of "
+        raise FinetuneError(f"{report.summary()}. That is {over_the_limit(report.bad_share, max_bad_share)} of the "
+                            f"questions, over the limit of "
                             f"{max_bad_share:.1%} (data.max_bad_share): {hint}.")
 
 

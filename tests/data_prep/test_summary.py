@@ -26,6 +26,8 @@ def test_an_image_job_counts_images_and_their_rate():
             if "  " in line}
     assert rows["images in"] == "400" and rows["images kept"] == "398" and rows["removed: exact_duplicate"] == "2"
     assert rows["bad records: unreadable_image"] == "1" and rows["images/s"] == "27"  # 398 samples in 15 s
+    # under max_bad_fraction the job goes on: the table names the image, not only how many (it named none)
+    assert rows["bad records: files"] == "digits/3/0042.png"
     assert not {"tokens", "tokens/s", "documents in", "documents kept"} & rows.keys()
 
 

@@ -190,6 +190,26 @@ def test_a_new_task_head_takes_nothing_from_an_outside_classifiers_head(tmp_path
     assert back.problem_type == source["problem_type"] and back.num_labels == source["num_labels"]
 
 
+@pytest.mark.parametrize("labels", [{0: "ham", 1: "spam"}, {0: "pos", 1: "neg"}, {0: "neg", 1: "pos"}])
+@pytest.mark.parametrize("family", ["bert", "gpt"])
+def test_a_new_task_head_of_the_same_size_is_fresh_unless_its_labels_are_the_checkpoints(tmp_path, family, labels):
+    """A BertForSequenceClassification / GPT2ForSequenceClassification of neg/pos fine-tuned on two other labels
+    (or the same two in another order) started from the old head's rows, silently: of the same shape, it loaded.
+    Only a head of the very same labels (a fine-tuned release trained further) is kept."""
+    old = {"id2label": {0: "neg", 1: "pos"}, "label2id": {"neg": 0, "pos": 1}}
+    if family == "bert":
+        transformers.BertForSequenceClassification(hf_bert_config(num_labels=2, **old)).save_pretrained(tmp_path)
+        key = "classifier.weight"
+    else:
+        transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+            vocab_size=99, n_positions=32, n_embd=32, n_layer=1, n_head=2, num_labels=2, **old)).save_pretrained(tmp_path)
+        key = "score.weight"
+    clf, report = H.from_hf(tmp_path, head="classification", num_labels=2, id2label=labels)
+    same = labels == old["id2label"]
+    assert torch.equal(clf.state_dict()[key], load_file(tmp_path / "model.safetensors")[key]) == same
+    assert (key in report.missing) != same
+
+
 @pytest.mark.parametrize("pad", [None, 0])
 def test_a_null_pad_token_id_freezes_no_embedding_row(tmp_path, pad):
     """transformers reads ``"pad_token_id": null`` as no padding_idx; reading it as 0 froze token 0's embedding

@@ -80,3 +80,55 @@ def test_a_label_column_of_one_value_is_refused_naming_file_and_column(tmp_path)
     path.write_text("text\ttopic\n" + "".join(f"row {i}\tsports\n" for i in range(30)))
     with pytest.raises(FinetuneError, match=r"train.tsv: column 'topic' holds one value \('sports'\).*data.label_column"):
         read_examples(path, text_column="text", label_column="topic")
+
+
+def test_a_csv_row_is_placed_at_its_first_line_and_an_unclosed_quote_is_named(tmp_path):
+    """Quoted cells with line breaks and tabs are legal; a bad record was placed at its last line, which for an
+    unclosed quote is the end of the file (it takes in every line after it): nowhere near the quote."""
+    import csv
+
+    path = tmp_path / "train.csv"
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["text", "label"])
+        writer.writerows([(f"line one of {i}\n\tline two, with a tab", "ab"[i % 2]) for i in range(150)])
+        fh.write('"an unclosed quote,a\n' + "".join(f"doc {i},b\n" for i in range(5)))
+    examples, labels, report = read_examples(path, text_column="text", label_column="label", max_bad_share=0.01)
+    assert len(examples) == 150 and labels == ["a", "b"] and examples[0].text == "line one of 0\n\tline two, with a tab"
+    assert report.bad == {"missing field": 1}
+    assert report.first_bad["missing field"] == f"{path}:302 (a quoted cell runs on to line 307: an unclosed quote?)"
+
+
+def test_the_columns_the_file_has_and_the_unknown_label_are_named(tmp_path):
+    """'no row has all of the columns' and 'label not in the label set' left the user to find out what the
+    file has: its columns, and the label (a JSON 1.0 is not the training file's 1) next to the known ones."""
+    path = write_tsv(tmp_path / "train.tsv", [("sentence", "y"), ("a", "1")])
+    with pytest.raises(FinetuneError, match=r"\(the file has \['sentence', 'y'\]; the first row without them at "
+                                            rf"{path}:2\)"):
+        read_examples(path, text_column="text", label_column="label")
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"text": f"t{i}", "label": [0, 1.0][i % 2]}) + "\n" for i in range(4)))
+    with pytest.raises(FinetuneError, match=rf"2 label not in the label set \(first at {dev}:2, label '1.0'; the "
+                                            r"training file's labels: '0', '1'\)"):
+        read_examples(dev, text_column="text", label_column="label", label_names=["0", "1"])
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column_and_the_share_over_the_limit_shows(tmp_path):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: the first column was read as '\\ufefftext' and the file
+    refused for lacking a 'text' column (a JSONL file lost its first line as 'not valid JSON'). And 1 bad row of 99
+    was '1.0% of the file, over the limit of 1.0%'."""
+    from pipelines.finetune.squad import read_squad
+
+    rows = "".join(f"doc {i},{'ab'[i % 2]}\n" for i in range(98))
+    (tmp_path / "train.csv").write_bytes(b"\xef\xbb\xbf" + f"text,label\n{rows}".encode())
+    examples, labels, _ = read_examples(tmp_path / "train.csv", text_column="text", label_column="label")
+    assert len(examples) == 98 and labels == ["a", "b"]
+    lines = [json.dumps({"text": f"doc {i}", "label": "ab"[i % 2]}) for i in range(98)] + ['{"text": "x", "label": "c"}']
+    (tmp_path / "dev.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    with pytest.raises(FinetuneError, match=r"1 skipped: 1 label not in .* That is 1\.01% of the file, over the limit "
+                                            r"of 1\.0%"):
+        read_examples(tmp_path / "dev.jsonl", text_column="text", label_column="label", label_names=labels)
+    squad = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": "The cat sat.", "qas": [
+        {"id": "q1", "question": "Who sat?", "answers": [{"text": "The cat", "answer_start": 0}]}]}]}]}
+    (tmp_path / "dev.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(squad).encode())
+    assert [e.qid for e in read_squad(tmp_path / "dev.json")[0]] == ["q1"]

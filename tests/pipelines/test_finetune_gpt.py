@@ -149,8 +149,9 @@ def test_pretrain_finetune_of_a_gpt_release_serves_what_it_reported(releases, so
     with open(tmp_path / "task" / "validation.tsv", newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))  # as the run read it: quoted cells unquoted
     texts, gold = [r["text"] for r in rows], [r["label"] for r in rows]
+    assert tok.model_max_length == 64  # truncation=True stops where training did (it was the position table's 128)
     served = [p["label"] for p in pipeline("text-classification", model=hf, tokenizer=tok, batch_size=8)(
-        texts, truncation=True, max_length=64)]
+        texts, truncation=True)]
     assert sum(p == g for p, g in zip(served, gold, strict=True)) / len(gold) == pytest.approx(result["metrics"]["accuracy"])
     ours, _ = models.hf.from_hf(release)  # our LastTokenClassifier, our forward
     ours.eval()
@@ -190,3 +191,22 @@ def test_the_release_tokenizer_of_a_gpt_drops_segment_ids(tmp_path):
     out, changed = release_tokenizer(base, 0, tmp_path / "staged", 128, ("input_ids", "attention_mask"))
     assert any(c.startswith("model_input_names") for c in changed)
     assert set(AutoTokenizer.from_pretrained(str(out))("a", "b")) == {"input_ids", "attention_mask"}
+
+
+def test_a_gpt_without_pad_or_end_of_text_token_is_refused_with_a_pad_that_works(tmp_path):
+    """A byte-level BPE saved with no special tokens: the refusal told GPT users to pad with the unk token (there
+    is none) as 'any id works'; for a GPT the pad id picks the classified token, so it must be one no text ends with."""
+    import transformers
+
+    from pipelines.finetune.classification import CLASSIFIER_FAMILIES
+    from pipelines.finetune.data import FinetuneError
+    from pipelines.finetune.inputs import pad_token_id
+
+    src = save_hf_gpt2(tmp_path / "gpt2")
+    tok = transformers.AutoTokenizer.from_pretrained(str(src), bos_token=None, eos_token=None, unk_token=None)
+    config = transformers.GPT2Config.from_pretrained(str(src))
+    assert tok.pad_token_id is tok.eos_token_id is tok.unk_token_id is config.pad_token_id is None
+    with pytest.raises(FinetuneError, match=r"no pad token and no eos_token_id, and config.json no pad_token_id.* "
+                                            r"the pad must be a token no text ends with") as err:
+        pad_token_id(tok, config, src, CLASSIFIER_FAMILIES["gpt"].pad_fallbacks)
+    assert "any id works" not in str(err.value)

@@ -84,18 +84,26 @@ def test_the_release_tokenizer_feeds_the_model_what_training_did(topic_task, tmp
     assert result["metrics"]["accuracy"] == pytest.approx((pred == trained["labels"]).float().mean().item())
 
 
-def test_the_release_tokenizer_truncates_to_the_position_table(topic_task, tmp_path):
+def test_the_release_tokenizer_truncates_where_training_did(topic_task, tmp_path):
     """A tokenizer saved without model_max_length (transformers' 10**30) gave a release that pipeline(...,
-    truncation=True) fed 300 positions into a 128-position model: a crash. The release's tokenizer stops there."""
-    from transformers import AutoTokenizer, pipeline
+    truncation=True) fed 300 positions into a 128-position model: a crash. Capped at the position table (128),
+    it still read texts longer than training's data.max_seq_len (64) further than training and metrics.json
+    did, so the pipeline's accuracy was not metrics.json's. The release's tokenizer stops at max_seq_len."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
     src = save_outside_bert(tmp_path / "src")
     assert AutoTokenizer.from_pretrained(src).model_max_length > 10**20
     release = finetune(src, topic_task, tmp_path / "run", "epochs=1")["release_dir"]
-    assert AutoTokenizer.from_pretrained(release).model_max_length == 128
+    tok = AutoTokenizer.from_pretrained(release)
+    assert tok.model_max_length == 64
     long_text = " ".join(pydoc_paragraphs(40))
-    assert pipeline("text-classification", model=release)(long_text, truncation=True)[0]["label"] in {
-        "debugger", "string-methods", "formatstrings"}
+    assert len(tok(long_text)["input_ids"]) > 128
+    served = pipeline("text-classification", model=release)(long_text, truncation=True, top_k=None)
+    hf = AutoModelForSequenceClassification.from_pretrained(release).eval()
+    with torch.no_grad():  # what training and metrics.json fed the model: its first 64 tokens
+        probs = hf(**tok(long_text, truncation=True, max_length=64, return_tensors="pt")).logits.softmax(-1)[0]
+    assert {r["label"]: r["score"] for r in served} == pytest.approx(
+        {hf.config.id2label[i]: p for i, p in enumerate(probs.tolist())}, abs=1e-6)
 
 
 def test_max_seq_len_beyond_the_position_table_is_refused_before_training(topic_task, tmp_path):
