@@ -19,7 +19,7 @@ from core.errors import CheckpointError
 from core.files import sha256_file
 
 __all__ = ["step_dir_name", "list_checkpoints", "read_trainer_state", "checkpoint_files", "verify_checkpoint",
-           "find_resume", "Resume", "resume_of", "finished_before_launch"]
+           "find_resume", "Resume", "resume_of", "finished_before_launch", "newest_checkpoint"]
 
 log = logging.getLogger("pipelines.engine.checkpoint")  # the warnings' logger is the checkpoint module's, as before
 
@@ -183,7 +183,7 @@ def finished_before_launch(cfg: Any) -> str | None:
     if t.resume == "never":
         return None
     run_dir = Path(t.run_dir)
-    newest = Path(t.resume) if t.resume != "auto" else _newest_checkpoint(run_dir)
+    newest = Path(t.resume) if t.resume != "auto" else newest_checkpoint(run_dir)
     try:
         if newest is None or (resume := resume_of(newest, t)).finished is None:
             return None
@@ -197,7 +197,7 @@ def finished_before_launch(cfg: Any) -> str | None:
     return resume.nothing_to_do(run_dir, t)
 
 
-def _newest_checkpoint(run_dir: Path) -> Path | None:
+def newest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint ``latest`` names, else the newest listed; not verified."""
     latest = run_dir / "checkpoints" / "latest"
     if latest.is_file():

@@ -187,7 +187,7 @@ class Trainer:
         """A rerun of a finished run (at a budget, ``TrainConfig.budget_reached``): one line; no evaluation,
         checkpoint or log line."""
         if self.is_main:
-            print(resume.nothing_to_do(self.run_dir, self.cfg.train), flush=True)
+            print(self.hooks.finished_line(resume, self.run_dir) or resume.nothing_to_do(self.run_dir, self.cfg.train), flush=True)
         state = ckpt.read_trainer_state(resume.path)
         self.step, self.tokens, self.last_eval = resume.step, int(state.get("tokens", 0)), state.get("eval") or {}
         self.start_loss, self.last_loss = state.get("start_loss"), state.get("last_loss")

@@ -24,7 +24,7 @@ from typing import Any
 
 from core.images import IMAGE_EXTENSIONS, BadImage, decode_image
 from pipelines.engine.distributed import DistEnv, all_gather_json
-from pipelines.finetune.data import FinetuneError, ReadReport
+from pipelines.finetune.data import FinetuneError, ReadReport, over_the_limit
 
 __all__ = ["ImageExample", "ImageCheck", "read_image_folder", "load_image", "check_image"]
 
@@ -172,7 +172,7 @@ def read_image_folder(path: str | Path, *, what: str = "data.train", label_names
     skipped = {i for i, _, _ in bad}
     examples = [ImageExample(f, index[folder.name]) for i, (f, folder) in enumerate(listing) if i not in skipped]
     if report.bad_share > max_bad_share:
-        raise FinetuneError(f"{report.summary()}. That is {report.bad_share:.1%} of {what}, over the limit of "
+        raise FinetuneError(f"{report.summary()}. That is {over_the_limit(report.bad_share, max_bad_share)} of {what}, over the limit of "
                             f"{max_bad_share:.1%} (data.max_bad_share): fix or remove those files.")
     if not examples:
         raise FinetuneError(f"{what} {root}: no readable image. Check the files.")

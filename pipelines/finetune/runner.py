@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from core.errors import CheckpointError
 from core.files import atomic_write_text, tree_inside
 from monitoring.sinks import plain
 from pipelines.engine import distributed as dist
@@ -28,7 +29,7 @@ from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
 __all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
-           "resolve_release", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
+           "resolve_release", "refuse_other_epochs", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
@@ -61,6 +62,7 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
 
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
     run_cfg, steps_per_epoch = epoch_run_config(cfg, len(job.train_feats), env.world_size, job.model_name)
+    refuse_other_epochs(run_cfg, steps_per_epoch, env.world_size)
     common = dict(micro_batch_size=run_cfg.data.micro_batch_size, rank=env.rank, world=env.world_size, seed=cfg.train.seed,
                   num_workers=run_cfg.data.num_workers, preload=job.worker_preload)  # text tasks: 0 workers
     trainer = Trainer(
@@ -113,6 +115,31 @@ def epoch_run_config(cfg: FinetuneConfig, num_train: int, world_size: int, model
                         model=ModelConfig(name=model_name), optim=cfg.optim, schedule=cfg.schedule,
                         train=train_cfg, distributed=cfg.distributed, logging=cfg.logging)
     return run_cfg, steps_per_epoch
+
+
+def refuse_other_epochs(run_cfg: RunConfig, steps_per_epoch: int, world_size: int) -> None:
+    """Refuse to resume a run whose epochs had another number of steps (another ``--nproc``, micro batch, global
+    batch or training file): its checkpoints and evaluations sit at the old epoch ends, so the resumed run would
+    count epochs from the wrong steps, drop the finished epochs from the selection and overwrite the release."""
+    import yaml
+
+    from pipelines.engine.checkpoint_find import newest_checkpoint, read_trainer_state
+
+    t = run_cfg.train
+    newest = None if t.resume == "never" else Path(t.resume) if t.resume != "auto" else newest_checkpoint(Path(t.run_dir))
+    try:
+        saved = yaml.safe_load((newest / "config.yaml").read_text(encoding="utf-8")) if newest else None
+        before, state = int(saved["train"]["eval_every"]), read_trainer_state(newest)
+        micro, accum = saved["data"]["micro_batch_size"], saved["train"]["grad_accum_steps"]
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError, CheckpointError):
+        return  # no checkpoint, or a damaged one: the trainer's resume reports it
+    if before != steps_per_epoch:
+        raise FinetuneError(
+            f"{t.run_dir} holds a run of {before} steps an epoch ({state.get('world_size', '?')} process(es) x "
+            f"micro-batch {micro} x {accum} accumulated, at step {state.get('step', '?')}: {newest}); this command "
+            f"makes {steps_per_epoch} ({world_size} x {run_cfg.data.micro_batch_size} x {t.grad_accum_steps}), so a "
+            f"resume would end its epochs at other steps. Run it as before (--nproc, data.micro_batch_size, "
+            f"train.global_batch_size, the same data.train), or give it a new train.run_dir.")
 
 
 def resolve_release(checkpoint: str, run_dir: Path, env: dist.DistEnv, families: tuple[str, ...] = ("bert",),
@@ -260,6 +287,14 @@ class EpochSelection(RunHooks):
         else:
             self._bad += 1
         return 0 < self.patience <= self._bad
+
+    def finished_line(self, resume: Any, run_dir: Path) -> str | None:
+        """A rerun of a finished run: the budget to raise is ``epochs`` (``train.max_steps`` is made from it)."""
+        if resume.finished != "max_steps":
+            return None
+        return (f"run {run_dir} has trained its {resume.step // self.steps_per_epoch} epoch(s) (checkpoint "
+                f"{resume.path}): nothing to train. Raise epochs to train further; its best epoch is exported and "
+                f"scored again.")
 
     def best(self, run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
         """The best epoch's step and every epoch's evaluation (``best_epoch``'s answer, from this session)."""

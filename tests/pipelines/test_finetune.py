@@ -170,18 +170,31 @@ def test_the_readme_classification_command_learns_on_a_bert_tiny_size_release(tm
 def test_the_shipped_config_resumes_when_the_job_runs_again(hf_checkpoint, topic_task, tmp_path, capsys):
     """A requeued job runs the same command again: with the shipped `train.resume: auto` it continues from
     its newest checkpoint instead of being refused for a run dir with checkpoints -- here the last one, so
-    it has no step left to train and says so (nothing evaluated or saved again), and releases the same model."""
+    it has no step left to train and says so, naming `epochs` (it said to raise train.max_steps, which fine-tuning
+    sets from epochs), and releases the same model.
+
+    Run again with another micro batch (or `--nproc`), the epochs would have other ends: it resumed, counted its
+    epochs from the wrong steps, dropped the finished ones from the selection and overwrote the release. Refused."""
     from monitoring.logger import read_metrics_lines
 
-    args = overrides(hf_checkpoint, topic_task, tmp_path / "run", "epochs=1")
+    run = tmp_path / "run"
+    args = overrides(hf_checkpoint, topic_task, run, "epochs=1")
     first = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
     capsys.readouterr()
     second = run_finetune(load_config(CONFIG, args, cls=FinetuneConfig))
     out = capsys.readouterr().out
-    assert f"run {tmp_path / 'run'} is already at max_steps=" in out and "nothing to do" in out, out[-2000:]
+    assert f"run {run} has trained its 1 epoch(s) (checkpoint {run / 'checkpoints'}" in out, out[-2000:]
+    assert "nothing to train. Raise epochs to train further" in out and "max_steps" not in out, out[-2000:]
     assert second["best_step"] == first["best_step"] and second["metrics"] == pytest.approx(first["metrics"])
-    steps = [r["step"] for r in read_metrics_lines(tmp_path / "run" / "metrics.jsonl") if r.get("split") == "train"]
+    steps = [r["step"] for r in read_metrics_lines(run / "metrics.jsonl") if r.get("split") == "train"]
     assert steps == sorted(set(steps))  # no step trained twice
+
+    written = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    per_epoch = first["steps"]  # one epoch
+    with pytest.raises(FinetuneError, match=rf"holds a run of {per_epoch} steps an epoch \(1 process\(es\) x micro-batch 16 "
+                                            rf"x 1 accumulated.*this command makes {2 * per_epoch} \(1 x 8 x 1\).*new train.run_dir"):
+        run_finetune(load_config(CONFIG, [*args, "data.micro_batch_size=8", "epochs=3"], cls=FinetuneConfig))
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == written  # nothing trained or rewritten
 
 
 def test_best_epoch_breaks_a_tie_of_the_selection_metric_by_the_dev_loss(tmp_path):
