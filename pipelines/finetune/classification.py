@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import (
@@ -31,7 +30,14 @@ from pipelines.finetune.data import (
 )
 from pipelines.finetune.inputs import BERT_INPUTS, check_max_seq_len, check_segments, pad_token_id, write_task_release
 from pipelines.finetune.metrics import classification_metrics, metrics_from_confusion, regression_metrics
-from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
+from pipelines.finetune.runner import (
+    FinetuneJob,
+    fit_export_score,
+    load_tokenizer,
+    padded_for_eval,
+    resolve_release,
+    start_ranks,
+)
 
 
 class ClassificationTask(Task):
@@ -210,7 +216,7 @@ def build_classifier(release: Path, label_names: list[str], regression: bool, in
 
 def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     """Read and tokenize the labelled files, build the classifier, then the shared fit/export/score skeleton."""
-    env = dist.init_env()
+    env = start_ranks(cfg)
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env, FAMILIES, "classification")
     tokenizer = load_tokenizer(release)  # a tokenizer the model cannot take is refused before the data is read

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import key_seed
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.classification import ClassificationTask
@@ -32,7 +31,7 @@ from pipelines.finetune.config import AugmentConfig
 from pipelines.finetune.data import FinetuneError
 from pipelines.finetune.image_data import ImageCheck, ImageExample, load_image, read_image_folder
 from pipelines.finetune.metrics import classification_metrics
-from pipelines.finetune.runner import FinetuneJob, fit_export_score, resolve_release
+from pipelines.finetune.runner import FinetuneJob, fit_export_score, resolve_release, start_ranks
 
 __all__ = ["FAMILIES", "ImageClassificationTask", "ImageBatcher", "load_processor", "build_image_classifier",
            "finetune_image_classification", "evaluate_release"]
@@ -176,8 +175,7 @@ def _items(examples: list[ImageExample], train: bool) -> list[dict[str, Any]]:
 
 def finetune_image_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     """Read the class folders, build the classifier and its batcher, then the shared fit/export/score skeleton."""
-    env = dist.init_env()
-    dist.join_process_group(cfg.distributed, env)  # the ranks share the image check (and resolve_release's barrier)
+    env = start_ranks(cfg)  # the ranks share the image check
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env, FAMILIES, "image_classification")
     d = cfg.data

@@ -19,12 +19,18 @@ import numpy as np
 import torch
 
 from core.files import atomic_write_text
-from pipelines.engine import distributed as dist
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import FinetuneError, ReadReport
 from pipelines.finetune.inputs import check_max_seq_len, check_segments, pad_token_id, write_task_release
-from pipelines.finetune.runner import FinetuneJob, fit_export_score, load_tokenizer, padded_for_eval, resolve_release
+from pipelines.finetune.runner import (
+    FinetuneJob,
+    fit_export_score,
+    load_tokenizer,
+    padded_for_eval,
+    resolve_release,
+    start_ranks,
+)
 from pipelines.finetune.squad import (
     QAExample,
     check_bad_share,
@@ -153,7 +159,7 @@ def _read(path: str, cfg: FinetuneConfig, tokenizer: Any, *, labels_report: bool
 
 def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune a span head, export the best epoch, decode the dev set with the export; returns metrics + paths."""
-    env = dist.init_env()
+    env = start_ranks(cfg)
     run_dir = Path(cfg.train.run_dir)
     release = resolve_release(cfg.checkpoint, run_dir, env, FAMILIES, "qa")
     d = cfg.data

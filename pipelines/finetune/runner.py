@@ -29,7 +29,7 @@ from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
 __all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
-           "resolve_release", "refuse_other_epochs", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
+           "start_ranks", "resolve_release", "refuse_other_epochs", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
 LOWER_IS_BETTER = {"loss", "mse"}
@@ -53,6 +53,15 @@ class FinetuneJob:
     pipeline_tag: str
     result_extra: dict[str, Any] = field(default_factory=dict)
     worker_preload: tuple[str, ...] = ()  # modules the collate needs, imported once by the workers' forkserver
+
+
+def start_ranks(cfg: FinetuneConfig) -> dist.DistEnv:
+    """This process's rank, with the job's process group joined before the engine exists: ``resolve_release``'s
+    barrier (rank 0 exports a run checkpoint that every rank then loads) and the image check's exchange need
+    it, and ``build_engine`` takes the group as it is (``distributed.join_process_group``)."""
+    env = dist.init_env()
+    dist.join_process_group(cfg.distributed, env)
+    return env
 
 
 def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job: FinetuneJob) -> dict[str, Any]:
