@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers for the fast tests (1.5x on 2 cores); the slow ones start their own ranks and run one at a time.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast test-lowest lint clean
 
@@ -23,11 +25,17 @@ demo: setup
 
 # DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR: one per venv, so a stale build lock
 # left in the user's ~/.cache by a killed job (or another checkout's build) never stalls the suite.
+# `make test`: the fast tests on TEST_WORKERS workers, then the slow ones. It fails if either part fails, or if
+# neither collected a test (pytest's exit 5); one part with nothing selected (PYTEST_ARGS naming fast tests) is fine.
 test: setup
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest $(PYTEST_ARGS)
+	@fast=0; slow=0; \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS) || fast=$$?; \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest -m slow $(PYTEST_ARGS) || slow=$$?; \
+	if [ $$fast = 5 ] && [ $$slow = 5 ]; then exit 5; fi; \
+	for rc in $$fast $$slow; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
 
 test-fast: setup
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VENV)/torch_extensions $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The fast suite with every dependency at the lowest version pyproject.toml allows, torch included
 # (.ci/lowest_pins.py; torch's floor is PyPI's CUDA build, a few GB to download, run on the CPU).
@@ -36,7 +44,7 @@ test-lowest:
 	.venv-lowest/bin/python -m pip install -q --upgrade pip
 	$(PYTHON) .ci/lowest_pins.py > .venv-lowest/constraints.txt
 	.venv-lowest/bin/python -m pip install -q -c .venv-lowest/constraints.txt -e ".[dev]"
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/.venv-lowest/torch_extensions .venv-lowest/bin/python -m pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/.venv-lowest/torch_extensions .venv-lowest/bin/python -m pytest -m "not slow" -n $(TEST_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
