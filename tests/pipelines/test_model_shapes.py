@@ -177,9 +177,9 @@ def _peak_overrides(train_logits: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled_peak_runs(request) -> dict:
-    """One single-threaded subprocess per selected case, all started at once: each spends ~170 s in bf16 matmuls
-    on a VM without bf16 instructions, so the two cases take the time of one on two cores. Peak RSS is per
-    process, so running them side by side changes no figure."""
+    """One single-threaded subprocess per selected case, all started at once: each spends ~3 min in bf16 matmuls
+    on a VM without bf16 instructions, so on two cores both take about the time of one (229 s against 182 + 182,
+    2026-11-30). Peak RSS is per process, so running them side by side changes no figure."""
     selected = {item.callspec.params["train_logits"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_a_compiled_steps_peak_is_within_the_plans_activations"}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
@@ -193,7 +193,7 @@ def compiled_peak_runs(request) -> dict:
         proc.communicate()
 
 
-@pytest.mark.slow  # compiles in a subprocess: 10-20 s on a VM with bf16 matmul instructions, ~3 min on an AVX2 one
+@pytest.mark.slow  # a subprocess per case: 10-20 s with bf16 matmul instructions; both cases ~4 min on an AVX2 VM
 @pytest.mark.parametrize("train_logits", [False, True])
 def test_a_compiled_steps_peak_is_within_the_plans_activations(train_logits, compiled_peak_runs):
     """The peak RSS of a compiled bf16 forward + backward over the RSS before it (weights and gradients in place)

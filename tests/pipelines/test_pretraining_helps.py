@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from core.config import load_config
-from pipelines.engine.launcher import fresh_world_env
+from pipelines.finetune import FinetuneConfig, run_finetune
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -59,30 +56,17 @@ def pretrained(tmp_path_factory):
 def finetune_both_inits(config: str, release: Path, tmp_path: Path, metric: str, overrides: list[str],
                         inits: tuple[str, ...] = ("pretrained", "random")):
     """Seeds 0-2, each from every init in `inits`: per init, the final dev `metric` and the mean over
-    the epochs of the dev `accuracy` (the learning curve).
-
-    Each run is a `pretrain finetune` process at one thread, two at a time: on two cores that takes
-    about half the time of one run after another at two threads (a tiny BERT's matmuls gain little
-    from a second thread)."""
-    runs = [(init, seed, tmp_path / f"{init}-{seed}") for seed in (0, 1, 2) for init in inits]
-    env = {**fresh_world_env(), "OMP_NUM_THREADS": "1"}
-
-    def finetune(run: tuple[str, int, Path]) -> subprocess.CompletedProcess:
-        init, seed, run_dir = run
-        return subprocess.run([sys.executable, "-m", "pipelines.cli", "finetune", str(CONFIGS / config),
-                               f"checkpoint={release}", *overrides, f"train.run_dir={run_dir}", f"init={init}",
-                               f"train.seed={seed}", "logging.tensorboard=false",
-                               "train.log_every=1000"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = list(pool.map(finetune, runs))
+    the epochs of the dev `accuracy` (the learning curve)."""
     final: dict[str, list[float]] = {init: [] for init in inits}
     curve: dict[str, list[float]] = {init: [] for init in inits}
-    for (init, _seed, run_dir), proc in zip(runs, procs, strict=True):
-        assert proc.returncode == 0, (run_dir.name, proc.stderr[-3000:])
-        result = json.loads((run_dir / "metrics.json").read_text())
-        final[init].append(result["metrics"][metric])
-        curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
+    for seed in (0, 1, 2):
+        for init in final:
+            cfg = load_config(CONFIGS / config, [
+                f"checkpoint={release}", *overrides, f"train.run_dir={tmp_path / f'{init}-{seed}'}", f"init={init}",
+                f"train.seed={seed}", "logging.tensorboard=false", "train.log_every=1000"], cls=FinetuneConfig)
+            result = run_finetune(cfg)
+            final[init].append(result["metrics"][metric])
+            curve[init].append(statistics.mean(h["accuracy"] for h in result["history"]))
     return final, curve
 
 
