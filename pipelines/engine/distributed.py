@@ -37,7 +37,7 @@ from pipelines.engine.launcher import _RENDEZVOUS_VARS, free_port, launch, quiet
 from pipelines.engine.registries import OPTIMIZERS
 
 __all__ = ["DistEnv", "init_env", "validate", "deepspeed_config", "launch", "free_port", "in_process_run",
-           "quiet_libraries", "group_backend", "join_process_group", "all_gather_json"]
+           "quiet_libraries", "group_backend", "join_process_group", "all_gather_json", "all_gather_bytes"]
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -404,18 +404,25 @@ def join_process_group(d: DistributedConfig, env: DistEnv) -> None:
 
 def all_gather_json(obj: Any, env: DistEnv) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order (all ranks call it; ``[obj]`` without a process group).
+    JSON, not pickle: nothing a peer sends is unpickled (``all_gather_object`` would)."""
+    parts = all_gather_bytes(json.dumps(obj).encode("utf-8"), env)
+    return [json.loads(p.decode("utf-8")) for p in parts]
 
-    JSON bytes in uint8 tensors: nothing a peer sends is unpickled (``all_gather_object`` would). The
-    tensors are on the rank's device (NCCL gathers only GPU tensors)."""
+
+def all_gather_bytes(data: bytes, env: DistEnv) -> list[bytes]:
+    """Every rank's ``data``, in rank order (all ranks call it; ``[data]`` without a process group).
+
+    The bytes travel in uint8 tensors on the rank's device (NCCL gathers only GPU tensors), padded to the
+    longest rank's length; the receiver decides how to read them (JSON, raw float32: never pickle)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or env.world_size == 1:
-        return [obj]
+        return [data]
     device = torch.device("cuda", torch.cuda.current_device()) if env.device == "cuda" else torch.device("cpu")
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode("utf-8")), dtype=torch.uint8).to(device)
     sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(env.world_size)]
-    torch.distributed.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.long, device=device))
+    torch.distributed.all_gather(sizes, torch.tensor([len(data)], dtype=torch.long, device=device))
     lengths = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=device)
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     parts = [torch.empty_like(padded) for _ in lengths]
     torch.distributed.all_gather(parts, padded)
-    return [json.loads(p[:n].cpu().numpy().tobytes().decode("utf-8")) for p, n in zip(parts, lengths, strict=True)]
+    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]

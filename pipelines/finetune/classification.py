@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipelines.engine.distributed import DistEnv
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import (
@@ -38,6 +39,7 @@ from pipelines.finetune.runner import (
     resolve_release,
     start_ranks,
 )
+from pipelines.finetune.scoring import forward_on_ranks, scoring_device
 
 
 class ClassificationTask(Task):
@@ -245,7 +247,7 @@ def finetune_classification(cfg: FinetuneConfig) -> dict[str, Any]:
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
         export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels,
                                          d.regression, pad_id, d.max_seq_len, family.input_names),
-        score=lambda out: evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression),
+        score=lambda out: evaluate_release(out, val_ex, d.max_seq_len, labels, d.regression, env),
         card_name="classifier", pipeline_tag="text-classification",
     ))
 
@@ -267,26 +269,29 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, lab
 
 
 @torch.no_grad()
-def evaluate_release(release: Path, examples, max_seq_len: int, labels: list[str], regression: bool) -> dict[str, float]:
+def evaluate_release(release: Path, examples, max_seq_len: int, labels: list[str], regression: bool,
+                     env: DistEnv | None = None) -> dict[str, float]:
     """Dev metrics of the exported model, loaded back with transformers (so the release is what was measured).
 
     Its tokenizer is called with its defaults, as a transformers user calls it: ``release_tokenizer`` made
     them pad on the right with training's pad id, return segment ids and truncate (``truncation=True``, as
-    ``pipeline`` takes it) at ``max_seq_len``, so this is what training fed the model.
+    ``pipeline`` takes it) at ``max_seq_len``, so this is what training fed the model. Under ``env`` every
+    rank calls it and runs its share of the batches on its device (``scoring.forward_on_ranks``).
     """
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = load_tokenizer(release)
-    hf = AutoModelForSequenceClassification.from_pretrained(str(release), trust_remote_code=False).eval()
-    preds: list[float] = []
-    for i in range(0, len(examples), 64):
-        chunk = examples[i: i + 64]
+    device = scoring_device(env)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(release), trust_remote_code=False).eval().to(device)
+
+    def logits(chunk) -> np.ndarray:
         pairs = [e.text_pair for e in chunk] if chunk[0].text_pair is not None else None
         enc = tokenizer([e.text for e in chunk], pairs, truncation="longest_first", max_length=max_seq_len,
                         padding=True, return_tensors="pt")
-        logits = hf(**enc).logits
-        preds.extend(logits.squeeze(-1).tolist() if regression else logits.argmax(-1).tolist())
+        return hf(**enc.to(device)).logits.float().cpu().numpy()
+
+    out = np.concatenate(forward_on_ranks([examples[i: i + 64] for i in range(0, len(examples), 64)], logits, env))
     gold = [e.label for e in examples]
     if regression:
-        return regression_metrics(preds, gold)
-    return classification_metrics(preds, gold, len(labels))
+        return regression_metrics(out[:, 0].tolist(), gold)
+    return classification_metrics(out.argmax(-1).tolist(), gold, len(labels))

@@ -6,7 +6,7 @@ fresh head of the new classes (initialized as transformers initializes a new one
 et al. fine-tune large models, learnt slower on tiny ones: 0.22 vs 0.38 dev accuracy after 8 epochs of
 digits) or the same architecture from random init → `Trainer` with one evaluation and one checkpoint per epoch → the best epoch
 exported as a ``ViTForImageClassification`` release → ``metrics.json`` computed by that export on the whole
-dev set.
+dev set (each rank scoring its share on its device, ``scoring``).
 
 Pixels: the release's own ``preprocessor_config.json`` (ours: ``core.families.vit.eval_processor_config``;
 a transformers directory: its ``ViTImageProcessor``) turns every image into the model's input, loaded with
@@ -17,13 +17,16 @@ Training may first take a random crop of the decoded image and mirror it (``augm
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from pipelines.engine.distributed import DistEnv
 from pipelines.engine.objectives import key_seed
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.classification import ClassificationTask
@@ -32,8 +35,9 @@ from pipelines.finetune.data import FinetuneError
 from pipelines.finetune.image_data import ImageCheck, ImageExample, load_image, read_image_folder
 from pipelines.finetune.metrics import classification_metrics
 from pipelines.finetune.runner import FinetuneJob, fit_export_score, resolve_release, start_ranks
+from pipelines.finetune.scoring import forward_on_ranks, scoring_device
 
-__all__ = ["FAMILIES", "ImageClassificationTask", "ImageBatcher", "load_processor", "build_image_classifier",
+__all__ = ["FAMILIES", "ImageClassificationTask", "ImageBatcher", "ImageItems", "load_processor", "build_image_classifier",
            "finetune_image_classification", "evaluate_release"]
 
 #: The model families a release must be of (``pipelines.finetune.task_families``).
@@ -168,9 +172,35 @@ def build_image_classifier(release: Path, label_names: list[str], init: str, see
     return model
 
 
-def _items(examples: list[ImageExample], train: bool) -> list[dict[str, Any]]:
-    return [{"path": e.path, "label": e.label, "index": i, "train": train, "valid": True}
-            for i, e in enumerate(examples)]
+class ImageItems(Sequence):
+    """A split's items as ``ImageBatcher`` reads them (``path``, ``label``, ``index``, ``train``, ``valid``), kept
+    in three numpy arrays: the paths' bytes end to end (their common start once), where each ends, the labels.
+    A loader pickles its dataset into every worker it starts, at each epoch and evaluation: ImageNet's 1.28 M
+    items as dicts were 101 MB that took 1.2 s to pickle per worker (and as long to load) while the GPUs
+    waited; as these, 49 MB and 0.03 s (``benchmarks/image_folder_scale.py``). ``pad_to``: topped up with invalid
+    copies of the first item to a whole multiple of it (every rank evaluates the same number of batches)."""
+
+    def __init__(self, examples: list[ImageExample], train: bool, pad_to: int = 1):
+        paths = [os.fsencode(e.path) for e in examples]
+        self._prefix = os.path.commonprefix(paths) if paths else b""  # the folder, stored once
+        cut = len(self._prefix)
+        self._bytes = np.frombuffer(b"".join(p[cut:] for p in paths), dtype=np.uint8)
+        self._ends = np.cumsum([len(p) - cut for p in paths], dtype=np.int64)
+        self._labels = np.array([e.label for e in examples], dtype=np.int32)
+        self.train, self.count = train, len(examples)
+        self.padded = self.count + (-self.count % pad_to)
+
+    def __len__(self) -> int:
+        return self.padded
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        if not -self.padded <= i < self.padded:
+            raise IndexError(f"item {i} of {self.padded}")
+        i = i % self.padded
+        valid, k = i < self.count, i if i < self.count else 0
+        start = int(self._ends[k - 1]) if k else 0
+        path = os.fsdecode(self._prefix + self._bytes[start: int(self._ends[k])].tobytes())
+        return {"path": path, "label": int(self._labels[k]), "index": k, "train": self.train, "valid": valid}
 
 
 def finetune_image_classification(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -190,15 +220,14 @@ def finetune_image_classification(cfg: FinetuneConfig) -> dict[str, Any]:
     model = build_image_classifier(release, labels, cfg.init, cfg.train.seed)
     processor = load_processor(release, model.config.image_size, model.config.num_channels)
     task = ImageClassificationTask(len(labels), ImageBatcher(processor, cfg.train.seed, cfg.augment))
-    val_items = _items(val_ex, train=False)
-    val_items += [{**val_items[0], "valid": False}] * (-len(val_items) % (env.world_size * d.micro_batch_size))
+    val_items = ImageItems(val_ex, train=False, pad_to=env.world_size * d.micro_batch_size)
     return fit_export_score(cfg, env, release, FinetuneJob(
         model=model, task=task, model_name="vit-classifier",
-        train_feats=_items(train_ex, train=True), val_feats=val_items, collate=task.batcher,
+        train_feats=ImageItems(train_ex, train=True), val_feats=val_items, collate=task.batcher,
         model_build={"name": "vit-classifier", "checkpoint": str(release), "labels": labels},
         data_info={"train": str(d.train), "validation": str(d.validation), "labels": labels},
         export=lambda step: _export_best(model, run_dir / "checkpoints", step, release, run_dir / "release", labels),
-        score=lambda out: evaluate_release(out, val_ex, labels),
+        score=lambda out: evaluate_release(out, val_ex, labels, env),
         card_name="image-classifier", pipeline_tag="image-classification", worker_preload=WORKER_PRELOAD,
     ))
 
@@ -224,14 +253,19 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, lab
 
 
 @torch.no_grad()
-def evaluate_release(release: Path, examples: list[ImageExample], labels: list[str]) -> dict[str, float]:
-    """Dev metrics of the exported model and processor, loaded back with transformers (the release is what was measured)."""
+def evaluate_release(release: Path, examples: list[ImageExample], labels: list[str],
+                     env: DistEnv | None = None) -> dict[str, float]:
+    """Dev metrics of the exported model and processor, loaded back with transformers (the release is what was
+    measured). Under ``env`` every rank calls it and runs its share of the batches on its device."""
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     processor = AutoImageProcessor.from_pretrained(str(release), trust_remote_code=False)
-    hf = AutoModelForImageClassification.from_pretrained(str(release), trust_remote_code=False).eval()
-    preds: list[int] = []
-    for i in range(0, len(examples), 64):
-        images = [load_image(e.path) for e in examples[i: i + 64]]
-        preds.extend(hf(**processor(images, return_tensors="pt")).logits.argmax(-1).tolist())
-    return classification_metrics(preds, [e.label for e in examples], len(labels))
+    device = scoring_device(env)
+    hf = AutoModelForImageClassification.from_pretrained(str(release), trust_remote_code=False).eval().to(device)
+
+    def logits(chunk: list[ImageExample]) -> np.ndarray:
+        inputs = processor([load_image(e.path) for e in chunk], return_tensors="pt")
+        return hf(**inputs.to(device)).logits.float().cpu().numpy()
+
+    out = forward_on_ranks([examples[i: i + 64] for i in range(0, len(examples), 64)], logits, env)
+    return classification_metrics(np.concatenate(out).argmax(-1).tolist(), [e.label for e in examples], len(labels))

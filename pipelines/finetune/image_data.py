@@ -133,15 +133,38 @@ class ImageCheck:
         return sorted((int(i), reason, at) for p in parts for i, reason, at in p["bad"])
 
 
+def _image_files(folder: Path) -> list[str]:
+    """Every image file under ``folder``, sorted as paths sort (component by component), as ``rglob`` lists them
+    (symlinked sub-folders not followed, symlinked files are) but with one ``scandir`` per folder and the file
+    type from its entries: no ``stat`` per file on most file systems, where ``rglob`` and ``is_file`` made one
+    each (1.28 M on a network file system for ImageNet, on every rank). An unreadable folder is an error, not
+    left out."""
+    out: list[str] = []
+    pending = [str(folder)]
+    while pending:
+        where = pending.pop()
+        try:
+            with os.scandir(where) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS and entry.is_file():
+                        out.append(entry.path)
+        except OSError as exc:
+            raise FinetuneError(f"{where} cannot be listed ({exc.strerror or exc}). Make it readable to the job, "
+                                f"or move it out of the image folder.") from exc
+    return sorted(out, key=lambda path: path.split(os.sep))
+
+
 def _listing(folders: list[Path], what: str) -> list[tuple[str, Path]]:
     """``(path, class folder)`` of every image, in the order the report counts them (folders, then files, sorted)."""
     out = []
     for folder in folders:
-        files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+        files = _image_files(folder)
         if not files:
             raise FinetuneError(f"{folder} (class {folder.name!r} of {what}) holds no images "
                                 f"({', '.join(sorted(IMAGE_EXTENSIONS))}). Add its images, or remove the folder.")
-        out.extend((str(f), folder) for f in files)
+        out.extend((f, folder) for f in files)
     return out
 
 

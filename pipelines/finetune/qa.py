@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from core.files import atomic_write_text
+from pipelines.engine.distributed import DistEnv
 from pipelines.engine.objectives import Task
 from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.data import FinetuneError, ReadReport
@@ -31,6 +32,7 @@ from pipelines.finetune.runner import (
     resolve_release,
     start_ranks,
 )
+from pipelines.finetune.scoring import forward_on_ranks, scoring_device
 from pipelines.finetune.squad import (
     QAExample,
     check_bad_share,
@@ -175,8 +177,9 @@ def finetune_qa(cfg: FinetuneConfig) -> dict[str, Any]:
               f"{len(val_feats)} dev windows", sep="\n", flush=True)
 
     def score(out: Path) -> dict[str, Any]:
-        predictions, null_odds = predict_release(out, val_ex, cfg)
-        atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
+        predictions, null_odds = predict_release(out, val_ex, cfg, env=env)  # every rank scores its share
+        if env.rank == 0:
+            atomic_write_text(run_dir / "predictions.json", json.dumps(predictions, indent=2, ensure_ascii=False))
         return squad_metrics(val_ex, predictions, version_2=cfg.qa.version_2, null_odds=null_odds)
 
     task = QATask(pad_id)
@@ -208,27 +211,33 @@ def _export_best(model, checkpoints: Path, step: int, base: Path, out: Path, cfg
 
 
 @torch.no_grad()
-def predict_release(release: Path, examples: list[QAExample], cfg: FinetuneConfig,
-                    batch_size: int = 32) -> tuple[dict[str, str], dict[str, float]]:
-    """Answers by the exported model loaded back with transformers (so the release is what was measured)."""
+def predict_release(release: Path, examples: list[QAExample], cfg: FinetuneConfig, batch_size: int = 32,
+                    env: DistEnv | None = None) -> tuple[dict[str, str], dict[str, float]]:
+    """Answers by the exported model loaded back with transformers (so the release is what was measured).
+    Under ``env`` every rank calls it and runs its share of the windows' batches on its device."""
     from transformers import AutoModelForQuestionAnswering
 
     tokenizer = load_tokenizer(release)
-    hf = AutoModelForQuestionAnswering.from_pretrained(str(release), trust_remote_code=False).eval()
+    device = scoring_device(env)
+    hf = AutoModelForQuestionAnswering.from_pretrained(str(release), trust_remote_code=False).eval().to(device)
     q = cfg.qa
     feats = prepare_features(examples, tokenizer, max_seq_len=cfg.data.max_seq_len, doc_stride=q.doc_stride,
                              max_query_len=q.max_query_len)
-    starts: list[np.ndarray] = []
-    ends: list[np.ndarray] = []
     pad_id = tokenizer.pad_token_id  # training's (write_task_release gave it to the release's tokenizer)
     pad_id = 0 if pad_id is None else pad_id  # another release: any id, padded positions are masked and cut off
-    for i in range(0, len(feats), batch_size):
-        chunk = feats[i: i + batch_size]
+
+    def span_logits(chunk: list[dict[str, Any]]) -> np.ndarray:  # [2 (start, end), windows, width]
         batch = collate_qa(chunk, pad_id)
-        out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+        out = hf(**{k: batch[k].to(device) for k in ("input_ids", "attention_mask", "token_type_ids")})
+        return torch.stack([out.start_logits, out.end_logits]).float().cpu().numpy()
+
+    chunks = [feats[i: i + batch_size] for i in range(0, len(feats), batch_size)]
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    for chunk, logits in zip(chunks, forward_on_ranks(chunks, span_logits, env), strict=True):
         for k, f in enumerate(chunk):
             n = len(f["input_ids"])
-            starts.append(out.start_logits[k, :n].float().numpy())
-            ends.append(out.end_logits[k, :n].float().numpy())
+            starts.append(logits[0, k, :n])
+            ends.append(logits[1, k, :n])
     return decode_predictions(examples, feats, starts, ends, n_best=q.n_best, max_answer_len=q.max_answer_len,
                               version_2=q.version_2, null_score_threshold=q.null_score_threshold)

@@ -3,7 +3,8 @@
 resolve the checkpoint → tokenizer → `RunConfig` of `epochs` passes with one evaluation and one
 checkpoint per epoch (`epoch_run_config`) → `Trainer` with an `EpochSelection` (it records each
 epoch's evaluation and stops early) → the best epoch by `selection_metric` (`epoch_rank`, the one
-definition of "best") → export it → score the export. The task
+definition of "best") → export it (rank 0) → score the export (every rank its share of the dev
+set's batches, on its device: `scoring`). The task
 modules (`classification`, `qa`) supply the data, the head, the task and the scorer.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from pipelines.finetune import FinetuneConfig
 from pipelines.finetune.card import write_card
 from pipelines.finetune.data import FinetuneError
 
-__all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "padded_for_eval", "epoch_run_config",
+__all__ = ["LOWER_IS_BETTER", "FinetuneJob", "fit_export_score", "ValidItems", "padded_for_eval", "epoch_run_config",
            "start_ranks", "resolve_release", "refuse_other_epochs", "refuse_other_family", "load_tokenizer", "check_tokenizer_fits", "EpochSelection", "epoch_rank", "best_epoch"]
 
 #: Metrics where smaller is better; every other selection metric is maximized.
@@ -42,13 +43,13 @@ class FinetuneJob:
     model: Any
     task: Any
     model_name: str  # the name recorded in the run config ("bert-classifier", "bert-qa")
-    train_feats: list[dict[str, Any]]
-    val_feats: list[dict[str, Any]]  # padded to whole evaluation batches (`padded_for_eval`)
+    train_feats: Sequence[dict[str, Any]]
+    val_feats: Sequence[dict[str, Any]]  # padded to whole evaluation batches (`padded_for_eval`)
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
     model_build: dict[str, Any]
     data_info: dict[str, Any]
-    export: Callable[[int], Path]  # best step -> the exported release directory
-    score: Callable[[Path], dict[str, Any]]  # the export -> dev metrics (it may write side files first)
+    export: Callable[[int], Path]  # best step -> the release directory, run_dir/release (rank 0 calls it)
+    score: Callable[[Path], dict[str, Any]]  # the export -> dev metrics; every rank calls it (rank 0 may write side files)
     card_name: str  # the release card's name is "<base release>-<card_name>"
     pipeline_tag: str
     result_extra: dict[str, Any] = field(default_factory=dict)
@@ -77,7 +78,7 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
     trainer = Trainer(
         run_cfg, model=job.model, task=job.task, env=env,
         # every epoch sees every example: the last batch is partial (topped up with masked fillers), as in transformers
-        train_data=MapStyleSource([{**f, "valid": True} for f in job.train_feats], job.collate, shuffle=True,
+        train_data=MapStyleSource(ValidItems(job.train_feats), job.collate, shuffle=True,
                                   filler={**job.train_feats[0], "valid": False}, **common),
         eval_data=MapStyleSource(job.val_feats, job.collate, shuffle=False, **common),
         model_build=job.model_build, data_info=job.data_info, hooks=(selection := EpochSelection(cfg, steps_per_epoch)),
@@ -89,17 +90,32 @@ def fit_export_score(cfg: FinetuneConfig, env: dist.DistEnv, release: Path, job:
         best_step, history = selection.best(run_dir)
     result: dict[str, Any] = {"run_dir": str(run_dir), "release_dir": str(run_dir / "release"), "best_step": best_step,
                               "history": history, "steps": summary["steps"], **job.result_extra}
+    out = run_dir / "release"
     if env.rank == 0:
-        out = job.export(best_step)
-        result["metrics"] = job.score(out)
+        job.export(best_step)
+    dist.barrier_if_initialized()  # the export is whole on disk before any rank loads it
+    result["metrics"] = job.score(out)  # every rank scores its share of the dev set (``scoring``)
+    if env.rank == 0:
         write_card(out, name=f"{Path(release).name}-{job.card_name}", base=release, pipeline_tag=job.pipeline_tag,
                    train_file=d.train, dev_file=d.validation, metrics=result["metrics"],
                    body=(out / "README.md").read_text(encoding="utf-8"))
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=2))
     dist.barrier_if_initialized()
-    if env.rank != 0:
-        result["metrics"] = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))["metrics"]
     return result
+
+
+class ValidItems(Sequence):
+    """``items`` each read with ``valid: True`` added: a view, so a compact dataset (``ImageItems``) stays compact
+    when a loader pickles it to its workers."""
+
+    def __init__(self, items: Sequence[dict[str, Any]]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        return {**self.items[i], "valid": True}
 
 
 def padded_for_eval(features: list[dict[str, Any]], multiple: int, **filler_fields: Any) -> list[dict[str, Any]]:

@@ -98,6 +98,13 @@ def test_two_process_deepspeed_finetune(hf_checkpoint, topic_task, tmp_path):
     history = metrics["history"]
     assert len(history) == 8 and history[-1]["loss"] < history[0]["loss"]  # dev loss falls across epochs
     assert metrics["metrics"]["accuracy"] > 0.45  # 3 classes of 20 dev sentences each: chance is 0.33
+    # the ranks scored the export (each its share of the batches) as one process scores it
+    from pipelines.finetune.classification import evaluate_release
+    from pipelines.finetune.data import read_examples
+
+    _, labels, _ = read_examples(topic_task[0], text_column="text", label_column="label")
+    dev, _, _ = read_examples(topic_task[1], text_column="text", label_column="label", label_names=labels)
+    assert metrics["metrics"] == evaluate_release(run_dir / "release", dev, 64, labels, False)
 
 
 @pytest.mark.parametrize("global_batch", [0, 16])

@@ -202,4 +202,11 @@ def test_two_ranks_share_the_check_and_agree_on_the_bad_images(digits_run, tmp_p
     assert code == 0, err[-3000:]
     assert (f"{train}: 140 images read, 138 kept, 2 skipped: 2 unreadable images (first at {train / 'a' / '0000.png'} ("
             in out), out[-3000:]
-    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 3
+    # the export was scored by both ranks (3 batches of 64 dev images: rank 0 ran 2, rank 1 one), as one process scores it
+    from pipelines.finetune.image_classification import evaluate_release
+    from pipelines.finetune.image_data import read_image_folder
+
+    dev, labels, _ = read_image_folder(train, max_bad_share=0.02)
+    assert metrics["metrics"] == evaluate_release(run / "release", dev, labels)
