@@ -371,13 +371,22 @@ def run_local(
                 break
     else:  # each run in its own process; a thread per slot only waits on it
         results += run_in_parallel(lambda spec: run_one(sweep, spec, extra, force=force, subprocess_run=True),
-                                   specs, sweep.jobs)
+                                   specs, sweep.jobs, stopped_on=_stop_signal)
     counts: dict[str, int] = {}
     for r in results:
         key = "skipped" if r.get("skipped") else r["status"]
         counts[key] = counts.get(key, 0) + 1
     print("sweep finished: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
     return results
+
+
+def _stop_signal(record: dict[str, Any]) -> int | None:
+    """The signal a run's job checkpointed and stopped on (``launch``'s 128 + signal; 0: one its exit code does
+    not name), or None when it was not stopped by one (``_stopped_by_signal``)."""
+    if not _stopped_by_signal(record):
+        return None
+    rc = int(record.get("rc") or 0)
+    return rc - 128 if rc > 128 else 0
 
 
 def _stopped_by_signal(record: dict[str, Any]) -> bool:

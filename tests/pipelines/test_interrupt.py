@@ -151,27 +151,32 @@ def test_ctrl_c_stops_a_sweep_with_its_run_checkpointed_and_the_same_command_res
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl_c", "kill"])
+@pytest.mark.parametrize("how", ["ctrl_c", "kill", "ctrl_c_ignored_by_the_sweep"])
 def test_a_stopped_sweep_of_parallel_runs_checkpoints_the_running_ones_and_starts_no_more(how, bert_corpus, tmp_path):
     """`jobs: 2`: the two running runs checkpoint (recorded as interrupted, not failed), the third never starts,
     and the sweep says how to go on and exits 128 + the signal. `ctrl_c`: the terminal's SIGINT reaches the
     sweep and its runs (one process group); it exited 1. `kill`: `kill PID` sends SIGTERM to the sweep process
-    only, which passes it on to its runs; the sweep died at once and left its runs training, unsupervised."""
+    only, which passes it on to its runs; the sweep died at once and left its runs training, unsupervised.
+    `ctrl_c_ignored_by_the_sweep`: a sweep started in the background of a script (`pretrain sweep ... &`, which a
+    shell starts with SIGINT ignored) never sees the group's SIGINT, but its runs set their own handler and stop
+    on it: the sweep used to start the third run as a slot freed, which then trained on, unstopped."""
     from test_sweep import TINY_RUN, write_sweep
 
     run = {**TINY_RUN, "train": {**TINY_RUN["train"], "max_steps": 100_000, "grad_accum_steps": 8}}
     path = write_sweep(tmp_path / "sweep.yaml", out_dir=str(tmp_path / "sw"), corpus=str(bert_corpus), run=run,
                        lrs=[1e-3, 2e-3, 3e-3], seeds=[0], jobs=2)
     runs = tmp_path / "sw" / "runs"
+    sigint = signal.SIG_IGN if how == "ctrl_c_ignored_by_the_sweep" else signal.SIG_DFL  # not what pytest got
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(path), "--local"], cwd=REPO,
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     deadline = time.monotonic() + 300
     while not all((runs / name / "metrics.jsonl").exists() and '"split": "train"' in (runs / name / "metrics.jsonl").read_text()
                   for name in ("adam-none-lr1e-3-s0", "adam-none-lr2e-3-s0")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.3)
-    signum = signal.SIGINT if how == "ctrl_c" else signal.SIGTERM
-    if how == "ctrl_c":
+    signum = signal.SIGTERM if how == "kill" else signal.SIGINT
+    if signum == signal.SIGINT:
         os.killpg(proc.pid, signum)
     else:
         proc.send_signal(signum)

@@ -362,3 +362,36 @@ def test_a_sweep_rerun_under_other_settings_is_refused_not_counted(tmp_path, ber
     assert cli.main(["sweep", str(sweep), f"corpus={other}", "--force", "--local"]) == 0
     assert json.loads((run / "done").read_text())["status"] == "ok"
     assert f"corpus: {other}" in (run / "sweep_run.yaml").read_text()
+
+
+@pytest.mark.parametrize("signum", [15, 0])
+def test_a_run_stopped_on_a_signal_stops_a_parallel_sweep_before_its_slot_takes_another(signum, capsys):
+    """The runs of a `jobs: 2` sweep may stop on a signal the sweep never saw (it ignores SIGINT in a script's
+    background; a signal sent to the runs alone): the slot whose run stopped starts no queued run, the sweep says
+    how to go on once and exits on that signal (0: a stop whose exit code names no signal, e.g. SIGUSR1)."""
+    import threading
+    import time
+
+    from pipelines.engine import stop_signals
+    from pipelines.study.sweep_parallel import STOPPED, run_in_parallel
+
+    started, running = [], threading.Event()
+
+    def run(spec: int) -> dict:
+        started.append(spec)
+        if spec == 0:
+            running.wait(5)  # both slots busy: run 0 stops while run 1 still runs
+        elif spec == 1:
+            running.set()
+            time.sleep(0.3)
+        return {"spec": spec, "stopped_on": signum if spec == 0 else None}
+
+    try:
+        records = run_in_parallel(run, [0, 1, 2, 3], 2, stopped_on=lambda record: record["stopped_on"])
+        assert sorted(started) == [0, 1] and [r["spec"] for r in records] == [0, 1]
+        assert capsys.readouterr().out.count(STOPPED) == 1
+        assert stop_signals.stopped_by() == (signum or None)
+    finally:
+        stop_signals.forget()
+    records = run_in_parallel(run, [0, 1, 2], 2)  # without the check (the default): every run runs
+    assert sorted(r["spec"] for r in records) == [0, 1, 2]
