@@ -4,13 +4,13 @@ batches and every rank ends with every batch's output, in order, as one process 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipelines.engine.distributed import DistEnv
+from pipelines.engine.launcher import free_port
 from pipelines.finetune.scoring import forward_on_ranks, pack_arrays, unpack_arrays
 
 
@@ -18,12 +18,6 @@ def _output(batch: int) -> np.ndarray:
     """A batch's "logits": a shape and values of its own (a last short batch, a window width per batch)."""
     rows, width = (3 if batch < 6 else 1), 2 + batch % 4
     return (np.arange(rows * width, dtype=np.float64).reshape(rows, width) * 0.1 + batch).astype(np.float32)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -46,7 +40,7 @@ def test_two_ranks_each_run_every_other_batch_and_both_get_every_output_in_order
     import torch.multiprocessing as mp
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for count in ("7", "1", "0"):
         alone = [_output(b).tolist() for b in range(int(count))]  # what one process computes
