@@ -12,14 +12,15 @@ The items: ImageNet-style paths (``/data/imagenet/train/n01440764/n01440764_1002
 ``MapStyleSource`` (forkserver workers, as fine-tuning starts them) pickles its dataset into every worker it
 starts, once per epoch and per evaluation. Printed per form: the pickle's size, the time to pickle and load it
 once, and the wall and this process's CPU time from an epoch's start to its first batch with ``--workers``
-workers (a trivial collate, so the hand-over is all there is; the mean of ``--epochs`` epochs, the first
-pays the forkserver's start for both forms alike). On a busy machine the CPU figures are the ones to read.
+workers (a trivial collate, so the hand-over is all there is; the mean over the epochs after the first,
+which also pays the forkserver's start). On a busy machine the CPU figures are the ones to read.
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -64,8 +65,9 @@ def measure(name: str, dataset, workers: int, epochs: int) -> dict[str, float]:
         next(source.batches(1))
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    row = {"MB": len(blob) / 1e6, "dump_s": dump_s, "load_s": load_s, "first_batch_s": sum(walls[1:] or walls) / len(walls[1:] or walls),
-           "first_batch_cpu_s": sum(cpus[1:] or cpus) / len(cpus[1:] or cpus)}
+    warm = slice(1 if epochs > 1 else 0, None)  # the first epoch also starts the forkserver
+    row = {"MB": len(blob) / 1e6, "dump_s": dump_s, "load_s": load_s, "first_batch_s": statistics.mean(walls[warm]),
+           "first_batch_cpu_s": statistics.mean(cpus[warm])}
     print(f"{name:12s} {row['MB']:7.1f} MB  pickle {dump_s:5.2f} s  load {load_s:5.2f} s  epoch start -> first batch "
           f"{row['first_batch_s']:5.2f} s wall, {row['first_batch_cpu_s']:5.2f} s CPU here", flush=True)
     return row
